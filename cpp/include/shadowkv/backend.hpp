@@ -1,0 +1,121 @@
+// The backend seam: the operations the store's algorithm needs from a device (DESIGN.md §4).
+//
+// The store (store.cpp) owns slots, validation, per-(sequence, layer) counters and the order of operations; a
+// backend owns the bulk data and does the arithmetic. The CPU backend is the readable reference; the CUDA backend
+// implements the same interface. Every method is called only with arguments the store has validated, and a
+// backend must leave its data unchanged when it throws (allocation happens before any write).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "shadowkv/config.hpp"
+#include "shadowkv/report.hpp"
+#include "shadowkv/tensor_view.hpp"
+
+namespace shadowkv {
+
+/// Host-side counters of one (sequence, layer), kept by the store and read by backends.
+struct layer_state {
+  bool prefilled = false;
+  std::int64_t prompt_len = 0;
+  std::int64_t prompt_context_chunks = 0;  ///< n = max(0, floor(S/C) - local_chunks)
+  std::int64_t context_chunks = 0;         ///< n + folded chunks
+  std::int64_t outlier_chunks = 0;         ///< min(outlier_chunks, n), per KV head
+  std::int64_t local_len = 0;              ///< S - n*C
+  std::int64_t generated_total = 0;        ///< generated tokens so far
+  std::int64_t generated_exact_len = 0;    ///< generated tokens not folded
+
+  [[nodiscard]] std::int64_t total_len() const noexcept { return prompt_len + generated_total; }
+  [[nodiscard]] std::int64_t context_tokens(int chunk_size) const noexcept { return context_chunks * chunk_size; }
+};
+
+/// One sequence of a batched call: its slot, its row in the call's tensors, and its counters.
+struct batch_entry {
+  int slot = 0;
+  std::int64_t row = 0;
+  const layer_state* state = nullptr;
+};
+
+/// Inputs of a prefill call. Tensors are [B, S, Hkv, D]; positions [B, S] (may be empty: 0..S-1);
+/// q_last [B, Tq, Hq, D] (may be empty).
+struct prefill_inputs {
+  tensor_view keys;
+  tensor_view values;
+  tensor_view positions;
+  tensor_view q_last;
+  bool keys_post_rope = false;
+};
+
+/// Inputs of appending one token per sequence. Tensors are [B, Hkv, D]; positions [B] (may be empty:
+/// each sequence's last position + 1).
+struct append_inputs {
+  tensor_view keys;
+  tensor_view values;
+  tensor_view positions;
+  bool keys_post_rope = true;
+};
+
+/// Chunk ids per KV head (ascending), as returned for inspection.
+using chunk_ids_per_head = std::vector<std::vector<std::int64_t>>;
+
+class backend {
+ public:
+  backend() = default;
+  backend(const backend&) = delete;
+  backend& operator=(const backend&) = delete;
+  backend(backend&&) = delete;
+  backend& operator=(backend&&) = delete;
+  virtual ~backend() = default;
+
+  /// The device whose memory the backend's tensors must live on.
+  [[nodiscard]] virtual device where() const noexcept = 0;
+
+  /// Prepares storage for a new sequence in `slot` (all layers empty). May throw out_of_memory.
+  virtual void open_sequence(int slot) = 0;
+  /// Frees everything of `slot`.
+  virtual void close_sequence(int slot) noexcept = 0;
+
+  /// Factorises, builds landmarks and outliers, stores values and the local window for each entry. Entry states
+  /// already hold the new counters (prompt_len, context chunks, outliers, local_len). Without q_last no selection.
+  virtual void prefill(int layer, std::span<const batch_entry> entries, const prefill_inputs& inputs) = 0;
+
+  /// Folds each entry's oldest `chunk_size` exact generated tokens into the compressed store as context chunk
+  /// `state->context_chunks` (states hold the counters before the fold).
+  virtual void fold_oldest_generated_chunk(int layer, std::span<const batch_entry> entries) = 0;
+
+  /// Appends one token per entry to its exact generated region (states hold the counters before the append).
+  virtual void append_token(int layer, std::span<const batch_entry> entries, const append_inputs& inputs) = 0;
+
+  /// Scores landmarks with `queries` [B, Tq, Hq, D], selects the top-k chunks per KV head and updates the
+  /// selection cache, recording hits and the misses to fill.
+  virtual void select_chunks(int layer, std::span<const batch_entry> entries, const tensor_view& queries) = 0;
+  /// Fetches the values of the misses recorded by the last select_chunks into the selection cache.
+  virtual void fetch_values(int layer, std::span<const batch_entry> entries) = 0;
+  /// Rebuilds the keys (A·B + RoPE) of the misses recorded by the last select_chunks into the selection cache.
+  virtual void rebuild_keys(int layer, std::span<const batch_entry> entries) = 0;
+
+  /// Exact attention of `queries` [B, Hq, D] over outliers ∪ local ∪ selected ∪ generated; writes `out` [B, Hq, D].
+  virtual void attend(int layer, std::span<const batch_entry> entries, const tensor_view& queries,
+                      const mutable_tensor_view& out) = 0;
+
+  /// The chunks of the last selection of (layer, slot), per KV head.
+  [[nodiscard]] virtual chunk_ids_per_head selected_chunks(int layer, int slot) const = 0;
+  /// The outlier chunks of (layer, slot), per KV head.
+  [[nodiscard]] virtual chunk_ids_per_head outlier_chunks(int layer, int slot) const = 0;
+  /// Position of the last token stored for (layer, slot), -1 if none.
+  [[nodiscard]] virtual std::int64_t last_position(int layer, int slot) const = 0;
+
+  /// Bytes held, by kind, over all open sequences.
+  [[nodiscard]] virtual memory_report memory() const = 0;
+  /// Selection counters (selections, hits, misses, chunks_rebuilt, bytes_fetched); the store adds the rest.
+  [[nodiscard]] virtual store_stats selection_stats() const = 0;
+  virtual void reset_selection_stats() noexcept = 0;
+};
+
+/// Makes the backend for `where`; throws invalid_argument when this build has none for that device.
+std::unique_ptr<backend> make_backend(const config& cfg, device where);
+
+}  // namespace shadowkv

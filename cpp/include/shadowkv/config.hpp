@@ -1,0 +1,84 @@
+// Configuration of a KV store: model shapes, capacity, RoPE and the algorithm's parameters (DESIGN.md §2).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "shadowkv/dtype.hpp"
+
+namespace shadowkv {
+
+/// How RoPE pairs the rotary dimensions of a head.
+enum class rope_style : std::uint8_t {
+  half_split,   ///< pairs (i, i + rotary_dim/2) — transformers' rotate_half (Llama, Qwen, Mistral, Gemma)
+  interleaved,  ///< pairs (2i, 2i+1) — GPT-J / GLM style
+};
+
+/// How the prefill computes the rank-r basis of the pre-RoPE keys.
+enum class factorization_method : std::uint8_t {
+  gram,  ///< leading eigenvectors of K^T K (fast; the default)
+  svd,   ///< exact singular value decomposition of K
+};
+
+/// Where the value store lives.
+enum class value_store_policy : std::uint8_t {
+  host,    ///< host memory (pinned on CUDA devices); the default
+  device,  ///< device memory (no offload)
+};
+
+/// All parameters of a store. Every field has a default; `validate()` checks them together.
+struct config {
+  // Model shapes.
+  int num_layers = 1;
+  int num_q_heads = 1;
+  int num_kv_heads = 1;
+  int head_dim = 128;
+
+  // Capacity.
+  int max_batch = 1;               ///< number of sequence slots
+  std::int64_t max_seq_len = 4096;  ///< tokens per sequence: prompt + generated
+
+  // RoPE.
+  double rope_theta = 10000.0;   ///< used when inv_freq is empty
+  std::vector<float> inv_freq;   ///< rotary_dim/2 inverse frequencies (e.g. a model's scaled RoPE); optional
+  int rotary_dim = 0;            ///< rotated dims per head; 0 means head_dim
+  rope_style rope = rope_style::half_split;
+  float attention_scaling = 1.0F;  ///< multiplies cos and sin (transformers' attention_scaling)
+  float softmax_scale = 0.0F;      ///< scale of q·k in scores and attention; 0 means 1/sqrt(head_dim)
+
+  // The algorithm.
+  int rank = 160;                ///< rank r of the key factorisation, 1 <= r <= num_kv_heads*head_dim
+  int chunk_size = 8;            ///< tokens per chunk C
+  int budget_chunks = 256;       ///< chunks selected per KV head per step, k >= 1
+  int outlier_chunks = 48;       ///< chunks per KV head kept exact as outliers
+  int local_chunks = 4;          ///< chunks at the end of the prompt kept exact as the local window
+  int generation_window = 256;   ///< exact generated tokens kept before the oldest chunk is folded (multiple of C)
+  factorization_method factorization = factorization_method::gram;
+  dtype kv_dtype = dtype::bfloat16;  ///< storage precision of keys, values and landmarks
+  value_store_policy value_store = value_store_policy::host;
+
+  /// Throws invalid_argument naming the first field (and its value) that is out of range.
+  void validate() const;
+
+  [[nodiscard]] int group_size() const noexcept { return num_q_heads / num_kv_heads; }
+  [[nodiscard]] int effective_rotary_dim() const noexcept { return rotary_dim == 0 ? head_dim : rotary_dim; }
+  [[nodiscard]] float effective_softmax_scale() const noexcept;
+  [[nodiscard]] std::int64_t kv_width() const noexcept {
+    return static_cast<std::int64_t>(num_kv_heads) * head_dim;
+  }
+  [[nodiscard]] std::int64_t budget_tokens() const noexcept {
+    return static_cast<std::int64_t>(budget_chunks) * chunk_size;
+  }
+};
+
+/// "half" or "interleaved".
+std::string rope_style_name(rope_style style);
+/// Parses "half"/"half_split"/"neox" or "interleaved"/"gptj"; throws invalid_argument otherwise.
+rope_style parse_rope_style(const std::string& name);
+/// Parses "gram" or "svd"; throws invalid_argument otherwise.
+factorization_method parse_factorization(const std::string& name);
+/// Parses "host" or "device"/"gpu"; throws invalid_argument otherwise.
+value_store_policy parse_value_store(const std::string& name);
+
+}  // namespace shadowkv

@@ -1,0 +1,89 @@
+// Exceptions thrown by shadowkv_core and the macros that raise them.
+//
+// Every exception derives from a std:: type so that bindings map it naturally:
+//   invalid_argument -> std::invalid_argument (Python ValueError)
+//   capacity_error   -> std::length_error     (Python ValueError)
+//   out_of_memory    -> std::bad_alloc        (Python MemoryError)
+//   logic_error      -> std::logic_error      (Python RuntimeError; a bug in shadowkv_core)
+//   cuda_error       -> std::runtime_error    (Python RuntimeError)
+#pragma once
+
+#include <cstddef>
+#include <new>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+
+namespace shadowkv {
+
+/// A precondition on an argument or on the store's configuration does not hold.
+class invalid_argument : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
+};
+
+/// A request would exceed a configured capacity (max_batch, max_seq_len).
+class capacity_error : public std::length_error {
+ public:
+  using std::length_error::length_error;
+};
+
+/// An internal invariant does not hold: a bug in shadowkv_core, never the caller's fault.
+class logic_error : public std::logic_error {
+ public:
+  using std::logic_error::logic_error;
+};
+
+/// A CUDA runtime, cuBLAS or cuSOLVER call failed.
+class cuda_error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+/// An allocation failed; the message names the requested and the available bytes.
+class out_of_memory : public std::bad_alloc {
+ public:
+  explicit out_of_memory(std::string message) : message_(std::move(message)) {}
+  [[nodiscard]] const char* what() const noexcept override { return message_.c_str(); }
+
+ private:
+  std::string message_;
+};
+
+namespace detail {
+
+/// Streams any number of values into one string: format_message("rank ", r, " > ", n).
+template <typename... Parts>
+std::string format_message(const Parts&... parts) {
+  std::ostringstream stream;
+  (stream << ... << parts);
+  return stream.str();
+}
+
+}  // namespace detail
+}  // namespace shadowkv
+
+/// Throws shadowkv::invalid_argument with the streamed message when `condition` is false.
+#define SHADOWKV_EXPECTS(condition, ...)                                                     \
+  do {                                                                                       \
+    if (!(condition)) {                                                                      \
+      throw ::shadowkv::invalid_argument(::shadowkv::detail::format_message(__VA_ARGS__));   \
+    }                                                                                        \
+  } while (0)
+
+/// Throws shadowkv::capacity_error with the streamed message when `condition` is false.
+#define SHADOWKV_EXPECTS_CAPACITY(condition, ...)                                            \
+  do {                                                                                       \
+    if (!(condition)) {                                                                      \
+      throw ::shadowkv::capacity_error(::shadowkv::detail::format_message(__VA_ARGS__));     \
+    }                                                                                        \
+  } while (0)
+
+/// Throws shadowkv::logic_error naming the failed invariant, file and line.
+#define SHADOWKV_ASSERT(condition)                                                           \
+  do {                                                                                       \
+    if (!(condition)) {                                                                      \
+      throw ::shadowkv::logic_error(::shadowkv::detail::format_message(                      \
+          "shadowkv internal error: ", #condition, " failed at ", __FILE__, ":", __LINE__)); \
+    }                                                                                        \
+  } while (0)

@@ -1,0 +1,94 @@
+// kv_store: the public C++ entry point of shadowkv_core.
+//
+// One store serves all layers of a model and up to `max_batch` sequences. Per layer, the caller prefills the prompt's
+// keys and values once, then calls decode once per generated token; the store returns the attention output.
+// Every call validates all of its arguments before it changes anything: when it throws, the store and every
+// sequence in it are as they were.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "shadowkv/backend.hpp"
+#include "shadowkv/config.hpp"
+#include "shadowkv/errors.hpp"
+#include "shadowkv/report.hpp"
+#include "shadowkv/tensor_view.hpp"
+
+namespace shadowkv {
+
+/// Optional inputs of kv_store::prefill.
+struct prefill_options {
+  std::vector<std::int64_t> lengths;  ///< valid tokens per row (right padding); empty: every row has S tokens
+  tensor_view positions;              ///< int [B, S]; empty: 0..S-1
+  tensor_view q_last;                 ///< post-RoPE queries [B, Hq, D] or [B, Tq, Hq, D] to warm the selection
+  bool keys_post_rope = false;        ///< keys carry RoPE already (the store removes it)
+};
+
+/// Optional inputs of kv_store::decode.
+struct decode_options {
+  tensor_view positions;         ///< int [B]; empty: each sequence's last position + 1
+  bool keys_post_rope = true;    ///< k_new carries RoPE (false: the store applies it)
+};
+
+class kv_store {
+ public:
+  /// Validates `cfg` and creates the backend of `where`. Throws invalid_argument.
+  explicit kv_store(config cfg, device where = {});
+  ~kv_store();
+  kv_store(const kv_store&) = delete;
+  kv_store& operator=(const kv_store&) = delete;
+  kv_store(kv_store&&) noexcept;
+  kv_store& operator=(kv_store&&) noexcept;
+
+  [[nodiscard]] const config& get_config() const noexcept { return config_; }
+  [[nodiscard]] device where() const noexcept;
+
+  /// Takes `count` free slots (lowest ids first). Throws capacity_error when fewer are free.
+  std::vector<int> add_sequences(int count);
+  /// Frees the slots. Throws invalid_argument (and frees nothing) if any slot is not in use or repeats.
+  void release(std::span<const int> slots);
+  /// Slots in use, ascending.
+  [[nodiscard]] std::vector<int> active_slots() const;
+
+  /// Stores layer `layer` of the prompts of `slots`: keys and values [B, S, Hkv, D] (pre-RoPE keys unless
+  /// options.keys_post_rope). Row b of the tensors belongs to slots[b].
+  void prefill(int layer, std::span<const int> slots, const tensor_view& keys, const tensor_view& values,
+               const prefill_options& options = {});
+
+  /// One decode step of layer `layer`: appends k_new/v_new [B, Hkv, D], selects chunks with q [B, Hq, D]
+  /// (post-RoPE) and writes the attention output to out [B, Hq, D].
+  void decode(int layer, std::span<const int> slots, const tensor_view& q, const tensor_view& k_new,
+              const tensor_view& v_new, const mutable_tensor_view& out, const decode_options& options = {});
+
+  /// Chunk ids of the last selection of (layer, slot), per KV head, ascending.
+  [[nodiscard]] chunk_ids_per_head selected_chunks(int layer, int slot) const;
+  /// Outlier chunk ids of (layer, slot), per KV head, ascending.
+  [[nodiscard]] chunk_ids_per_head outlier_chunks(int layer, int slot) const;
+  /// Counters of (layer, slot).
+  [[nodiscard]] sequence_info info(int layer, int slot) const;
+
+  [[nodiscard]] memory_report memory() const;
+  [[nodiscard]] store_stats stats() const;
+  void reset_stats() noexcept;
+
+ private:
+  struct sequence {
+    bool active = false;
+    std::vector<layer_state> layers;
+  };
+
+  void check_layer(int layer) const;
+  void check_slot(int slot) const;
+  void check_batch_slots(std::span<const int> slots) const;
+
+  config config_;
+  std::unique_ptr<backend> backend_;
+  std::vector<sequence> sequences_;
+  std::int64_t decode_steps_ = 0;
+  std::int64_t folds_ = 0;
+};
+
+}  // namespace shadowkv

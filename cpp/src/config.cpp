@@ -1,0 +1,70 @@
+#include "shadowkv/config.hpp"
+
+#include <cmath>
+
+#include "shadowkv/errors.hpp"
+
+namespace shadowkv {
+
+void config::validate() const {
+  SHADOWKV_EXPECTS(num_layers >= 1, "num_layers must be >= 1, got ", num_layers);
+  SHADOWKV_EXPECTS(num_q_heads >= 1, "num_q_heads must be >= 1, got ", num_q_heads);
+  SHADOWKV_EXPECTS(num_kv_heads >= 1, "num_kv_heads must be >= 1, got ", num_kv_heads);
+  SHADOWKV_EXPECTS(num_q_heads % num_kv_heads == 0, "num_q_heads (", num_q_heads,
+                   ") must be a multiple of num_kv_heads (", num_kv_heads, ")");
+  SHADOWKV_EXPECTS(head_dim >= 2 && head_dim <= 1024, "head_dim must be in [2, 1024], got ", head_dim);
+  SHADOWKV_EXPECTS(max_batch >= 1, "max_batch must be >= 1, got ", max_batch);
+  SHADOWKV_EXPECTS(max_seq_len >= 1, "max_seq_len must be >= 1, got ", max_seq_len);
+
+  const int rotary = effective_rotary_dim();
+  SHADOWKV_EXPECTS(rotary_dim >= 0 && rotary <= head_dim && rotary % 2 == 0,
+                   "rotary_dim must be even and in [2, head_dim=", head_dim, "] (0 means head_dim), got ",
+                   rotary_dim);
+  if (inv_freq.empty()) {
+    SHADOWKV_EXPECTS(std::isfinite(rope_theta) && rope_theta > 0.0, "rope_theta must be > 0, got ", rope_theta);
+  } else {
+    SHADOWKV_EXPECTS(static_cast<int>(inv_freq.size()) == rotary / 2, "inv_freq must have rotary_dim/2 = ",
+                     rotary / 2, " entries, got ", inv_freq.size());
+    for (const float f : inv_freq) SHADOWKV_EXPECTS(std::isfinite(f), "inv_freq entries must be finite, got ", f);
+  }
+  SHADOWKV_EXPECTS(std::isfinite(attention_scaling) && attention_scaling > 0.0F,
+                   "attention_scaling must be > 0, got ", attention_scaling);
+  SHADOWKV_EXPECTS(std::isfinite(softmax_scale) && softmax_scale >= 0.0F,
+                   "softmax_scale must be >= 0 (0 means 1/sqrt(head_dim)), got ", softmax_scale);
+
+  SHADOWKV_EXPECTS(rank >= 1 && rank <= kv_width(), "rank must be in [1, num_kv_heads*head_dim = ", kv_width(),
+                   "], got ", rank);
+  SHADOWKV_EXPECTS(chunk_size >= 1, "chunk_size must be >= 1, got ", chunk_size);
+  SHADOWKV_EXPECTS(budget_chunks >= 1, "budget must be at least one chunk, got ", budget_chunks, " chunks");
+  SHADOWKV_EXPECTS(outlier_chunks >= 0, "outlier_chunks must be >= 0, got ", outlier_chunks);
+  SHADOWKV_EXPECTS(local_chunks >= 0, "local_chunks must be >= 0, got ", local_chunks);
+  SHADOWKV_EXPECTS(generation_window >= chunk_size && generation_window % chunk_size == 0,
+                   "generation_window must be a positive multiple of chunk_size (", chunk_size, "), got ",
+                   generation_window);
+}
+
+float config::effective_softmax_scale() const noexcept {
+  return softmax_scale > 0.0F ? softmax_scale : static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
+}
+
+std::string rope_style_name(rope_style style) { return style == rope_style::half_split ? "half" : "interleaved"; }
+
+rope_style parse_rope_style(const std::string& name) {
+  if (name == "half" || name == "half_split" || name == "neox") return rope_style::half_split;
+  if (name == "interleaved" || name == "gptj") return rope_style::interleaved;
+  throw invalid_argument(detail::format_message("rope_style must be 'half' or 'interleaved', got '", name, "'"));
+}
+
+factorization_method parse_factorization(const std::string& name) {
+  if (name == "gram") return factorization_method::gram;
+  if (name == "svd") return factorization_method::svd;
+  throw invalid_argument(detail::format_message("factorization must be 'gram' or 'svd', got '", name, "'"));
+}
+
+value_store_policy parse_value_store(const std::string& name) {
+  if (name == "host") return value_store_policy::host;
+  if (name == "device" || name == "gpu") return value_store_policy::device;
+  throw invalid_argument(detail::format_message("value_store must be 'host' or 'device', got '", name, "'"));
+}
+
+}  // namespace shadowkv

@@ -1,0 +1,543 @@
+#include "cpu_backend.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+
+#include "factorization.hpp"
+#include "shadowkv/errors.hpp"
+
+namespace shadowkv::detail {
+namespace {
+
+float load(const tensor_view& view, std::int64_t offset) noexcept {
+  return load_element(view.data, view.float_type, offset);
+}
+
+double dot(const float* a, const float* b, std::int64_t n) noexcept {
+  double sum = 0.0;
+  for (std::int64_t i = 0; i < n; ++i) sum += static_cast<double>(a[i]) * static_cast<double>(b[i]);
+  return sum;
+}
+
+double cosine(const float* a, const float* b, std::int64_t n) noexcept {
+  const double norms = std::sqrt(dot(a, a, n)) * std::sqrt(dot(b, b, n));
+  return dot(a, b, n) / std::max(norms, 1e-30);
+}
+
+}  // namespace
+
+cpu_backend::cpu_backend(const config& cfg) : config_(cfg), rope_(cfg) {
+  layers_.resize(static_cast<std::size_t>(cfg.max_batch));
+}
+
+cpu_layer_data& cpu_backend::data(int slot, int layer) {
+  return layers_[static_cast<std::size_t>(slot)][static_cast<std::size_t>(layer)];
+}
+
+const cpu_layer_data& cpu_backend::data(int slot, int layer) const {
+  return layers_[static_cast<std::size_t>(slot)][static_cast<std::size_t>(layer)];
+}
+
+void cpu_backend::open_sequence(int slot) {
+  std::vector<cpu_layer_data> fresh(static_cast<std::size_t>(config_.num_layers));
+  layers_[static_cast<std::size_t>(slot)] = std::move(fresh);
+}
+
+void cpu_backend::close_sequence(int slot) noexcept {
+  std::vector<cpu_layer_data>().swap(layers_[static_cast<std::size_t>(slot)]);
+}
+
+cpu_layer_data cpu_backend::prefill_one(const batch_entry& entry, const prefill_inputs& inputs) const {
+  const layer_state& state = *entry.state;
+  const std::int64_t heads = config_.num_kv_heads;
+  const std::int64_t dim = config_.head_dim;
+  const std::int64_t width = config_.kv_width();
+  const std::int64_t chunk = config_.chunk_size;
+  const std::int64_t length = state.prompt_len;
+  const std::int64_t chunks = state.prompt_context_chunks;
+  const std::int64_t context_tokens = chunks * chunk;
+  const int rank = config_.rank;
+  const dtype type = config_.kv_dtype;
+  const std::int64_t b = entry.row;
+
+  cpu_layer_data out;
+  // Positions.
+  std::vector<std::int64_t> positions(static_cast<std::size_t>(length));
+  for (std::int64_t t = 0; t < length; ++t) {
+    positions[static_cast<std::size_t>(t)] =
+        inputs.positions.empty() ? t : load_index(inputs.positions, inputs.positions.offset({b, t}));
+  }
+  // Pre-RoPE keys [S, Hkv*D] for the factorisation, post-RoPE keys rounded to the storage dtype.
+  std::vector<float> keys_pre(static_cast<std::size_t>(length * width));
+  std::vector<float> keys_post(static_cast<std::size_t>(length * width));
+  for (std::int64_t t = 0; t < length; ++t) {
+    for (std::int64_t h = 0; h < heads; ++h) {
+      float* pre = keys_pre.data() + t * width + h * dim;
+      float* post = keys_post.data() + t * width + h * dim;
+      for (std::int64_t d = 0; d < dim; ++d) pre[d] = load(inputs.keys, inputs.keys.offset({b, t, h, d}));
+      std::copy(pre, pre + dim, post);
+      if (inputs.keys_post_rope) {
+        rope_.remove(pre, positions[static_cast<std::size_t>(t)]);
+      } else {
+        rope_.apply(post, positions[static_cast<std::size_t>(t)]);
+      }
+      for (std::int64_t d = 0; d < dim; ++d) post[d] = round_to(type, post[d]);
+    }
+  }
+  auto value_at = [&](std::int64_t t, std::int64_t h, std::int64_t d) {
+    return load(inputs.values, inputs.values.offset({b, t, h, d}));
+  };
+
+  // Low-rank keys.
+  out.basis = leading_right_singular_vectors(keys_pre.data(), length, width, rank, config_.factorization);
+  out.coefficients = project_onto_basis(keys_pre.data(), context_tokens, width, out.basis.data(), rank);
+  out.context_positions.assign(positions.begin(), positions.begin() + context_tokens);
+
+  // Landmarks (means of the stored post-RoPE keys) and each chunk's minimum cosine to its own keys.
+  out.landmarks = host_array(type);
+  out.landmarks.resize(chunks * width);
+  std::vector<double> min_cosine(static_cast<std::size_t>(chunks * heads));
+  std::vector<float> landmark(static_cast<std::size_t>(dim));
+  for (std::int64_t c = 0; c < chunks; ++c) {
+    for (std::int64_t h = 0; h < heads; ++h) {
+      for (std::int64_t d = 0; d < dim; ++d) {
+        double sum = 0.0;
+        for (std::int64_t i = 0; i < chunk; ++i) sum += keys_post[static_cast<std::size_t>((c * chunk + i) * width + h * dim + d)];
+        landmark[static_cast<std::size_t>(d)] = round_to(type, static_cast<float>(sum / static_cast<double>(chunk)));
+      }
+      out.landmarks.store((c * heads + h) * dim, dim, landmark.data());
+      double lowest = std::numeric_limits<double>::infinity();
+      for (std::int64_t i = 0; i < chunk; ++i) {
+        lowest = std::min(lowest, cosine(landmark.data(), keys_post.data() + (c * chunk + i) * width + h * dim, dim));
+      }
+      min_cosine[static_cast<std::size_t>(c * heads + h)] = lowest;
+    }
+  }
+
+  // Outliers: per head the chunks with the lowest minimum cosine (ties: smaller id).
+  const std::int64_t outliers = state.outlier_chunks;
+  out.outliers.assign(static_cast<std::size_t>(heads), {});
+  out.is_outlier.assign(static_cast<std::size_t>(heads), std::vector<std::uint8_t>(static_cast<std::size_t>(chunks), 0));
+  out.outlier_keys = host_array(type);
+  out.outlier_values = host_array(type);
+  out.outlier_keys.resize(heads * outliers * chunk * dim);
+  out.outlier_values.resize(heads * outliers * chunk * dim);
+  std::vector<std::int64_t> order(static_cast<std::size_t>(chunks));
+  for (std::int64_t h = 0; h < heads; ++h) {
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](std::int64_t x, std::int64_t y) {
+      return min_cosine[static_cast<std::size_t>(x * heads + h)] < min_cosine[static_cast<std::size_t>(y * heads + h)];
+    });
+    std::vector<std::int64_t>& ids = out.outliers[static_cast<std::size_t>(h)];
+    ids.assign(order.begin(), order.begin() + outliers);
+    std::sort(ids.begin(), ids.end());
+    for (std::size_t o = 0; o < ids.size(); ++o) {
+      const std::int64_t c = ids[o];
+      out.is_outlier[static_cast<std::size_t>(h)][static_cast<std::size_t>(c)] = 1;
+      for (std::int64_t i = 0; i < chunk; ++i) {
+        const std::int64_t t = c * chunk + i;
+        const std::int64_t row = (h * outliers + static_cast<std::int64_t>(o)) * chunk + i;
+        out.outlier_keys.store(row * dim, dim, keys_post.data() + t * width + h * dim);
+        for (std::int64_t d = 0; d < dim; ++d) out.outlier_values.set(row * dim + d, value_at(t, h, d));
+      }
+    }
+  }
+
+  // Value store of all context chunks, chunk-major.
+  out.value_store = host_array(type);
+  out.value_store.resize(chunks * heads * chunk * dim);
+  for (std::int64_t c = 0; c < chunks; ++c) {
+    for (std::int64_t h = 0; h < heads; ++h) {
+      for (std::int64_t i = 0; i < chunk; ++i) {
+        for (std::int64_t d = 0; d < dim; ++d) {
+          out.value_store.set(((c * heads + h) * chunk + i) * dim + d, value_at(c * chunk + i, h, d));
+        }
+      }
+    }
+  }
+
+  // The local window, exact.
+  out.exact_keys = host_array(type);
+  out.exact_values = host_array(type);
+  out.exact_keys.resize(state.local_len * width);
+  out.exact_values.resize(state.local_len * width);
+  for (std::int64_t i = 0; i < state.local_len; ++i) {
+    const std::int64_t t = context_tokens + i;
+    out.exact_keys.store(i * width, width, keys_post.data() + t * width);
+    for (std::int64_t h = 0; h < heads; ++h) {
+      for (std::int64_t d = 0; d < dim; ++d) out.exact_values.set(i * width + h * dim + d, value_at(t, h, d));
+    }
+    out.exact_positions.push_back(positions[static_cast<std::size_t>(t)]);
+  }
+  out.last_position = positions.back();
+
+  // An empty selection cache of k slots per head.
+  const std::int64_t budget = config_.budget_chunks;
+  out.cache_chunks.assign(static_cast<std::size_t>(heads * budget), -1);
+  out.pending_rebuild.assign(static_cast<std::size_t>(heads * budget), 0);
+  out.pending_fetch.assign(static_cast<std::size_t>(heads * budget), 0);
+  out.cache_keys = host_array(type);
+  out.cache_values = host_array(type);
+  out.cache_keys.resize(heads * budget * chunk * dim);
+  out.cache_values.resize(heads * budget * chunk * dim);
+  return out;
+}
+
+void cpu_backend::prefill(int layer, std::span<const batch_entry> entries, const prefill_inputs& inputs) {
+  std::vector<cpu_layer_data> prepared;
+  prepared.reserve(entries.size());
+  for (const batch_entry& entry : entries) prepared.push_back(prefill_one(entry, inputs));
+  for (std::size_t i = 0; i < entries.size(); ++i) data(entries[i].slot, layer) = std::move(prepared[i]);
+}
+
+void cpu_backend::fold_oldest_generated_chunk(int layer, std::span<const batch_entry> entries) {
+  const std::int64_t heads = config_.num_kv_heads;
+  const std::int64_t dim = config_.head_dim;
+  const std::int64_t width = config_.kv_width();
+  const std::int64_t chunk = config_.chunk_size;
+  const int rank = config_.rank;
+
+  struct folded_chunk {
+    std::vector<float> coefficients;  // [C, r]
+    std::vector<float> landmark;      // [Hkv, D]
+    std::vector<float> values;        // [Hkv, C, D]
+  };
+  // Phase 1: compute every fold and reserve all destinations (may throw; nothing changed yet).
+  std::vector<folded_chunk> folded(entries.size());
+  for (std::size_t e = 0; e < entries.size(); ++e) {
+    cpu_layer_data& d = data(entries[e].slot, layer);
+    const std::int64_t first = entries[e].state->local_len;  // the oldest generated token
+    std::vector<float> keys_pre(static_cast<std::size_t>(chunk * width));
+    std::vector<double> sums(static_cast<std::size_t>(width), 0.0);
+    folded[e].values.resize(static_cast<std::size_t>(width * chunk));
+    for (std::int64_t i = 0; i < chunk; ++i) {
+      const std::int64_t token = first + i;
+      float* row = keys_pre.data() + i * width;
+      d.exact_keys.load(token * width, width, row);
+      for (std::int64_t j = 0; j < width; ++j) sums[static_cast<std::size_t>(j)] += row[j];
+      for (std::int64_t h = 0; h < heads; ++h) {
+        rope_.remove(row + h * dim, d.exact_positions[static_cast<std::size_t>(token)]);
+        d.exact_values.load(token * width + h * dim, dim, folded[e].values.data() + (h * chunk + i) * dim);
+      }
+    }
+    folded[e].coefficients = project_onto_basis(keys_pre.data(), chunk, width, d.basis.data(), rank);
+    folded[e].landmark.resize(static_cast<std::size_t>(width));
+    for (std::int64_t j = 0; j < width; ++j) {
+      folded[e].landmark[static_cast<std::size_t>(j)] = static_cast<float>(sums[static_cast<std::size_t>(j)] / static_cast<double>(chunk));
+    }
+    d.coefficients.reserve(d.coefficients.size() + static_cast<std::size_t>(chunk * rank));
+    d.context_positions.reserve(d.context_positions.size() + static_cast<std::size_t>(chunk));
+    d.landmarks.reserve(d.landmarks.size() + width);
+    d.value_store.reserve(d.value_store.size() + width * chunk);
+    for (auto& flags : d.is_outlier) flags.reserve(flags.size() + 1);
+  }
+  // Phase 2: commit (no allocation beyond the reservations above).
+  for (std::size_t e = 0; e < entries.size(); ++e) {
+    cpu_layer_data& d = data(entries[e].slot, layer);
+    const std::int64_t first = entries[e].state->local_len;
+    d.coefficients.insert(d.coefficients.end(), folded[e].coefficients.begin(), folded[e].coefficients.end());
+    d.context_positions.insert(d.context_positions.end(), d.exact_positions.begin() + first,
+                               d.exact_positions.begin() + first + chunk);
+    d.landmarks.append(width, folded[e].landmark.data());
+    d.value_store.append(width * chunk, folded[e].values.data());
+    for (auto& flags : d.is_outlier) flags.push_back(0);
+    d.exact_keys.erase(first * width, chunk * width);
+    d.exact_values.erase(first * width, chunk * width);
+    d.exact_positions.erase(d.exact_positions.begin() + first, d.exact_positions.begin() + first + chunk);
+  }
+}
+
+void cpu_backend::append_token(int layer, std::span<const batch_entry> entries, const append_inputs& inputs) {
+  const std::int64_t heads = config_.num_kv_heads;
+  const std::int64_t dim = config_.head_dim;
+  const std::int64_t width = config_.kv_width();
+  for (const batch_entry& entry : entries) {
+    cpu_layer_data& d = data(entry.slot, layer);
+    d.exact_keys.reserve(d.exact_keys.size() + width);
+    d.exact_values.reserve(d.exact_values.size() + width);
+    d.exact_positions.reserve(d.exact_positions.size() + 1);
+  }
+  std::vector<float> key(static_cast<std::size_t>(width));
+  std::vector<float> value(static_cast<std::size_t>(width));
+  for (const batch_entry& entry : entries) {
+    cpu_layer_data& d = data(entry.slot, layer);
+    const std::int64_t position = inputs.positions.empty()
+                                      ? d.last_position + 1
+                                      : load_index(inputs.positions, inputs.positions.offset({entry.row}));
+    for (std::int64_t h = 0; h < heads; ++h) {
+      for (std::int64_t j = 0; j < dim; ++j) {
+        key[static_cast<std::size_t>(h * dim + j)] = load(inputs.keys, inputs.keys.offset({entry.row, h, j}));
+        value[static_cast<std::size_t>(h * dim + j)] = load(inputs.values, inputs.values.offset({entry.row, h, j}));
+      }
+      if (!inputs.keys_post_rope) rope_.apply(key.data() + h * dim, position);
+    }
+    d.exact_keys.append(width, key.data());
+    d.exact_values.append(width, value.data());
+    d.exact_positions.push_back(position);
+    d.last_position = position;
+  }
+}
+
+void cpu_backend::select_chunks(int layer, std::span<const batch_entry> entries, const tensor_view& queries) {
+  const std::int64_t heads = config_.num_kv_heads;
+  const std::int64_t dim = config_.head_dim;
+  const std::int64_t group = config_.group_size();
+  const std::int64_t budget = config_.budget_chunks;
+  const std::int64_t tokens = queries.shape[1];
+  const double scale = config_.effective_softmax_scale();
+
+  for (const batch_entry& entry : entries) {
+    cpu_layer_data& d = data(entry.slot, layer);
+    const std::int64_t chunks = entry.state->context_chunks;
+    std::vector<float> landmark(static_cast<std::size_t>(dim));
+    std::vector<float> query(static_cast<std::size_t>(dim));
+    for (std::int64_t h = 0; h < heads; ++h) {
+      const std::vector<std::uint8_t>& outlier = d.is_outlier[static_cast<std::size_t>(h)];
+      std::vector<std::int64_t> candidates;
+      for (std::int64_t c = 0; c < chunks; ++c) {
+        if (outlier[static_cast<std::size_t>(c)] == 0) candidates.push_back(c);
+      }
+      const auto count = static_cast<std::int64_t>(candidates.size());
+      // score(c) = max over the group's query heads of the softmax probability (summed over query tokens).
+      std::vector<double> score(static_cast<std::size_t>(count), 0.0);
+      std::vector<double> logits(static_cast<std::size_t>(count));
+      std::vector<double> probability(static_cast<std::size_t>(count));
+      for (std::int64_t g = 0; g < group && count > 0; ++g) {
+        const std::int64_t q_head = h * group + g;
+        std::fill(probability.begin(), probability.end(), 0.0);
+        for (std::int64_t t = 0; t < tokens; ++t) {
+          for (std::int64_t j = 0; j < dim; ++j) query[static_cast<std::size_t>(j)] = load(queries, queries.offset({entry.row, t, q_head, j}));
+          double largest = -std::numeric_limits<double>::infinity();
+          for (std::int64_t i = 0; i < count; ++i) {
+            d.landmarks.load((candidates[static_cast<std::size_t>(i)] * heads + h) * dim, dim, landmark.data());
+            logits[static_cast<std::size_t>(i)] = scale * dot(query.data(), landmark.data(), dim);
+            largest = std::max(largest, logits[static_cast<std::size_t>(i)]);
+          }
+          double total = 0.0;
+          for (double& logit : logits) {
+            logit = std::exp(logit - largest);
+            total += logit;
+          }
+          for (std::int64_t i = 0; i < count; ++i) probability[static_cast<std::size_t>(i)] += logits[static_cast<std::size_t>(i)] / total;
+        }
+        for (std::int64_t i = 0; i < count; ++i) {
+          score[static_cast<std::size_t>(i)] = std::max(score[static_cast<std::size_t>(i)], probability[static_cast<std::size_t>(i)]);
+        }
+      }
+      // Top-k by descending score, ties by smaller chunk id (candidates are ascending, so a stable sort keeps it).
+      std::vector<std::int64_t> order(static_cast<std::size_t>(count));
+      std::iota(order.begin(), order.end(), 0);
+      std::stable_sort(order.begin(), order.end(), [&](std::int64_t x, std::int64_t y) {
+        return score[static_cast<std::size_t>(x)] > score[static_cast<std::size_t>(y)];
+      });
+      std::vector<std::int64_t> selected;
+      for (std::int64_t i = 0; i < std::min(budget, count); ++i) {
+        selected.push_back(candidates[static_cast<std::size_t>(order[static_cast<std::size_t>(i)])]);
+      }
+      std::sort(selected.begin(), selected.end());
+
+      // Temporal cache: selected chunks already in a slot are hits; the others take freed slots.
+      std::int64_t* slots = d.cache_chunks.data() + h * budget;
+      std::uint8_t* rebuild = d.pending_rebuild.data() + h * budget;
+      std::uint8_t* fetch = d.pending_fetch.data() + h * budget;
+      std::vector<std::uint8_t> cached(selected.size(), 0);
+      for (std::int64_t s = 0; s < budget; ++s) {
+        rebuild[s] = 0;
+        fetch[s] = 0;
+        if (slots[s] < 0) continue;
+        const auto found = std::lower_bound(selected.begin(), selected.end(), slots[s]);
+        if (found != selected.end() && *found == slots[s]) {
+          cached[static_cast<std::size_t>(found - selected.begin())] = 1;
+          stats_.hits += 1;
+        } else {
+          slots[s] = -1;
+        }
+      }
+      std::int64_t free_slot = 0;
+      for (std::size_t i = 0; i < selected.size(); ++i) {
+        if (cached[i] != 0) continue;
+        while (slots[free_slot] >= 0) ++free_slot;
+        slots[free_slot] = selected[i];
+        rebuild[free_slot] = 1;
+        fetch[free_slot] = 1;
+        stats_.misses += 1;
+      }
+    }
+    stats_.selections += 1;
+  }
+}
+
+void cpu_backend::fetch_values(int layer, std::span<const batch_entry> entries) {
+  const std::int64_t heads = config_.num_kv_heads;
+  const std::int64_t run = static_cast<std::int64_t>(config_.chunk_size) * config_.head_dim;
+  const std::int64_t budget = config_.budget_chunks;
+  for (const batch_entry& entry : entries) {
+    cpu_layer_data& d = data(entry.slot, layer);
+    for (std::int64_t h = 0; h < heads; ++h) {
+      for (std::int64_t s = 0; s < budget; ++s) {
+        const std::size_t index = static_cast<std::size_t>(h * budget + s);
+        if (d.pending_fetch[index] == 0) continue;
+        const std::int64_t c = d.cache_chunks[index];
+        d.cache_values.copy_from(d.value_store, (c * heads + h) * run, static_cast<std::int64_t>(index) * run, run);
+        d.pending_fetch[index] = 0;
+        stats_.bytes_fetched += run * static_cast<std::int64_t>(dtype_size(config_.kv_dtype));
+      }
+    }
+  }
+}
+
+void cpu_backend::rebuild_keys(int layer, std::span<const batch_entry> entries) {
+  const std::int64_t heads = config_.num_kv_heads;
+  const std::int64_t dim = config_.head_dim;
+  const std::int64_t width = config_.kv_width();
+  const std::int64_t chunk = config_.chunk_size;
+  const std::int64_t budget = config_.budget_chunks;
+  const std::int64_t rank = config_.rank;
+  for (const batch_entry& entry : entries) {
+    cpu_layer_data& d = data(entry.slot, layer);
+    for (std::int64_t h = 0; h < heads; ++h) {
+      // Gather the rows of A of every missed chunk, then one GEMM with this head's columns of B.
+      std::vector<std::int64_t> missed_slots;
+      for (std::int64_t s = 0; s < budget; ++s) {
+        if (d.pending_rebuild[static_cast<std::size_t>(h * budget + s)] != 0) missed_slots.push_back(s);
+      }
+      if (missed_slots.empty()) continue;
+      const auto rows = static_cast<std::int64_t>(missed_slots.size()) * chunk;
+      std::vector<float> gathered(static_cast<std::size_t>(rows * rank));
+      for (std::size_t m = 0; m < missed_slots.size(); ++m) {
+        const std::int64_t c = d.cache_chunks[static_cast<std::size_t>(h * budget + missed_slots[m])];
+        std::copy_n(d.coefficients.begin() + c * chunk * rank, chunk * rank,
+                    gathered.begin() + static_cast<std::ptrdiff_t>(m) * chunk * rank);
+      }
+      std::vector<float> keys(static_cast<std::size_t>(rows * dim));
+      gemm_row_major(gathered.data(), rank, d.basis.data() + h * dim, width, keys.data(), dim, rows, rank, dim);
+      for (std::size_t m = 0; m < missed_slots.size(); ++m) {
+        const std::int64_t s = missed_slots[m];
+        const std::int64_t c = d.cache_chunks[static_cast<std::size_t>(h * budget + s)];
+        for (std::int64_t i = 0; i < chunk; ++i) {
+          float* key = keys.data() + (static_cast<std::int64_t>(m) * chunk + i) * dim;
+          rope_.apply(key, d.context_positions[static_cast<std::size_t>(c * chunk + i)]);
+          d.cache_keys.store(((h * budget + s) * chunk + i) * dim, dim, key);
+        }
+        d.pending_rebuild[static_cast<std::size_t>(h * budget + s)] = 0;
+        stats_.chunks_rebuilt += 1;
+      }
+    }
+  }
+}
+
+void cpu_backend::attend(int layer, std::span<const batch_entry> entries, const tensor_view& queries,
+                         const mutable_tensor_view& out) {
+  const std::int64_t heads = config_.num_kv_heads;
+  const std::int64_t dim = config_.head_dim;
+  const std::int64_t width = config_.kv_width();
+  const std::int64_t chunk = config_.chunk_size;
+  const std::int64_t budget = config_.budget_chunks;
+  const std::int64_t group = config_.group_size();
+  const double scale = config_.effective_softmax_scale();
+
+  for (const batch_entry& entry : entries) {
+    const cpu_layer_data& d = data(entry.slot, layer);
+    const std::int64_t outlier_rows = entry.state->outlier_chunks * chunk;
+    const std::int64_t exact_rows = d.exact_keys.size() / width;
+    for (std::int64_t h = 0; h < heads; ++h) {
+      // The union, each token once, as (array, element offset of its key/value row).
+      struct source {
+        const host_array* keys;
+        const host_array* values;
+        std::int64_t offset;
+      };
+      std::vector<source> union_rows;
+      for (std::int64_t i = 0; i < outlier_rows; ++i) {
+        union_rows.push_back({&d.outlier_keys, &d.outlier_values, (h * outlier_rows + i) * dim});
+      }
+      for (std::int64_t i = 0; i < exact_rows; ++i) {
+        union_rows.push_back({&d.exact_keys, &d.exact_values, i * width + h * dim});
+      }
+      for (std::int64_t s = 0; s < budget; ++s) {
+        if (d.cache_chunks[static_cast<std::size_t>(h * budget + s)] < 0) continue;
+        for (std::int64_t i = 0; i < chunk; ++i) {
+          union_rows.push_back({&d.cache_keys, &d.cache_values, ((h * budget + s) * chunk + i) * dim});
+        }
+      }
+      const auto count = static_cast<std::int64_t>(union_rows.size());
+      std::vector<float> row(static_cast<std::size_t>(dim));
+      std::vector<float> query(static_cast<std::size_t>(dim));
+      std::vector<double> weights(static_cast<std::size_t>(count));
+      std::vector<double> accumulator(static_cast<std::size_t>(dim));
+      for (std::int64_t g = 0; g < group; ++g) {
+        const std::int64_t q_head = h * group + g;
+        for (std::int64_t j = 0; j < dim; ++j) query[static_cast<std::size_t>(j)] = load(queries, queries.offset({entry.row, q_head, j}));
+        double largest = -std::numeric_limits<double>::infinity();
+        for (std::int64_t i = 0; i < count; ++i) {
+          const source& src = union_rows[static_cast<std::size_t>(i)];
+          src.keys->load(src.offset, dim, row.data());
+          weights[static_cast<std::size_t>(i)] = scale * dot(query.data(), row.data(), dim);
+          largest = std::max(largest, weights[static_cast<std::size_t>(i)]);
+        }
+        double total = 0.0;
+        for (double& w : weights) {
+          w = std::exp(w - largest);
+          total += w;
+        }
+        std::fill(accumulator.begin(), accumulator.end(), 0.0);
+        for (std::int64_t i = 0; i < count; ++i) {
+          const source& src = union_rows[static_cast<std::size_t>(i)];
+          src.values->load(src.offset, dim, row.data());
+          const double w = weights[static_cast<std::size_t>(i)] / total;
+          for (std::int64_t j = 0; j < dim; ++j) accumulator[static_cast<std::size_t>(j)] += w * row[static_cast<std::size_t>(j)];
+        }
+        for (std::int64_t j = 0; j < dim; ++j) {
+          store_element(out.mutable_data(), out.float_type, out.offset({entry.row, q_head, j}),
+                        static_cast<float>(accumulator[static_cast<std::size_t>(j)]));
+        }
+      }
+    }
+  }
+}
+
+chunk_ids_per_head cpu_backend::selected_chunks(int layer, int slot) const {
+  const cpu_layer_data& d = data(slot, layer);
+  const std::int64_t budget = config_.budget_chunks;
+  chunk_ids_per_head result(static_cast<std::size_t>(config_.num_kv_heads));
+  if (d.cache_chunks.empty()) return result;
+  for (std::int64_t h = 0; h < config_.num_kv_heads; ++h) {
+    for (std::int64_t s = 0; s < budget; ++s) {
+      const std::int64_t c = d.cache_chunks[static_cast<std::size_t>(h * budget + s)];
+      if (c >= 0) result[static_cast<std::size_t>(h)].push_back(c);
+    }
+    std::sort(result[static_cast<std::size_t>(h)].begin(), result[static_cast<std::size_t>(h)].end());
+  }
+  return result;
+}
+
+chunk_ids_per_head cpu_backend::outlier_chunks(int layer, int slot) const {
+  const cpu_layer_data& d = data(slot, layer);
+  if (d.outliers.empty()) return chunk_ids_per_head(static_cast<std::size_t>(config_.num_kv_heads));
+  return d.outliers;
+}
+
+std::int64_t cpu_backend::last_position(int layer, int slot) const { return data(slot, layer).last_position; }
+
+memory_report cpu_backend::memory() const {
+  memory_report report;
+  const std::int64_t token_bytes = config_.kv_width() * 2 * static_cast<std::int64_t>(dtype_size(config_.kv_dtype));
+  for (const auto& slot : layers_) {
+    for (const cpu_layer_data& d : slot) {
+      if (d.basis.empty()) continue;
+      report.low_rank_factors += static_cast<std::int64_t>((d.basis.size() + d.coefficients.size()) * sizeof(float));
+      report.landmarks += d.landmarks.bytes();
+      report.outliers += d.outlier_keys.bytes() + d.outlier_values.bytes();
+      report.exact_tokens += d.exact_keys.bytes() + d.exact_values.bytes();
+      report.value_store += d.value_store.bytes();
+      report.selection_cache += d.cache_keys.bytes() + d.cache_values.bytes();
+      const auto tokens = static_cast<std::int64_t>(d.context_positions.size() + d.exact_positions.size());
+      report.full_attention_equivalent += tokens * token_bytes;
+    }
+  }
+  return report;
+}
+
+}  // namespace shadowkv::detail

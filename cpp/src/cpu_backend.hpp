@@ -1,0 +1,72 @@
+// The CPU backend: the reference implementation of the backend seam (docs/semantics.md), plain loops with
+// float64 accumulation, BLAS/LAPACK for the dense algebra. Every other backend is checked against it.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "host_array.hpp"
+#include "shadowkv/backend.hpp"
+#include "shadowkv/rope.hpp"
+
+namespace shadowkv::detail {
+
+/// Everything stored for one (sequence, layer).
+struct cpu_layer_data {
+  // Low-rank keys: B = V_rᵀ [r, Hkv*D] and A [context tokens, r] (float32), with the tokens' positions.
+  std::vector<float> basis;
+  std::vector<float> coefficients;
+  std::vector<std::int64_t> context_positions;
+  host_array landmarks;    ///< [context chunks, Hkv, D]
+  host_array value_store;  ///< [context chunks, Hkv, C, D]: one (chunk, head) is one contiguous run
+  std::vector<std::vector<std::int64_t>> outliers;    ///< [Hkv] ascending chunk ids
+  std::vector<std::vector<std::uint8_t>> is_outlier;  ///< [Hkv][context chunks]
+  host_array outlier_keys;    ///< [Hkv, outliers*C, D] post-RoPE
+  host_array outlier_values;  ///< [Hkv, outliers*C, D]
+  // Exact tokens: the prompt's local window, then the generated tokens not folded yet.
+  host_array exact_keys;    ///< [tokens, Hkv, D] post-RoPE
+  host_array exact_values;  ///< [tokens, Hkv, D]
+  std::vector<std::int64_t> exact_positions;
+  std::int64_t last_position = -1;
+  // Selection cache: k buffer slots per KV head.
+  std::vector<std::int64_t> cache_chunks;    ///< [Hkv, k]; -1 = empty
+  std::vector<std::uint8_t> pending_rebuild;  ///< [Hkv, k]: missed this step, keys to rebuild
+  std::vector<std::uint8_t> pending_fetch;    ///< [Hkv, k]: missed this step, values to fetch
+  host_array cache_keys;    ///< [Hkv, k, C, D]
+  host_array cache_values;  ///< [Hkv, k, C, D]
+};
+
+class cpu_backend final : public backend {
+ public:
+  explicit cpu_backend(const config& cfg);
+
+  [[nodiscard]] device where() const noexcept override { return {device_type::cpu, 0}; }
+  void open_sequence(int slot) override;
+  void close_sequence(int slot) noexcept override;
+  void prefill(int layer, std::span<const batch_entry> entries, const prefill_inputs& inputs) override;
+  void fold_oldest_generated_chunk(int layer, std::span<const batch_entry> entries) override;
+  void append_token(int layer, std::span<const batch_entry> entries, const append_inputs& inputs) override;
+  void select_chunks(int layer, std::span<const batch_entry> entries, const tensor_view& queries) override;
+  void fetch_values(int layer, std::span<const batch_entry> entries) override;
+  void rebuild_keys(int layer, std::span<const batch_entry> entries) override;
+  void attend(int layer, std::span<const batch_entry> entries, const tensor_view& queries,
+              const mutable_tensor_view& out) override;
+  [[nodiscard]] chunk_ids_per_head selected_chunks(int layer, int slot) const override;
+  [[nodiscard]] chunk_ids_per_head outlier_chunks(int layer, int slot) const override;
+  [[nodiscard]] std::int64_t last_position(int layer, int slot) const override;
+  [[nodiscard]] memory_report memory() const override;
+  [[nodiscard]] store_stats selection_stats() const override { return stats_; }
+  void reset_selection_stats() noexcept override { stats_ = {}; }
+
+ private:
+  [[nodiscard]] cpu_layer_data& data(int slot, int layer);
+  [[nodiscard]] const cpu_layer_data& data(int slot, int layer) const;
+  [[nodiscard]] cpu_layer_data prefill_one(const batch_entry& entry, const prefill_inputs& inputs) const;
+
+  config config_;
+  rope_rotation rope_;
+  std::vector<std::vector<cpu_layer_data>> layers_;  ///< [slot][layer]; empty for free slots
+  store_stats stats_;
+};
+
+}  // namespace shadowkv::detail

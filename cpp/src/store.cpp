@@ -1,0 +1,252 @@
+// The store's algorithm, written once against the backend seam (DESIGN.md §2, docs/semantics.md).
+#include "shadowkv/store.hpp"
+
+#include <algorithm>
+#include <set>
+
+#include "tensor_checks.hpp"
+
+namespace shadowkv {
+
+using detail::any_extent;
+
+kv_store::kv_store(config cfg, device where) : config_(std::move(cfg)) {
+  config_.validate();
+  backend_ = make_backend(config_, where);
+  sequences_.resize(static_cast<std::size_t>(config_.max_batch));
+}
+
+kv_store::~kv_store() = default;
+kv_store::kv_store(kv_store&&) noexcept = default;
+kv_store& kv_store::operator=(kv_store&&) noexcept = default;
+
+device kv_store::where() const noexcept { return backend_->where(); }
+
+void kv_store::check_layer(int layer) const {
+  SHADOWKV_EXPECTS(layer >= 0 && layer < config_.num_layers, "layer ", layer, " is out of range [0, ",
+                   config_.num_layers, ")");
+}
+
+void kv_store::check_slot(int slot) const {
+  SHADOWKV_EXPECTS(slot >= 0 && slot < config_.max_batch, "slot ", slot, " is out of range [0, ",
+                   config_.max_batch, ")");
+  SHADOWKV_EXPECTS(sequences_[static_cast<std::size_t>(slot)].active, "slot ", slot,
+                   " holds no sequence (never added, or released)");
+}
+
+void kv_store::check_batch_slots(std::span<const int> slots) const {
+  SHADOWKV_EXPECTS(!slots.empty(), "slots must name at least one sequence");
+  std::set<int> seen;
+  for (const int slot : slots) {
+    check_slot(slot);
+    SHADOWKV_EXPECTS(seen.insert(slot).second, "slot ", slot, " appears twice in one call");
+  }
+}
+
+std::vector<int> kv_store::add_sequences(int count) {
+  SHADOWKV_EXPECTS(count >= 1, "add_sequences needs count >= 1, got ", count);
+  std::vector<int> free_slots;
+  for (int slot = 0; slot < config_.max_batch && static_cast<int>(free_slots.size()) < count; ++slot) {
+    if (!sequences_[static_cast<std::size_t>(slot)].active) free_slots.push_back(slot);
+  }
+  SHADOWKV_EXPECTS_CAPACITY(static_cast<int>(free_slots.size()) == count, "cannot add ", count,
+                            " sequences: only ", free_slots.size(), " of max_batch=", config_.max_batch,
+                            " slots are free");
+  std::size_t opened = 0;
+  try {
+    for (; opened < free_slots.size(); ++opened) backend_->open_sequence(free_slots[opened]);
+  } catch (...) {
+    for (std::size_t i = 0; i < opened; ++i) backend_->close_sequence(free_slots[i]);
+    throw;
+  }
+  for (const int slot : free_slots) {
+    sequence& seq = sequences_[static_cast<std::size_t>(slot)];
+    seq.active = true;
+    seq.layers.assign(static_cast<std::size_t>(config_.num_layers), layer_state{});
+  }
+  return free_slots;
+}
+
+void kv_store::release(std::span<const int> slots) {
+  check_batch_slots(slots);
+  for (const int slot : slots) {
+    backend_->close_sequence(slot);
+    sequence& seq = sequences_[static_cast<std::size_t>(slot)];
+    seq.active = false;
+    seq.layers.clear();
+  }
+}
+
+std::vector<int> kv_store::active_slots() const {
+  std::vector<int> result;
+  for (int slot = 0; slot < config_.max_batch; ++slot) {
+    if (sequences_[static_cast<std::size_t>(slot)].active) result.push_back(slot);
+  }
+  return result;
+}
+
+void kv_store::prefill(int layer, std::span<const int> slots, const tensor_view& keys, const tensor_view& values,
+                       const prefill_options& options) {
+  // Validate everything first: nothing below the "commit" line may throw on bad input.
+  check_layer(layer);
+  check_batch_slots(slots);
+  const auto batch = static_cast<std::int64_t>(slots.size());
+  const device where = backend_->where();
+  detail::expect_float_tensor(keys, "keys", where, {batch, any_extent, config_.num_kv_heads, config_.head_dim});
+  const std::int64_t padded_len = keys.shape[1];
+  detail::expect_float_tensor(values, "values", where, {batch, padded_len, config_.num_kv_heads, config_.head_dim});
+  if (!options.positions.empty()) {
+    detail::expect_index_tensor(options.positions, "positions", where, {batch, padded_len});
+  }
+  tensor_view q_last = options.q_last;
+  if (!q_last.empty()) {
+    if (q_last.rank == 3) {
+      detail::expect_float_tensor(q_last, "q_last", where, {batch, config_.num_q_heads, config_.head_dim});
+      q_last = detail::insert_unit_dim(q_last);
+    }
+    detail::expect_float_tensor(q_last, "q_last", where,
+                                {batch, any_extent, config_.num_q_heads, config_.head_dim});
+    SHADOWKV_EXPECTS(q_last.shape[1] >= 1, "q_last must hold at least one query token, got ", q_last.describe());
+  }
+  SHADOWKV_EXPECTS(options.lengths.empty() || static_cast<std::int64_t>(options.lengths.size()) == batch,
+                   "lengths must have one entry per sequence (", batch, "), got ", options.lengths.size());
+
+  std::vector<layer_state> new_states(slots.size());
+  for (std::size_t b = 0; b < slots.size(); ++b) {
+    const int slot = slots[b];
+    const std::int64_t length = options.lengths.empty() ? padded_len : options.lengths[b];
+    SHADOWKV_EXPECTS(length >= 1 && length <= padded_len, "lengths[", b, "] = ", length,
+                     " must be in [1, S = ", padded_len, "] (keys hold S tokens per sequence)");
+    SHADOWKV_EXPECTS_CAPACITY(length <= config_.max_seq_len, "prompt of slot ", slot, " has ", length,
+                              " tokens, more than max_seq_len = ", config_.max_seq_len);
+    const layer_state& current = sequences_[static_cast<std::size_t>(slot)].layers[static_cast<std::size_t>(layer)];
+    SHADOWKV_EXPECTS(!current.prefilled, "layer ", layer, " of slot ", slot,
+                     " is already prefilled; release the slot and add a new sequence to start over");
+    layer_state& state = new_states[b];
+    state.prefilled = true;
+    state.prompt_len = length;
+    state.prompt_context_chunks = std::max<std::int64_t>(0, length / config_.chunk_size - config_.local_chunks);
+    state.context_chunks = state.prompt_context_chunks;
+    state.outlier_chunks = std::min<std::int64_t>(config_.outlier_chunks, state.prompt_context_chunks);
+    state.local_len = length - state.prompt_context_chunks * config_.chunk_size;
+  }
+
+  std::vector<batch_entry> entries(slots.size());
+  for (std::size_t b = 0; b < slots.size(); ++b) {
+    entries[b] = {slots[b], static_cast<std::int64_t>(b), &new_states[b]};
+  }
+  prefill_inputs inputs{keys, values, options.positions, q_last, options.keys_post_rope};
+  backend_->prefill(layer, entries, inputs);
+
+  // Commit.
+  for (std::size_t b = 0; b < slots.size(); ++b) {
+    layer_state& state = sequences_[static_cast<std::size_t>(slots[b])].layers[static_cast<std::size_t>(layer)];
+    state = new_states[b];
+    entries[b].state = &state;
+  }
+  if (!q_last.empty()) {
+    backend_->select_chunks(layer, entries, q_last);
+    backend_->fetch_values(layer, entries);
+    backend_->rebuild_keys(layer, entries);
+  }
+}
+
+void kv_store::decode(int layer, std::span<const int> slots, const tensor_view& q, const tensor_view& k_new,
+                      const tensor_view& v_new, const mutable_tensor_view& out, const decode_options& options) {
+  check_layer(layer);
+  check_batch_slots(slots);
+  const auto batch = static_cast<std::int64_t>(slots.size());
+  const device where = backend_->where();
+  detail::expect_float_tensor(q, "q", where, {batch, config_.num_q_heads, config_.head_dim});
+  detail::expect_float_tensor(k_new, "k_new", where, {batch, config_.num_kv_heads, config_.head_dim});
+  detail::expect_float_tensor(v_new, "v_new", where, {batch, config_.num_kv_heads, config_.head_dim});
+  detail::expect_float_tensor(out, "out", where, {batch, config_.num_q_heads, config_.head_dim});
+  if (!options.positions.empty()) detail::expect_index_tensor(options.positions, "positions", where, {batch});
+  for (const int slot : slots) {
+    const layer_state& state = sequences_[static_cast<std::size_t>(slot)].layers[static_cast<std::size_t>(layer)];
+    SHADOWKV_EXPECTS(state.prefilled, "decode before prefill: layer ", layer, " of slot ", slot,
+                     " has no prompt yet");
+    SHADOWKV_EXPECTS_CAPACITY(state.total_len() + 1 <= config_.max_seq_len, "slot ", slot, " layer ", layer,
+                              " is full: it holds ", state.total_len(), " tokens and max_seq_len = ",
+                              config_.max_seq_len);
+  }
+
+  std::vector<batch_entry> entries(slots.size());
+  std::vector<batch_entry> folding;
+  for (std::size_t b = 0; b < slots.size(); ++b) {
+    const layer_state& state = sequences_[static_cast<std::size_t>(slots[b])].layers[static_cast<std::size_t>(layer)];
+    entries[b] = {slots[b], static_cast<std::int64_t>(b), &state};
+    if (state.generated_exact_len == config_.generation_window) folding.push_back(entries[b]);
+  }
+
+  // 1. Fold the oldest generated chunk where the exact generated region is full.
+  if (!folding.empty()) {
+    backend_->fold_oldest_generated_chunk(layer, folding);
+    for (const batch_entry& entry : folding) {
+      layer_state& state = sequences_[static_cast<std::size_t>(entry.slot)].layers[static_cast<std::size_t>(layer)];
+      state.context_chunks += 1;
+      state.generated_exact_len -= config_.chunk_size;
+    }
+    folds_ += static_cast<std::int64_t>(folding.size());
+  }
+  // 2. Append the new token.
+  backend_->append_token(layer, entries, append_inputs{k_new, v_new, options.positions, options.keys_post_rope});
+  for (const int slot : slots) {
+    layer_state& state = sequences_[static_cast<std::size_t>(slot)].layers[static_cast<std::size_t>(layer)];
+    state.generated_total += 1;
+    state.generated_exact_len += 1;
+  }
+  // 3–6. Select, then fetch values and rebuild keys of the misses (concurrent on devices with two streams).
+  const tensor_view queries = detail::insert_unit_dim(q);
+  backend_->select_chunks(layer, entries, queries);
+  backend_->fetch_values(layer, entries);
+  backend_->rebuild_keys(layer, entries);
+  // 7. Exact attention over the union.
+  backend_->attend(layer, entries, q, out);
+  decode_steps_ += 1;
+}
+
+chunk_ids_per_head kv_store::selected_chunks(int layer, int slot) const {
+  check_layer(layer);
+  check_slot(slot);
+  return backend_->selected_chunks(layer, slot);
+}
+
+chunk_ids_per_head kv_store::outlier_chunks(int layer, int slot) const {
+  check_layer(layer);
+  check_slot(slot);
+  return backend_->outlier_chunks(layer, slot);
+}
+
+sequence_info kv_store::info(int layer, int slot) const {
+  check_layer(layer);
+  check_slot(slot);
+  const layer_state& state = sequences_[static_cast<std::size_t>(slot)].layers[static_cast<std::size_t>(layer)];
+  sequence_info result;
+  result.prefilled = state.prefilled;
+  result.prompt_len = state.prompt_len;
+  result.total_len = state.total_len();
+  result.context_chunks = state.context_chunks;
+  result.outlier_chunks = state.outlier_chunks;
+  result.local_len = state.local_len;
+  result.generated_exact_len = state.generated_exact_len;
+  result.last_position = state.prefilled ? backend_->last_position(layer, slot) : -1;
+  return result;
+}
+
+memory_report kv_store::memory() const { return backend_->memory(); }
+
+store_stats kv_store::stats() const {
+  store_stats result = backend_->selection_stats();
+  result.decode_steps = decode_steps_;
+  result.folds = folds_;
+  return result;
+}
+
+void kv_store::reset_stats() noexcept {
+  backend_->reset_selection_stats();
+  decode_steps_ = 0;
+  folds_ = 0;
+}
+
+}  // namespace shadowkv

@@ -1,0 +1,71 @@
+#include "tensor_checks.hpp"
+
+#include <sstream>
+
+#include "shadowkv/errors.hpp"
+
+namespace shadowkv::detail {
+namespace {
+
+std::string shape_text(std::initializer_list<std::int64_t> shape) {
+  std::ostringstream out;
+  out << '[';
+  bool first = true;
+  for (const std::int64_t extent : shape) {
+    out << (first ? "" : ", ");
+    if (extent == any_extent) {
+      out << '*';
+    } else {
+      out << extent;
+    }
+    first = false;
+  }
+  out << ']';
+  return out.str();
+}
+
+void expect_shape_and_device(const tensor_view& view, std::string_view name, device where,
+                             std::initializer_list<std::int64_t> shape) {
+  SHADOWKV_EXPECTS(!view.empty(), name, " is required");
+  bool matches = view.rank == static_cast<int>(shape.size());
+  int dim = 0;
+  for (const std::int64_t extent : shape) {
+    if (!matches) break;
+    matches = extent == any_extent || view.shape[dim] == extent;
+    ++dim;
+  }
+  SHADOWKV_EXPECTS(matches, name, " must have shape ", shape_text(shape), ", got ", view.describe());
+  SHADOWKV_EXPECTS(view.where == where, name, " must be on ", to_string(where), " (the store's device), got ",
+                   view.describe());
+  std::int64_t elements = 1;
+  for (dim = 0; dim < view.rank; ++dim) {
+    SHADOWKV_EXPECTS(view.shape[dim] >= 0, name, " has a negative extent: ", view.describe());
+    elements *= view.shape[dim];
+  }
+  SHADOWKV_EXPECTS(elements == 0 || view.data != nullptr, name, " has no data pointer: ", view.describe());
+}
+
+}  // namespace
+
+void expect_float_tensor(const tensor_view& view, std::string_view name, device where,
+                         std::initializer_list<std::int64_t> shape) {
+  expect_shape_and_device(view, name, where, shape);
+  SHADOWKV_EXPECTS(!view.is_integer, name, " must be float32, float16 or bfloat16, got ", view.describe());
+}
+
+void expect_index_tensor(const tensor_view& view, std::string_view name, device where,
+                         std::initializer_list<std::int64_t> shape) {
+  expect_shape_and_device(view, name, where, shape);
+  SHADOWKV_EXPECTS(view.is_integer, name, " must be int32 or int64, got ", view.describe());
+}
+
+tensor_view insert_unit_dim(const tensor_view& view) {
+  SHADOWKV_ASSERT(view.rank == 3);
+  tensor_view result = view;
+  result.rank = 4;
+  result.shape = {view.shape[0], 1, view.shape[1], view.shape[2]};
+  result.strides = {view.strides[0], 0, view.strides[1], view.strides[2]};
+  return result;
+}
+
+}  // namespace shadowkv::detail

@@ -1,0 +1,217 @@
+// The one binding file: converts DLPack tensors to tensor_views and forwards to shadowkv::kv_store. No logic.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "shadowkv/build_info.hpp"
+#include "shadowkv/errors.hpp"
+#include "shadowkv/store.hpp"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace {
+
+using input_array = nb::ndarray<nb::ro>;
+using output_array = nb::ndarray<>;
+
+template <typename Array>
+shadowkv::tensor_view to_view(const Array& array, const char* name) {
+  shadowkv::tensor_view view;
+  SHADOWKV_EXPECTS(array.ndim() <= static_cast<std::size_t>(shadowkv::max_tensor_rank), name, " has ",
+                   array.ndim(), " dimensions; at most ", shadowkv::max_tensor_rank, " are expected");
+  view.data = array.data();
+  view.rank = static_cast<int>(array.ndim());
+  for (int dim = 0; dim < view.rank; ++dim) {
+    view.shape[static_cast<std::size_t>(dim)] = static_cast<std::int64_t>(array.shape(static_cast<std::size_t>(dim)));
+    view.strides[static_cast<std::size_t>(dim)] = static_cast<std::int64_t>(array.stride(static_cast<std::size_t>(dim)));
+  }
+  const nb::dlpack::dtype type = array.dtype();
+  const auto code = static_cast<nb::dlpack::dtype_code>(type.code);
+  SHADOWKV_EXPECTS(type.lanes == 1, name, " must not be a vector dtype");
+  if (code == nb::dlpack::dtype_code::Float && type.bits == 32) {
+    view.float_type = shadowkv::dtype::float32;
+  } else if (code == nb::dlpack::dtype_code::Float && type.bits == 16) {
+    view.float_type = shadowkv::dtype::float16;
+  } else if (code == nb::dlpack::dtype_code::Bfloat && type.bits == 16) {
+    view.float_type = shadowkv::dtype::bfloat16;
+  } else if (code == nb::dlpack::dtype_code::Int && (type.bits == 32 || type.bits == 64)) {
+    view.is_integer = true;
+    view.int_type = type.bits == 32 ? shadowkv::index_type::int32 : shadowkv::index_type::int64;
+  } else {
+    throw shadowkv::invalid_argument(shadowkv::detail::format_message(
+        name, " has an unsupported dtype (DLPack code ", static_cast<int>(type.code), ", ", static_cast<int>(type.bits),
+        " bits); expected float32/float16/bfloat16 (or int32/int64 for positions)"));
+  }
+  if (array.device_type() == nb::device::cpu::value || array.device_type() == nb::device::cuda_host::value) {
+    view.where = {shadowkv::device_type::cpu, 0};
+  } else if (array.device_type() == nb::device::cuda::value) {
+    view.where = {shadowkv::device_type::cuda, array.device_id()};
+  } else {
+    throw shadowkv::invalid_argument(shadowkv::detail::format_message(
+        name, " lives on an unsupported device (DLPack device type ", array.device_type(), "); expected cpu or cuda"));
+  }
+  return view;
+}
+
+shadowkv::tensor_view optional_view(const std::optional<input_array>& array, const char* name) {
+  return array ? to_view(*array, name) : shadowkv::tensor_view{};
+}
+
+nb::dict info_dict(const shadowkv::sequence_info& info) {
+  nb::dict d;
+  d["prefilled"] = info.prefilled;
+  d["prompt_len"] = info.prompt_len;
+  d["total_len"] = info.total_len;
+  d["context_chunks"] = info.context_chunks;
+  d["outlier_chunks"] = info.outlier_chunks;
+  d["local_len"] = info.local_len;
+  d["generated_exact_len"] = info.generated_exact_len;
+  d["last_position"] = info.last_position;
+  return d;
+}
+
+nb::dict memory_dict(const shadowkv::memory_report& report) {
+  nb::dict d;
+  d["low_rank_factors"] = report.low_rank_factors;
+  d["landmarks"] = report.landmarks;
+  d["outliers"] = report.outliers;
+  d["exact_tokens"] = report.exact_tokens;
+  d["value_store"] = report.value_store;
+  d["selection_cache"] = report.selection_cache;
+  d["total"] = report.total();
+  d["full_attention_equivalent"] = report.full_attention_equivalent;
+  return d;
+}
+
+nb::dict stats_dict(const shadowkv::store_stats& stats) {
+  nb::dict d;
+  d["decode_steps"] = stats.decode_steps;
+  d["selections"] = stats.selections;
+  d["hits"] = stats.hits;
+  d["misses"] = stats.misses;
+  d["hit_rate"] = stats.hit_rate();
+  d["chunks_rebuilt"] = stats.chunks_rebuilt;
+  d["bytes_fetched"] = stats.bytes_fetched;
+  d["folds"] = stats.folds;
+  return d;
+}
+
+}  // namespace
+
+NB_MODULE(_core, m) {
+  m.doc() = "shadowkv_core native module (use the shadowkv_core package, not this module)";
+
+  nb::class_<shadowkv::config>(m, "Config")
+      .def(nb::init<>())
+      .def_rw("num_layers", &shadowkv::config::num_layers)
+      .def_rw("num_q_heads", &shadowkv::config::num_q_heads)
+      .def_rw("num_kv_heads", &shadowkv::config::num_kv_heads)
+      .def_rw("head_dim", &shadowkv::config::head_dim)
+      .def_rw("max_batch", &shadowkv::config::max_batch)
+      .def_rw("max_seq_len", &shadowkv::config::max_seq_len)
+      .def_rw("rope_theta", &shadowkv::config::rope_theta)
+      .def_rw("inv_freq", &shadowkv::config::inv_freq)
+      .def_rw("rotary_dim", &shadowkv::config::rotary_dim)
+      .def_prop_rw(
+          "rope_style", [](const shadowkv::config& c) { return shadowkv::rope_style_name(c.rope); },
+          [](shadowkv::config& c, const std::string& name) { c.rope = shadowkv::parse_rope_style(name); })
+      .def_rw("attention_scaling", &shadowkv::config::attention_scaling)
+      .def_rw("softmax_scale", &shadowkv::config::softmax_scale)
+      .def_rw("rank", &shadowkv::config::rank)
+      .def_rw("chunk_size", &shadowkv::config::chunk_size)
+      .def_rw("budget_chunks", &shadowkv::config::budget_chunks)
+      .def_rw("outlier_chunks", &shadowkv::config::outlier_chunks)
+      .def_rw("local_chunks", &shadowkv::config::local_chunks)
+      .def_rw("generation_window", &shadowkv::config::generation_window)
+      .def_prop_rw(
+          "factorization",
+          [](const shadowkv::config& c) {
+            return std::string(c.factorization == shadowkv::factorization_method::svd ? "svd" : "gram");
+          },
+          [](shadowkv::config& c, const std::string& name) { c.factorization = shadowkv::parse_factorization(name); })
+      .def_prop_rw(
+          "dtype", [](const shadowkv::config& c) { return std::string(shadowkv::dtype_name(c.kv_dtype)); },
+          [](shadowkv::config& c, const std::string& name) { c.kv_dtype = shadowkv::parse_dtype(name); })
+      .def_prop_rw(
+          "value_store",
+          [](const shadowkv::config& c) {
+            return std::string(c.value_store == shadowkv::value_store_policy::host ? "host" : "device");
+          },
+          [](shadowkv::config& c, const std::string& name) { c.value_store = shadowkv::parse_value_store(name); })
+      .def("validate", &shadowkv::config::validate);
+
+  nb::class_<shadowkv::kv_store>(m, "Store")
+      .def(
+          "__init__",
+          [](shadowkv::kv_store* self, const shadowkv::config& cfg, const std::string& device) {
+            new (self) shadowkv::kv_store(cfg, shadowkv::parse_device(device));
+          },
+          "config"_a, "device"_a = "cpu")
+      .def_prop_ro("device", [](const shadowkv::kv_store& s) { return shadowkv::to_string(s.where()); })
+      .def("add_sequences", &shadowkv::kv_store::add_sequences, "count"_a)
+      .def(
+          "release", [](shadowkv::kv_store& s, const std::vector<int>& slots) { s.release(slots); }, "slots"_a)
+      .def("active_slots", &shadowkv::kv_store::active_slots)
+      .def(
+          "prefill",
+          [](shadowkv::kv_store& s, int layer, const std::vector<int>& slots, const input_array& keys,
+             const input_array& values, const std::vector<std::int64_t>& lengths,
+             const std::optional<input_array>& positions, const std::optional<input_array>& q_last,
+             bool keys_post_rope) {
+            shadowkv::prefill_options options;
+            options.lengths = lengths;
+            options.positions = optional_view(positions, "positions");
+            options.q_last = optional_view(q_last, "q_last");
+            options.keys_post_rope = keys_post_rope;
+            const shadowkv::tensor_view key_view = to_view(keys, "keys");
+            const shadowkv::tensor_view value_view = to_view(values, "values");
+            nb::gil_scoped_release release;
+            s.prefill(layer, slots, key_view, value_view, options);
+          },
+          "layer"_a, "slots"_a, "keys"_a, "values"_a, "lengths"_a, "positions"_a.none(), "q_last"_a.none(),
+          "keys_post_rope"_a)
+      .def(
+          "decode",
+          [](shadowkv::kv_store& s, int layer, const std::vector<int>& slots, const input_array& q,
+             const input_array& k_new, const input_array& v_new, const output_array& out,
+             const std::optional<input_array>& positions, bool k_new_post_rope) {
+            shadowkv::decode_options options;
+            options.positions = optional_view(positions, "positions");
+            options.keys_post_rope = k_new_post_rope;
+            shadowkv::mutable_tensor_view out_view;
+            static_cast<shadowkv::tensor_view&>(out_view) = to_view(out, "out");
+            const shadowkv::tensor_view q_view = to_view(q, "q");
+            const shadowkv::tensor_view k_view = to_view(k_new, "k_new");
+            const shadowkv::tensor_view v_view = to_view(v_new, "v_new");
+            nb::gil_scoped_release release;
+            s.decode(layer, slots, q_view, k_view, v_view, out_view, options);
+          },
+          "layer"_a, "slots"_a, "q"_a, "k_new"_a, "v_new"_a, "out"_a, "positions"_a.none(), "k_new_post_rope"_a)
+      .def("selected_chunks", &shadowkv::kv_store::selected_chunks, "layer"_a, "slot"_a)
+      .def("outlier_chunks", &shadowkv::kv_store::outlier_chunks, "layer"_a, "slot"_a)
+      .def(
+          "sequence_info", [](const shadowkv::kv_store& s, int layer, int slot) { return info_dict(s.info(layer, slot)); },
+          "layer"_a, "slot"_a)
+      .def("memory_report", [](const shadowkv::kv_store& s) { return memory_dict(s.memory()); })
+      .def("stats", [](const shadowkv::kv_store& s) { return stats_dict(s.stats()); })
+      .def("reset_stats", &shadowkv::kv_store::reset_stats);
+
+  m.def("build_info", []() {
+    const shadowkv::build_info info = shadowkv::get_build_info();
+    nb::dict d;
+    d["version"] = info.version;
+    d["cuda_compiled"] = info.cuda_compiled;
+    d["cuda_backend"] = info.cuda_backend;
+    d["cuda_devices"] = info.cuda_devices;
+    d["backends"] = info.backends;
+    d["blas"] = info.blas;
+    return d;
+  });
+}

@@ -1,0 +1,454 @@
+"""Pure-PyTorch (float64) reference of docs/semantics.md.
+
+One sequence, one layer. Every step below names the section of docs/semantics.md it implements, so the two can be
+read side by side. The reference rounds to the storage dtype exactly where the semantics say the store does
+(exact keys/values, landmarks, rebuilt keys: ``dtype``; the factors A and B: float32), and does all arithmetic in
+float64. It is written for clarity, not speed; the shapes in the tests are small.
+
+Conventions: keys and values are ``[T, Hkv, D]``; queries ``[Hq, D]`` (or ``[Tq, Hq, D]`` for prefill's q_last);
+query head ``j`` reads KV head ``j // G``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Optional
+
+import torch
+
+F64 = torch.float64
+F32 = torch.float32
+
+STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dtype_bytes(dtype: str) -> int:
+    return torch.empty((), dtype=STORAGE_DTYPES[dtype]).element_size()
+
+
+def round_to(x: torch.Tensor, dtype) -> torch.Tensor:
+    """Round a float64 tensor to ``dtype`` (round to nearest even) and return it as float64 again."""
+    if isinstance(dtype, str):
+        dtype = STORAGE_DTYPES[dtype]
+    return x.to(dtype).to(F64)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# RoPE (semantics.md "RoPE")
+# --------------------------------------------------------------------------------------------------------------------
+
+def default_inv_freq(theta: float, rotary_dim: int) -> torch.Tensor:
+    """``inv_freq[i] = theta^(-2i/rotary_dim)``, i < rotary_dim/2, evaluated in float64 and rounded to float32."""
+    i = torch.arange(rotary_dim // 2, dtype=F64)
+    return (float(theta) ** (-2.0 * i / rotary_dim)).to(F32)
+
+
+def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """``a = float32(p) * inv_freq`` computed in float32 (as transformers does). Returns float32 ``[T, R/2]``."""
+    p = torch.as_tensor(positions).reshape(-1).to(torch.int64).to(F32)
+    return p[:, None] * inv_freq.to(F32)[None, :]
+
+
+def rope_tables(positions, inv_freq: torch.Tensor, attention_scaling: float = 1.0):
+    """``(cos, sin)`` float64 ``[T, R/2]``: cos/sin of the float32 angle, evaluated in float64, times the scaling."""
+    a = rope_angles(positions, inv_freq).to(F64)
+    return torch.cos(a) * attention_scaling, torch.sin(a) * attention_scaling
+
+
+def _split_pairs(x: torch.Tensor, rotary_dim: int, style: str):
+    if style == "half":
+        return x[..., : rotary_dim // 2], x[..., rotary_dim // 2: rotary_dim]
+    if style == "interleaved":
+        return x[..., 0:rotary_dim:2], x[..., 1:rotary_dim:2]
+    raise ValueError(f"unknown rope_style {style!r}")
+
+
+def _merge_pairs(x: torch.Tensor, first: torch.Tensor, second: torch.Tensor, rotary_dim: int, style: str):
+    out = x.clone()
+    if style == "half":
+        out[..., : rotary_dim // 2] = first
+        out[..., rotary_dim // 2: rotary_dim] = second
+    else:
+        out[..., 0:rotary_dim:2] = first
+        out[..., 1:rotary_dim:2] = second
+    return out
+
+
+def _broadcast_table(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    # tables are [T, R/2]; x is [T, R... ] or [T, H, D]: insert head axes between T and the last axis
+    while t.dim() < x.dim():
+        t = t.unsqueeze(-2)
+    return t
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str = "half") -> torch.Tensor:
+    """RoPE of ``x`` ``[T, ..., D]`` (float64 result) with tables from :func:`rope_tables`.
+
+    ``rope(x)_first = x1*cos - x2*sin``, ``rope(x)_second = x2*cos + x1*sin``; dims >= rotary_dim pass through.
+    """
+    x = x.to(F64)
+    rotary_dim = 2 * cos.shape[-1]
+    c, s = _broadcast_table(cos, x), _broadcast_table(sin, x)
+    x1, x2 = _split_pairs(x, rotary_dim, style)
+    return _merge_pairs(x, x1 * c - x2 * s, x2 * c + x1 * s, rotary_dim, style)
+
+
+def unapply_rope(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str = "half",
+                 attention_scaling: float = 1.0) -> torch.Tensor:
+    """Exact inverse of :func:`apply_rope`: rotate by ``-a`` and divide by ``attention_scaling`` (rotary dims only)."""
+    y = y.to(F64)
+    rotary_dim = 2 * cos.shape[-1]
+    # the tables carry the scaling: (cos, sin) = s * (cos a, sin a); rotating by -a and dividing by s is
+    # (y1*cos a + y2*sin a) / s = (y1*cos + y2*sin) / s^2
+    s2 = float(attention_scaling) ** 2
+    c, s = _broadcast_table(cos, y), _broadcast_table(sin, y)
+    y1, y2 = _split_pairs(y, rotary_dim, style)
+    return _merge_pairs(y, (y1 * c + y2 * s) / s2, (y2 * c - y1 * s) / s2, rotary_dim, style)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Full attention (the thing the store approximates)
+# --------------------------------------------------------------------------------------------------------------------
+
+def full_attention(q: torch.Tensor, keys_post: torch.Tensor, values: torch.Tensor, scale: Optional[float] = None):
+    """Float64 softmax attention of one query token ``q [Hq, D]`` over ``keys_post``/``values`` ``[T, Hkv, D]``.
+
+    GQA aware: query head ``j`` reads KV head ``j // (Hq / Hkv)``. Returns ``[Hq, D]`` float64.
+    """
+    q, k, v = q.to(F64), keys_post.to(F64), values.to(F64)
+    hq, d = q.shape
+    hkv = k.shape[1]
+    assert hq % hkv == 0
+    g = hq // hkv
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    k_rep = k.repeat_interleave(g, dim=1)             # [T, Hq, D]
+    v_rep = v.repeat_interleave(g, dim=1)
+    logits = scale * torch.einsum("jd,tjd->jt", q, k_rep)
+    w = torch.softmax(logits, dim=-1)
+    return torch.einsum("jt,tjd->jd", w, v_rep)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The store
+# --------------------------------------------------------------------------------------------------------------------
+
+@dataclass
+class RefConfig:
+    """Same names and defaults as ``KVStore``'s keyword arguments (layers/batch/capacity left out)."""
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    inv_freq: Optional[torch.Tensor] = None
+    rotary_dim: Optional[int] = None
+    rope_style: str = "half"
+    attention_scaling: float = 1.0
+    softmax_scale: Optional[float] = None
+    rank: int = 160
+    chunk_size: int = 8
+    budget: int = 2048                 # tokens; a multiple of chunk_size
+    outlier_chunks: int = 48
+    local_chunks: int = 4
+    generation_window: int = 256       # tokens; a multiple of chunk_size
+    factorization: str = "gram"        # "gram" or "svd"
+    dtype: str = "float32"
+
+    @classmethod
+    def from_kwargs(cls, **kw) -> "RefConfig":
+        """Build from a ``KVStore`` keyword dict, ignoring the store-only keys (layers, batch, device...)."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in kw.items() if k in names})
+
+    def __post_init__(self):
+        if self.rotary_dim is None:
+            self.rotary_dim = self.head_dim
+        if self.inv_freq is None:
+            self.inv_freq = default_inv_freq(self.rope_theta, self.rotary_dim)
+        else:
+            self.inv_freq = torch.as_tensor(self.inv_freq).to(F32).reshape(-1)
+        if self.softmax_scale is None:
+            self.softmax_scale = 1.0 / math.sqrt(self.head_dim)
+        assert self.budget % self.chunk_size == 0
+        assert self.generation_window % self.chunk_size == 0
+        assert self.num_q_heads % self.num_kv_heads == 0
+        assert self.rotary_dim % 2 == 0 and self.rotary_dim <= self.head_dim
+        assert self.inv_freq.numel() == self.rotary_dim // 2
+
+    @property
+    def group(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def budget_chunks(self) -> int:
+        return self.budget // self.chunk_size
+
+
+def _min_cos(landmark: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """``min_t cos(L, k_t)`` with ``cos(a, b) = a.b / max(|a||b|, 1e-30)``; landmark ``[D]``, keys ``[C, D]``."""
+    dots = keys @ landmark
+    norms = (keys.norm(dim=-1) * landmark.norm()).clamp_min(1e-30)
+    return (dots / norms).min()
+
+
+def _order(values: torch.Tensor, descending: bool) -> torch.Tensor:
+    """Indices ordering ``values``, ties kept in index order (= smaller chunk id first)."""
+    return torch.sort(values, descending=descending, stable=True).indices
+
+
+class ReferenceStore:
+    """One sequence, one layer of the store, exactly as docs/semantics.md describes it.
+
+    Public state after each call:
+      ``outliers``   list (per KV head) of sorted outlier chunk ids (fixed at prefill)
+      ``selected``   list (per KV head) of sorted chunk ids of the last selection
+      ``last_scores`` list (per KV head) of ``(candidate_ids, scores)`` of the last selection (float64)
+      ``min_cos``    ``[n, Hkv]`` the outlier criterion at prefill
+      ``hits``, ``misses``, ``chunks_rebuilt``, ``bytes_fetched``, ``selections``, ``decode_steps``, ``folds``
+      ``last_hits``, ``last_misses``  counters of the last selection alone
+    """
+
+    def __init__(self, config: RefConfig):
+        self.cfg = config
+        c = config
+        self.e = dtype_bytes(c.dtype)
+        self.prefilled = False
+        self.hits = self.misses = self.chunks_rebuilt = self.bytes_fetched = 0
+        self.selections = self.decode_steps = self.folds = 0
+        self.last_hits = self.last_misses = 0
+        self.selected = [[] for _ in range(c.num_kv_heads)]
+        self.outliers = [[] for _ in range(c.num_kv_heads)]
+        self.last_scores = [(torch.empty(0, dtype=torch.long), torch.empty(0, dtype=F64))
+                            for _ in range(c.num_kv_heads)]
+        # selection cache per KV head: chunk id -> (rebuilt keys [C, D], values [C, D])
+        self.cache = [dict() for _ in range(c.num_kv_heads)]
+
+    # ---------------------------------------------------------------- helpers
+    def _rope(self, x, positions):
+        cos, sin = rope_tables(positions, self.cfg.inv_freq, self.cfg.attention_scaling)
+        return apply_rope(x, cos, sin, self.cfg.rope_style)
+
+    def _unrope(self, y, positions):
+        cos, sin = rope_tables(positions, self.cfg.inv_freq, self.cfg.attention_scaling)
+        return unapply_rope(y, cos, sin, self.cfg.rope_style, self.cfg.attention_scaling)
+
+    def _store(self, x):
+        return round_to(x, self.cfg.dtype)
+
+    def _factorise(self, k_pre_flat: torch.Tensor) -> torch.Tensor:
+        """``V_r`` ``[Hkv*D, r]``: the r leading right singular vectors of ``K_pre`` (semantics.md Prefill 2)."""
+        r = self.cfg.rank
+        s, hd = k_pre_flat.shape
+        if self.cfg.factorization == "svd":
+            _, _, vh = torch.linalg.svd(k_pre_flat, full_matrices=r > min(s, hd))
+            return vh[:r].T.contiguous()
+        if self.cfg.factorization == "gram":
+            evals, evecs = torch.linalg.eigh(k_pre_flat.T @ k_pre_flat)   # ascending
+            order = torch.argsort(evals, descending=True, stable=True)
+            return evecs[:, order[:r]].contiguous()
+        raise ValueError(f"unknown factorization {self.cfg.factorization!r}")
+
+    # ---------------------------------------------------------------- prefill
+    def prefill(self, keys, values, positions=None, q_last=None, keys_post_rope: bool = False):
+        """Prompt of ``S`` tokens: ``keys``/``values`` ``[S, Hkv, D]``, ``positions`` int ``[S]`` (default arange).
+
+        ``q_last`` ``[Hq, D]`` or ``[Tq, Hq, D]`` (post-RoPE) runs one selection.
+        """
+        c = self.cfg
+        C, hkv, d = c.chunk_size, c.num_kv_heads, c.head_dim
+        keys, values = keys.to(F64), values.to(F64)
+        S = keys.shape[0]
+        assert S >= 1 and keys.shape == (S, hkv, d) and values.shape == (S, hkv, d)
+        if positions is None:
+            positions = torch.arange(S, dtype=torch.int64)
+        positions = torch.as_tensor(positions, dtype=torch.int64).reshape(-1)
+        assert positions.numel() == S
+
+        # 1. context chunks and local window
+        n = max(0, S // C - c.local_chunks)
+        self.prompt_len = S
+        self.n_prompt_chunks = n
+
+        # 2. K_pre (float32), factorisation, A for context rows (A, B float32)
+        k_pre = self._unrope(keys, positions) if keys_post_rope else keys
+        k_pre = round_to(k_pre, F32)
+        k_flat = k_pre.reshape(S, hkv * d)
+        v_r = self._factorise(k_flat)
+        self.B = round_to(v_r.T.contiguous(), F32)                         # [r, Hkv*D]
+        self.A = round_to(k_flat[: n * C] @ self.B.T, F32)                # [n*C, r]
+        self.ctx_positions = positions[: n * C].clone()
+
+        # 3. exact post-RoPE keys (rounded), landmarks
+        kp = self._store(self._rope(k_pre, positions))                    # [S, Hkv, D]
+        vs = self._store(values)
+        kp_chunks = kp[: n * C].reshape(n, C, hkv, d)
+        self.landmarks = self._store(kp_chunks.mean(dim=1))               # [n, Hkv, D]
+
+        # 4. outliers: min cosine, smallest first, ties by smaller chunk id
+        m = torch.empty(n, hkv, dtype=F64)
+        for ci in range(n):
+            for h in range(hkv):
+                m[ci, h] = _min_cos(self.landmarks[ci, h], kp_chunks[ci, :, h])
+        self.min_cos = m
+        n_out = min(c.outlier_chunks, n)
+        self.outliers = [sorted(_order(m[:, h], descending=False)[:n_out].tolist()) for h in range(hkv)]
+        self.outlier_keys = kp_chunks.clone()      # only the outlier chunks' entries are ever read
+        self.outlier_values = vs[: n * C].reshape(n, C, hkv, d).clone()
+
+        # 5. value store and the exact local window
+        self.value_store = vs[: n * C].reshape(n, C, hkv, d).clone()     # [chunk][C][head][D] (any layout is fine)
+        self.local_keys, self.local_values = kp[n * C:].clone(), vs[n * C:].clone()
+        self.local_positions = positions[n * C:].clone()
+        self.gen_keys = torch.empty(0, hkv, d, dtype=F64)
+        self.gen_values = torch.empty(0, hkv, d, dtype=F64)
+        self.gen_positions = torch.empty(0, dtype=torch.int64)
+        self.last_position = int(positions[-1])
+        self.cache = [dict() for _ in range(hkv)]
+        self.selected = [[] for _ in range(hkv)]
+        self.prefilled = True
+
+        # 6. optional warm-up selection
+        if q_last is not None:
+            q_last = q_last.to(F64)
+            if q_last.dim() == 2:
+                q_last = q_last.unsqueeze(0)
+            self._select(q_last)
+
+    # ---------------------------------------------------------------- selection
+    @property
+    def n_ctx_chunks(self) -> int:
+        return self.landmarks.shape[0]
+
+    def rebuild_keys(self, chunk: int, h: int) -> torch.Tensor:
+        C, d = self.cfg.chunk_size, self.cfg.head_dim
+        rows = self.A[chunk * C:(chunk + 1) * C]                            # [C, r]
+        k_pre = rows @ self.B[:, h * d:(h + 1) * d]                        # [C, D]
+        return self._store(self._rope(k_pre, self.ctx_positions[chunk * C:(chunk + 1) * C]))
+
+    def _select(self, q: torch.Tensor):
+        """Decode 3-6 for query tokens ``q`` ``[Tq, Hq, D]``."""
+        c = self.cfg
+        g, hkv = c.group, c.num_kv_heads
+        self.selections += 1
+        self.last_hits = self.last_misses = 0
+        for h in range(hkv):
+            out_set = set(self.outliers[h])
+            cand = torch.tensor([ci for ci in range(self.n_ctx_chunks) if ci not in out_set], dtype=torch.long)
+            if cand.numel() == 0:
+                self.selected[h] = []
+                self.last_scores[h] = (cand, torch.empty(0, dtype=F64))
+                continue
+            lm = self.landmarks[cand, h]                                      # [Nc, D]
+            qg = q[:, h * g:(h + 1) * g]                                      # [Tq, G, D]
+            p = torch.softmax(c.softmax_scale * torch.einsum("tjd,cd->tjc", qg, lm), dim=-1)
+            score = p.sum(dim=0).max(dim=0).values                           # sum over tokens, max over group
+            order = _order(score, descending=True)
+            k = min(c.budget_chunks, cand.numel())
+            chosen = sorted(cand[order[:k]].tolist())
+            self.last_scores[h] = (cand, score)
+            # temporal cache: hits keep their buffers, misses are rebuilt and fetched
+            old = self.cache[h]
+            new = {}
+            for ci in chosen:
+                if ci in old:
+                    new[ci] = old[ci]
+                    self.last_hits += 1
+                else:
+                    new[ci] = (self.rebuild_keys(ci, h), self.value_store[ci, :, h].clone())
+                    self.last_misses += 1
+            self.cache[h] = new
+            self.selected[h] = chosen
+        self.hits += self.last_hits
+        self.misses += self.last_misses
+        self.chunks_rebuilt += self.last_misses
+        self.bytes_fetched += self.last_misses * c.chunk_size * c.head_dim * self.e
+
+    # ---------------------------------------------------------------- decode
+    def _fold(self):
+        """Decode 1: the oldest C generated tokens become the next context chunk."""
+        c = self.cfg
+        C = c.chunk_size
+        keys, values, pos = self.gen_keys[:C], self.gen_values[:C], self.gen_positions[:C]
+        k_pre = self._unrope(keys, pos).reshape(C, -1)                     # un-RoPE of the stored exact keys
+        a = round_to(k_pre @ self.B.T, F32)
+        self.A = torch.cat([self.A, a])
+        self.ctx_positions = torch.cat([self.ctx_positions, pos])
+        self.landmarks = torch.cat([self.landmarks, self._store(keys.mean(dim=0))[None]])
+        self.value_store = torch.cat([self.value_store, values[None]])
+        self.gen_keys, self.gen_values, self.gen_positions = self.gen_keys[C:], self.gen_values[C:], self.gen_positions[C:]
+        self.folds += 1
+
+    def decode(self, q, k_new, v_new, position=None, k_new_post_rope: bool = True):
+        """One token: ``q`` ``[Hq, D]`` post-RoPE, ``k_new``/``v_new`` ``[Hkv, D]``. Returns ``[Hq, D]`` float64."""
+        assert self.prefilled, "decode before prefill"
+        c = self.cfg
+        C, g, d = c.chunk_size, c.group, c.head_dim
+        q = q.to(F64)
+        position = self.last_position + 1 if position is None else int(position)
+        pos_t = torch.tensor([position], dtype=torch.int64)
+
+        if self.gen_keys.shape[0] >= c.generation_window:                 # 1. fold
+            self._fold()
+        k_new = k_new.to(F64)                                              # 2. append
+        if not k_new_post_rope:
+            k_new = self._rope(k_new[None], pos_t)[0]
+        self.gen_keys = torch.cat([self.gen_keys, self._store(k_new)[None]])
+        self.gen_values = torch.cat([self.gen_values, self._store(v_new.to(F64))[None]])
+        self.gen_positions = torch.cat([self.gen_positions, pos_t])
+        self.last_position = position
+        self.decode_steps += 1
+
+        self._select(q[None])                                              # 3-6
+
+        out = torch.empty(c.num_q_heads, d, dtype=F64)                     # 7. exact attention over the union
+        for h in range(c.num_kv_heads):
+            ks, vs = self.union_kv(h)
+            qg = q[h * g:(h + 1) * g]
+            w = torch.softmax(c.softmax_scale * qg @ ks.T, dim=-1)
+            out[h * g:(h + 1) * g] = w @ vs
+        return out
+
+    def union_kv(self, h: int):
+        """Keys and values ``[N, D]`` head ``h`` attends over: outliers ∪ local ∪ selected ∪ generated."""
+        parts_k, parts_v = [], []
+        for ci in self.outliers[h]:
+            parts_k.append(self.outlier_keys[ci, :, h])
+            parts_v.append(self.outlier_values[ci, :, h])
+        parts_k.append(self.local_keys[:, h])
+        parts_v.append(self.local_values[:, h])
+        for ci in self.selected[h]:
+            kk, vv = self.cache[h][ci]
+            parts_k.append(kk)
+            parts_v.append(vv)
+        parts_k.append(self.gen_keys[:, h])
+        parts_v.append(self.gen_values[:, h])
+        return torch.cat(parts_k), torch.cat(parts_v)
+
+    # ---------------------------------------------------------------- reports
+    def sequence_info(self) -> dict:
+        C = self.cfg.chunk_size
+        return dict(prompt_len=self.prompt_len,
+                    total_len=self.prompt_len + self.decode_steps,
+                    context_chunks=self.n_ctx_chunks,
+                    local_len=self.prompt_len - self.n_prompt_chunks * C,
+                    generated_exact_len=int(self.gen_keys.shape[0]),
+                    last_position=self.last_position)
+
+    def memory_report(self) -> dict:
+        """semantics.md "Memory report" for this (sequence, layer)."""
+        c, e = self.cfg, self.e
+        C, hkv, d, r = c.chunk_size, c.num_kv_heads, c.head_dim, c.rank
+        info = self.sequence_info()
+        n_ctx = info["context_chunks"]
+        rep = dict(
+            low_rank_factors=(n_ctx * C * r + r * hkv * d) * 4,
+            landmarks=n_ctx * hkv * d * e,
+            outliers=min(c.outlier_chunks, self.n_prompt_chunks) * C * hkv * d * 2 * e,
+            exact_tokens=(info["local_len"] + info["generated_exact_len"]) * hkv * d * 2 * e,
+            value_store=n_ctx * C * hkv * d * e,
+            selection_cache=c.budget_chunks * C * hkv * d * 2 * e,
+        )
+        rep["total"] = sum(rep.values())
+        rep["full_attention_equivalent"] = info["total_len"] * hkv * d * 2 * e
+        return rep
