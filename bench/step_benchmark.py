@@ -1,0 +1,189 @@
+"""One layer's decode step through the store, next to full attention and the byte floor, measured in one run.
+
+    python bench/step_benchmark.py                 # DESIGN.md §7 configurations on CUDA, small ones on the CPU
+    python bench/step_benchmark.py --config 1x122880x2048 --hit 0 0.6 --json out.json
+
+For each configuration (batch B, context S, budget) and target temporal hit rate it reports:
+  ours        mean time of store.decode for one layer (selection, rebuild, fetch, attention), B sequences
+  full        PyTorch SDPA over the whole KV cache of the same B sequences, same device, same dtype
+  floor       landmark bytes at the measured memory bandwidth + missed value bytes at the measured host->device
+              bandwidth (both measured here, now); on the CPU both terms use the host copy bandwidth
+and the ratios ours/full and ours/floor. The hit rate is steered by correlating consecutive queries
+(q_t = a·q_{t-1} + sqrt(1-a²)·noise, `a` found by bisection) and the hit rate actually measured is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import torch
+
+from shadowkv_core import KVStore, build_info
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _measure_bandwidths(device: str) -> tuple[float, float]:
+    """(memory copy bandwidth counting read+write, host->device bandwidth) in bytes/s."""
+    nbytes = (1 << 30) if device.startswith("cuda") else (1 << 27)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    _sync(device)
+    reps = 10
+    started = time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(src)
+    _sync(device)
+    memory = 2 * nbytes * reps / (time.perf_counter() - started)
+    if not device.startswith("cuda"):
+        return memory, memory
+    host = torch.empty(nbytes // 4, dtype=torch.uint8, pin_memory=True)
+    target = torch.empty(nbytes // 4, dtype=torch.uint8, device=device)
+    target.copy_(host, non_blocking=True)
+    _sync(device)
+    started = time.perf_counter()
+    for _ in range(reps):
+        target.copy_(host, non_blocking=True)
+    _sync(device)
+    link = (nbytes // 4) * reps / (time.perf_counter() - started)
+    return memory, link
+
+
+def _time(fn, device: str, reps: int) -> float:
+    fn()
+    _sync(device)
+    started = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    _sync(device)
+    return (time.perf_counter() - started) / reps
+
+
+def run_case(args, device, batch, seq_len, budget, target_hit, bandwidths):
+    dtype = torch.bfloat16
+    hq, hkv, dim, chunk = args.q_heads, args.kv_heads, args.head_dim, 8
+    gen = torch.Generator(device="cpu").manual_seed(args.seed)
+    capacity = seq_len + 4 * args.steps + 64
+    store = KVStore(1, hq, hkv, dim, max_batch=batch, max_seq_len=capacity, rank=args.rank, chunk_size=chunk,
+                    budget=budget, outlier_chunks=48, local_chunks=4, generation_window=256, dtype="bfloat16",
+                    device=device, rope_theta=500000.0)
+    slots = store.add_sequences(batch)
+    keys_full, values_full = [], []
+    for b in range(batch):  # one sequence at a time bounds host memory for the random data
+        basis = torch.randn(32, hkv * dim, generator=gen)
+        keys = (torch.randn(seq_len, 32, generator=gen) @ basis + 0.3 * torch.randn(seq_len, hkv * dim, generator=gen))
+        keys = keys.reshape(1, seq_len, hkv, dim).to(device, dtype)
+        values = torch.randn(1, seq_len, hkv, dim, generator=gen).to(device, dtype)
+        store.prefill(0, [slots[b]], keys, values, keys_post_rope=True)
+        keys_full.append(keys[0].transpose(0, 1))
+        values_full.append(values[0].transpose(0, 1))
+    keys_full = torch.stack(keys_full)  # [B, Hkv, S, D]
+    values_full = torch.stack(values_full)
+    scale = 1.0 / math.sqrt(dim)
+
+    state = {"q": torch.randn(batch, hq, dim, generator=gen)}
+
+    def next_query(a):
+        noise = torch.randn(batch, hq, dim, generator=gen)
+        state["q"] = a * state["q"] + math.sqrt(max(0.0, 1.0 - a * a)) * noise
+        return (state["q"] * 2.0).to(device, dtype)
+
+    k_new = torch.randn(batch, hkv, dim, generator=gen).to(device, dtype)
+    v_new = torch.randn(batch, hkv, dim, generator=gen).to(device, dtype)
+
+    def measured_hit(a, steps):
+        store.reset_stats()
+        for _ in range(steps):
+            store.decode(0, slots, next_query(a), k_new, v_new)
+        return store.stats()["hit_rate"]
+
+    # Steer the hit rate: bisection on the query correlation `a`.
+    a = 0.0
+    if target_hit > 0:
+        lo, hi = 0.0, 1.0
+        for _ in range(args.calibration_rounds):
+            a = 0.5 * (lo + hi)
+            if measured_hit(a, 3) < target_hit:
+                lo = a
+            else:
+                hi = a
+    queries = [next_query(a) for _ in range(args.steps)]
+    store.reset_stats()
+    _sync(device)
+    started = time.perf_counter()
+    for q in queries:
+        store.decode(0, slots, q, k_new, v_new)
+    _sync(device)
+    ours = (time.perf_counter() - started) / args.steps
+    hit = store.stats()["hit_rate"]
+
+    q_full = queries[-1][:, :, None, :]
+    full = _time(lambda: torch.nn.functional.scaled_dot_product_attention(
+        q_full, keys_full, values_full, scale=scale, enable_gqa=True), device, args.steps)
+
+    memory_bw, link_bw = bandwidths
+    landmark_bytes = batch * (seq_len // chunk) * hkv * dim * 2
+    missed_bytes = batch * (1.0 - hit) * (budget // chunk) * chunk * hkv * dim * 2
+    floor = landmark_bytes / memory_bw + missed_bytes / link_bw
+    return {"batch": batch, "seq_len": seq_len, "budget": budget, "target_hit": target_hit, "hit": hit,
+            "query_correlation": a, "ours_ms": ours * 1e3, "full_ms": full * 1e3, "floor_ms": floor * 1e3,
+            "ours_over_full": ours / full, "ours_over_floor": ours / floor}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--config", nargs="*", help="BxSxBUDGET, e.g. 24x122880x2048")
+    p.add_argument("--hit", nargs="*", type=float, default=[0.0, 0.6])
+    p.add_argument("--q-heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--rank", type=int, default=160)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--calibration-rounds", type=int, default=6)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args(argv)
+
+    info = build_info()
+    device = args.device
+    if device == "auto":
+        device = "cuda:0" if "cuda" in info["backends"] and info["cuda_devices"] > 0 else "cpu"
+    if args.config:
+        configs = [tuple(int(x) for x in c.split("x")) for c in args.config]
+    elif device.startswith("cuda"):
+        configs = [(1, 122880, 2048), (24, 122880, 2048), (48, 61440, 1024)]
+    else:
+        configs = [(1, 8192, 512), (2, 4096, 256)]
+        args.steps = min(args.steps, 6)
+        args.calibration_rounds = min(args.calibration_rounds, 4)
+
+    bandwidths = _measure_bandwidths(device)
+    print(f"device {device}; memory copy {bandwidths[0] / 1e9:.1f} GB/s, host->device {bandwidths[1] / 1e9:.1f} GB/s")
+    rows = []
+    for batch, seq_len, budget in configs:
+        for target in args.hit:
+            rows.append(run_case(args, device, batch, seq_len, budget, target, bandwidths))
+            r = rows[-1]
+            print(f"B={batch:<3} S={seq_len:<7} budget={budget:<5} hit {r['hit']:.2f}: ours {r['ours_ms']:.3f} ms")
+    print("\n| B | S | budget | hit | ours (ms) | full attn (ms) | floor (ms) | ours/full | ours/floor |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['batch']} | {r['seq_len']} | {r['budget']} | {r['hit']:.2f} | {r['ours_ms']:.3f} | "
+              f"{r['full_ms']:.3f} | {r['floor_ms']:.3f} | {r['ours_over_full']:.2f} | {r['ours_over_floor']:.1f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": device, "build": info, "bandwidths": bandwidths, "results": rows,
+                       "date": time.strftime("%Y-%m-%d %H:%M:%S")}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
