@@ -171,5 +171,15 @@ def assert_same_outliers(got, ref: R.ReferenceStore, seed, cos_atol: float = 1e-
         assert not bad, f"head {h}: outliers {g_ids}, reference {r_ids} (seed={seed})"
 
 
+SEQUENCE_INFO_KEYS = ("prompt_len", "total_len", "context_chunks", "local_len", "generated_exact_len", "last_position")
+
+
+def documented_info(info: dict) -> dict:
+    """The documented keys of ``sequence_info()`` (the store may report more)."""
+    missing = [k for k in SEQUENCE_INFO_KEYS if k not in info]
+    assert not missing, f"sequence_info lacks {missing}: {info}"
+    return {k: info[k] for k in SEQUENCE_INFO_KEYS}
+
+
 def memory_kinds():
     return ["low_rank_factors", "landmarks", "outliers", "exact_tokens", "value_store", "selection_cache"]

@@ -12,7 +12,7 @@ query head ``j`` reads KV head ``j // G``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Optional
 
 import torch
@@ -120,14 +120,11 @@ def full_attention(q: torch.Tensor, keys_post: torch.Tensor, values: torch.Tenso
     hq, d = q.shape
     hkv = k.shape[1]
     assert hq % hkv == 0
-    g = hq // hkv
     if scale is None:
         scale = 1.0 / math.sqrt(d)
-    k_rep = k.repeat_interleave(g, dim=1)             # [T, Hq, D]
-    v_rep = v.repeat_interleave(g, dim=1)
-    logits = scale * torch.einsum("jd,tjd->jt", q, k_rep)
-    w = torch.softmax(logits, dim=-1)
-    return torch.einsum("jt,tjd->jd", w, v_rep)
+    qg = q.reshape(hkv, hq // hkv, d)                                 # [Hkv, G, D]: query heads of each KV head
+    w = torch.softmax(scale * torch.einsum("hgd,thd->hgt", qg, k), dim=-1)
+    return torch.einsum("hgt,thd->hgd", w, v).reshape(hq, d)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -320,11 +317,18 @@ class ReferenceStore:
     def n_ctx_chunks(self) -> int:
         return self.landmarks.shape[0]
 
-    def rebuild_keys(self, chunk: int, h: int) -> torch.Tensor:
+    def rebuild_keys(self, chunks, h: int) -> torch.Tensor:
+        """Rebuilt post-RoPE keys ``[len(chunks), C, D]`` of context chunks of head ``h``:
+        ``rope(A[t] . B[:, h*D:(h+1)*D], pos[t])`` rounded to dtype (semantics.md Decode 6).
+
+        Chunk ids are context chunk ids (prompt context chunks, then folded chunks in folding order), not
+        token index / C: the local window sits between the two."""
         C, d = self.cfg.chunk_size, self.cfg.head_dim
-        rows = self.A[chunk * C:(chunk + 1) * C]                            # [C, r]
-        k_pre = rows @ self.B[:, h * d:(h + 1) * d]                        # [C, D]
-        return self._store(self._rope(k_pre, self.ctx_positions[chunk * C:(chunk + 1) * C]))
+        if isinstance(chunks, int):
+            chunks = [chunks]
+        rows = torch.cat([torch.arange(c * C, (c + 1) * C) for c in chunks])
+        k_pre = self.A[rows] @ self.B[:, h * d:(h + 1) * d]                 # [len*C, D]
+        return self._store(self._rope(k_pre, self.ctx_positions[rows])).reshape(len(chunks), C, d)
 
     def _select(self, q: torch.Tensor):
         """Decode 3-6 for query tokens ``q`` ``[Tq, Hq, D]``."""
@@ -349,14 +353,13 @@ class ReferenceStore:
             self.last_scores[h] = (cand, score)
             # temporal cache: hits keep their buffers, misses are rebuilt and fetched
             old = self.cache[h]
-            new = {}
-            for ci in chosen:
-                if ci in old:
-                    new[ci] = old[ci]
-                    self.last_hits += 1
-                else:
-                    new[ci] = (self.rebuild_keys(ci, h), self.value_store[ci, :, h].clone())
-                    self.last_misses += 1
+            missed = [ci for ci in chosen if ci not in old]
+            rebuilt = self.rebuild_keys(missed, h) if missed else None
+            new = {ci: old[ci] for ci in chosen if ci in old}
+            for i, ci in enumerate(missed):
+                new[ci] = (rebuilt[i], self.value_store[ci, :, h].clone())
+            self.last_hits += len(chosen) - len(missed)
+            self.last_misses += len(missed)
             self.cache[h] = new
             self.selected[h] = chosen
         self.hits += self.last_hits
@@ -376,7 +379,8 @@ class ReferenceStore:
         self.ctx_positions = torch.cat([self.ctx_positions, pos])
         self.landmarks = torch.cat([self.landmarks, self._store(keys.mean(dim=0))[None]])
         self.value_store = torch.cat([self.value_store, values[None]])
-        self.gen_keys, self.gen_values, self.gen_positions = self.gen_keys[C:], self.gen_values[C:], self.gen_positions[C:]
+        self.gen_keys, self.gen_values = self.gen_keys[C:], self.gen_values[C:]
+        self.gen_positions = self.gen_positions[C:]
         self.folds += 1
 
     def decode(self, q, k_new, v_new, position=None, k_new_post_rope: bool = True):

@@ -3,7 +3,7 @@ of "Decode"). With a lower rank and the same budget, the only error left is the 
 reference's.
 
 Tolerances (dtype="float32"): full attention in float64 vs the store, relative error (Frobenius over all heads)
-<= 1e-4 and elementwise atol = rtol = 1e-4; the float32 rounding of the keys alone gives ~1e-7.
+<= 1e-4 and elementwise atol = rtol = 1e-4 (the float64 reference is ~1e-7 away, the CPU store ~1.5e-6).
 """
 
 import pytest
@@ -82,7 +82,7 @@ def test_full_rank_full_budget_is_full_attention(case, device):
     kw = case_config(case, device)
     store = make_store(kw)
     data = case_data(case, kw, seed)
-    assert store.add_sequences(1) == [0]
+    assert store.add_sequences(1) == [0], f"(seed={seed})"
     n_prompt_chunks = max(0, PROMPT // CHUNK - kw["local_chunks"])
     for i, out, full in run_store(store, case, kw, data, device):
         assert out.dtype == torch.float32, f"output dtype {out.dtype} != query dtype (seed={seed})"

@@ -121,6 +121,44 @@ def test_opposite_keys_make_an_outlier_attended_exactly(device):
                          f"attended with its exact keys (seed={seed})")
     # and rank 8 really cannot rebuild those keys: the low-rank reconstruction of the chunk is far off
     c0 = OUTLIER_CHUNK[0]
-    rebuilt = ref.rebuild_keys(c0, 0)
+    rebuilt = ref.rebuild_keys([c0], 0)[0]
     exact = ref.outlier_keys[c0, :, 0]
     assert rel_err(rebuilt, exact) > 0.1, f"rank 8 rebuilds the outlier too well for this test (seed={seed})"
+
+
+def test_exact_ties_go_to_the_smaller_chunk_id(device):
+    """Identical chunks tie exactly (same landmark, same min-cosine, same score): outliers and selections take the
+    smaller chunk id first. Keys are zero in the rotary dims (rotary_dim 2), so un-RoPE/RoPE is exact and the tie
+    survives the store's round trip."""
+    seed = 5200
+    g = generator(seed)
+    n_chunks = 12                                          # + 1 local chunk
+    kw = small_config(num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, rotary_dim=2, rank=16, chunk_size=C, budget=C,
+                      outlier_chunks=1, local_chunks=1, generation_window=64, device=device)
+    base = torch.randn(C, HKV, D, generator=g)             # one pattern for every plain chunk
+    base[..., :2] = 0
+    strong_dir = torch.zeros(HKV, D)
+    strong_dir[:, 2:] = torch.randn(HKV, D - 2, generator=g)
+    strong = base + 2.0 * strong_dir                        # chunks 6 and 8
+    signs = torch.tensor([1.0, -1.0] * (C // 2))[:, None, None]
+    opposite = signs * 3.0 * base.sum(0, keepdim=True)      # chunks 3 and 7: min-cosine -1, the outlier candidates
+    keys = base.repeat(n_chunks + 1, 1, 1)
+    for c, block in ((6, strong), (8, strong), (3, opposite), (7, opposite)):
+        keys[c * C:(c + 1) * C] = block
+    values = torch.randn(keys.shape, generator=g)
+    q = torch.zeros(HQ, D)
+    for j in range(HQ):
+        q[j] = 0.05 * strong_dir[j // (HQ // HKV)]
+    k_new, v_new = keys[:1].clone()[0], values[:1].clone()[0]
+
+    for budget, expected in ((C, [6]), (3 * C, [0, 6, 8]), (5 * C, [0, 1, 2, 6, 8])):
+        store = make_store(dict(kw, budget=budget))
+        slot = store.add_sequences(1)[0]
+        prefill_one(store, 0, slot, keys, values, keys_post_rope=True, device=device)
+        assert store.outlier_chunks(0, slot) == [[3]] * HKV, (
+            f"outliers {store.outlier_chunks(0, slot)}: chunks 3 and 7 tie, 3 must win (seed={seed})")
+        out = decode_one(store, 0, slot, q, k_new, v_new, device=device)
+        assert_nontrivial(out, "decode output", seed)
+        assert store.selected_chunks(0, slot) == [expected] * HKV, (
+            f"budget {budget // C} chunks: selected {store.selected_chunks(0, slot)}, expected {expected} per head "
+            f"(ties to the smaller chunk id) (seed={seed})")

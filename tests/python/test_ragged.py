@@ -141,7 +141,7 @@ def test_ragged_batch_equals_each_alone(variant, device):
     # the short prompt has no context chunk until the generated region folds; then it selects
     info = store.sequence_info(0, slots[2])
     assert info["prompt_len"] == 20 and info["context_chunks"] == 2, f"{info} (seed={seed})"
-    assert store.sequence_info(1, slots[1])["total_len"] == 64 + STEPS
+    assert store.sequence_info(1, slots[1])["total_len"] == 64 + STEPS, f"(seed={seed})"
 
 
 def test_release_and_readd(device):
@@ -159,18 +159,20 @@ def test_release_and_readd(device):
         for layer in range(LAYERS):
             out = batch_decode(store, layer, slots, seqs, device, False)
             for b in range(3):
-                torch.testing.assert_close(out[b], alones[b].decode(layer), atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(out[b], alones[b].decode(layer), atol=1e-5, rtol=1e-5,
+                                           msg=lambda m: f"sequence {b} (seed={seed}): {m}")
 
     before = store.memory_report()["total"]
     store.release([slots[1]])
-    assert store.memory_report()["total"] < before
+    assert store.memory_report()["total"] < before, f"release freed nothing (seed={seed})"
     assert_memory_is_sum(store, [alones[0], alones[2]], seed, "after release")
     kept = [slots[0], slots[2]]
     for _ in range(3):
         for layer in range(LAYERS):
             out = batch_decode(store, layer, kept, [seqs[0], seqs[2]], device, False)
-            torch.testing.assert_close(out[0], alones[0].decode(layer), atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(out[1], alones[2].decode(layer), atol=1e-5, rtol=1e-5)
+            for row, b in ((0, 0), (1, 2)):
+                torch.testing.assert_close(out[row], alones[b].decode(layer), atol=1e-5, rtol=1e-5,
+                                           msg=lambda m: f"after release, sequence {b} (seed={seed}): {m}")
 
     # a new sequence takes the free slot; nothing of the released one leaks into it
     newcomer = Seq(g, kw, 33)
@@ -181,7 +183,7 @@ def test_release_and_readd(device):
     for layer in range(LAYERS):
         store.prefill(layer, [new_slot], newcomer.keys[layer][None, :33].to(device),
                       newcomer.values[layer][None, :33].to(device))
-        assert store.sequence_info(layer, new_slot) == fresh.store.sequence_info(layer, fresh.slot)
+        assert store.sequence_info(layer, new_slot) == fresh.store.sequence_info(layer, fresh.slot), f"(seed={seed})"
     live = [slots[0], new_slot, slots[2]]
     for step in range(20):
         for layer in range(LAYERS):

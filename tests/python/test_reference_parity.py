@@ -2,17 +2,18 @@
 same outliers, same selected chunks per KV head, same temporal-cache hits and misses, same outputs, same sequence
 info and memory report, over decode steps that fold the generated region several times.
 
-Tolerances: float32 storage — outputs relative error <= 5e-4 (measured ~1e-6 for float32 arithmetic); selections
-and outliers must be equal except for exchanges among near-ties (scores within 1e-4 relative, min-cosines within
-1e-5). bfloat16 storage — the reference rounds where the store rounds, so outputs agree to <= 2e-3 while bf16 vs
-float32 storage differ by more than that (checked in the test).
+Tolerances: float32 storage — outputs relative error <= 5e-4 (the CPU store measured <= 2e-6); selections and
+outliers must be equal except for exchanges among near-ties (scores within 1e-4 relative, min-cosines within 1e-5;
+the smallest boundary gap in this data is 1.1e-4 relative). bfloat16 storage — the reference rounds where the store
+rounds, so outputs agree to <= 2e-3 (CPU store: 1.3e-5) while bf16 and float32 storage differ by 1.3e-2 (the test
+checks that this difference exceeds the tolerance, so a store that does not round fails).
 """
 
 import pytest
 import torch
 
-from helpers import (assert_nontrivial, assert_same_outliers, assert_same_selection, decode_one, generator,
-                     make_reference, make_store, prefill_one, randn, ref_config, rel_err, rope, small_config,
+from helpers import (assert_nontrivial, assert_same_outliers, assert_same_selection, decode_one, documented_info,
+                     generator, make_reference, make_store, prefill_one, randn, rel_err, rope, small_config,
                      structured_keys)
 
 PROMPT, STEPS = 203, 40
@@ -75,7 +76,7 @@ def test_store_matches_reference(case, device):
         shadow.prefill(prompt_keys, values[:PROMPT], q_last=q_last, keys_post_rope=post)
 
     assert_same_outliers(store.outlier_chunks(0, slot), ref, seed)
-    assert all(len(o) == 3 for o in ref.outliers)
+    assert all(len(o) == 3 for o in ref.outliers), f"(seed={seed})"
     exact_so_far = True
     if q_last is not None:
         assert_same_selection(store.selected_chunks(0, slot), ref, seed, step="prefill")
@@ -109,7 +110,7 @@ def test_store_matches_reference(case, device):
             worst_vs_f32_storage = max(worst_vs_f32_storage,
                                        rel_err(ref_out, shadow.decode(queries[i], k_new, values[t],
                                                                       k_new_post_rope=post)))
-        info = store.sequence_info(0, slot)
+        info = documented_info(store.sequence_info(0, slot))
         assert info == ref.sequence_info(), f"step {i}: sequence_info {info} != {ref.sequence_info()} (seed={seed})"
         rep = store.memory_report()
         for kind, nbytes in ref.memory_report().items():

@@ -72,7 +72,7 @@ class Harness:
                 ref.prefill(self.keys[:PROMPT], self.values[:PROMPT], keys_post_rope=True)
                 self.refs[layer, slot] = ref
                 self.t[layer, slot] = PROMPT
-        assert all(ref.outliers == [[15], [15]] for ref in self.refs.values()), "bad test data"
+        assert all(ref.outliers == [[15], [15]] for ref in self.refs.values()), f"bad test data (seed={seed})"
 
     def step(self, layer, slot, dirs):
         """One decode step; returns the stats delta of that step alone."""
@@ -107,9 +107,9 @@ def test_same_query_twice_hits_everything(device):
     assert h.selected(0, h.slots[0]) == [TOP_U, TOP_U], f"{h.selected(0, h.slots[0])} (seed={seed})"
     assert_stats(st, 0, HKV * K_CHUNKS, seed, "first selection (cold cache)")
     st = h.step(0, h.slots[0], [h.u, h.u])
-    assert h.selected(0, h.slots[0]) == [TOP_U, TOP_U]
+    assert h.selected(0, h.slots[0]) == [TOP_U, TOP_U], f"{h.selected(0, h.slots[0])} (seed={seed})"
     assert_stats(st, HKV * K_CHUNKS, 0, seed, "same query again")
-    assert st["hit_rate"] == 1.0
+    assert st["hit_rate"] == 1.0, f"{st} (seed={seed})"
 
 
 def test_disjoint_selection_misses_everything(device):
@@ -119,7 +119,7 @@ def test_disjoint_selection_misses_everything(device):
     st = h.step(0, h.slots[0], [h.v, h.v])
     assert h.selected(0, h.slots[0]) == [TOP_V, TOP_V], f"{h.selected(0, h.slots[0])} (seed={seed})"
     assert_stats(st, 0, HKV * K_CHUNKS, seed, "disjoint selection")
-    assert st["hit_rate"] == 0.0
+    assert st["hit_rate"] == 0.0, f"{st} (seed={seed})"
     # and back: the u chunks were evicted, so they miss again
     st = h.step(0, h.slots[0], [h.u, h.u])
     assert_stats(st, 0, HKV * K_CHUNKS, seed, "back to the first selection")
@@ -165,7 +165,8 @@ def test_prefill_q_last_warms_the_cache(device):
     assert_stats(store.stats(), 0, HKV * K_CHUNKS, seed, "q_last selection counts like a decode step's")
     store.reset_stats()
     zero = store.stats()
-    assert zero["hits"] == zero["misses"] == zero["chunks_rebuilt"] == zero["bytes_fetched"] == 0, f"{zero}"
+    assert zero["hits"] == zero["misses"] == zero["chunks_rebuilt"] == zero["bytes_fetched"] == 0, (
+        f"reset_stats left {zero} (seed={seed})")
     out = decode_one(store, 0, slot, q, keys[PROMPT], values[PROMPT], device=device)
     assert_nontrivial(out, "decode output", seed)
     assert_stats(store.stats(), HKV * K_CHUNKS, 0, seed, "first decode after a warm prefill")

@@ -1,0 +1,263 @@
+"""The transformers adapter (``shadowkv_core.hf``) on tiny random-weight models of each supported family.
+
+No downloads: every model is built from a config (hidden 128, 2-4 layers, vocab 256, float32, seeded), with weights
+drawn larger than transformers' default init (std 0.1 instead of 0.02) so that attention is far from uniform and the
+store's selection matters.
+
+* Full budget (covers every token), full rank (num_kv_heads * head_dim), float32 storage: the logits of every
+  generation step equal the model's own (sdpa, DynamicCache) within atol 1e-4 (observed ~1e-6), and greedy
+  generation of 64 tokens is token-identical. The generation window is small, so generated chunks are folded into the
+  compressed store during the run.
+* Small budget (2 chunks, rank 8): generation runs to the end, the store's decode is really used (its statistics),
+  and the logits move away from the model's (the test is sensitive to what the store does).
+* A left-padded batch of prompts of different lengths equals each prompt run alone through the adapter (small and
+  full budget; logits atol 1e-4, tokens identical), and with the full budget equals the model alone.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+transformers = pytest.importorskip(
+    "transformers", reason="transformers is not installed (pip install 'transformers>=5.17,<6')")
+
+from packaging.version import Version  # noqa: E402  (a dependency of transformers)
+
+if Version(transformers.__version__) < Version("5.17"):
+    pytest.skip(f"shadowkv_core.hf needs transformers>=5.17, found {transformers.__version__}", allow_module_level=True)
+
+import shadowkv_core.hf as skv  # noqa: E402
+
+# The model keyword of the cache: `cache` in newer 5.x (5.24: `past_key_values` is a deprecated alias), 5.17:
+# `past_key_values`.
+_FORWARD_PARAMETERS = inspect.signature(transformers.LlamaForCausalLM.forward).parameters
+CACHE_KW = "cache" if "cache" in _FORWARD_PARAMETERS else "past_key_values"
+
+VOCAB, NEW_TOKENS, ATOL = 256, 64, 1e-4
+COMMON = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_attention_heads=4, head_dim=64,
+              max_position_embeddings=2048, initializer_range=0.1, pad_token_id=0, bos_token_id=1, eos_token_id=None)
+
+
+def _llama():
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON, num_hidden_layers=2, num_key_value_heads=2))
+
+
+def _llama_yarn():  # scaled RoPE: inv_freq differs from theta^(-2i/d) and attention_scaling != 1
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 512}
+    return transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(**COMMON, num_hidden_layers=2, num_key_value_heads=1, rope_parameters=rope))
+
+
+def _mistral():  # sliding_window (4096) >= max_seq_len: full attention in effect, the store takes every layer
+    return transformers.MistralForCausalLM(
+        transformers.MistralConfig(**COMMON, num_hidden_layers=2, num_key_value_heads=2, sliding_window=4096))
+
+
+def _qwen2():  # biases on q/k/v, MHA
+    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**COMMON, num_hidden_layers=2, num_key_value_heads=4))
+
+
+def _qwen3():  # q/k RMSNorm before RoPE
+    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**COMMON, num_hidden_layers=2, num_key_value_heads=2))
+
+
+def _gemma3():  # sliding (window 16, local RoPE) and full (global RoPE) layers, MQA, query_pre_attn_scalar scaling
+    config = transformers.Gemma3TextConfig(
+        **COMMON, num_hidden_layers=4, num_key_value_heads=1, sliding_window=16, query_pre_attn_scalar=96,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        tie_word_embeddings=False)  # tied, the scaled embedding dominates and greedy repeats one token
+    return transformers.Gemma3ForCausalLM(config)
+
+
+FAMILIES = {"llama": _llama, "llama-yarn": _llama_yarn, "mistral": _mistral, "qwen2": _qwen2, "qwen3": _qwen3,
+            "gemma3": _gemma3}
+
+
+def build(family: str, device: str = "cpu"):
+    torch.manual_seed(1234 + list(FAMILIES).index(family))
+    model = FAMILIES[family]().eval()
+    model.set_attn_implementation("sdpa")
+    return model.to(device)
+
+
+@pytest.fixture
+def model_device(device):
+    """The conftest's device (SHADOWKV_TEST_DEVICES), skipped when the store has no backend for it."""
+    import shadowkv_core
+
+    if device.startswith("cuda") and not shadowkv_core.build_info().get("cuda_backend", False):
+        pytest.skip("this shadowkv_core build has no CUDA backend")
+    return device
+
+
+def prompt(length: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (length,), generator=g)
+
+
+def left_pad(prompts: list) -> tuple:
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, width - len(p):] = p
+        mask[b, width - len(p):] = 1
+    return ids, mask
+
+
+@torch.no_grad()
+def generate(model, ids, mask=None, cache=None, new_tokens=NEW_TOKENS):
+    """(sequences [B, new_tokens], logits [new_tokens, B, vocab]) of greedy generation, on the CPU."""
+    if mask is None:
+        mask = torch.ones_like(ids)
+    ids, mask = ids.to(model.device), mask.to(model.device)
+    kwargs = {} if cache is None else {CACHE_KW: cache}
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                         do_sample=False, output_logits=True, return_dict_in_generate=True, **kwargs)
+    return out.sequences[:, ids.shape[1]:].cpu(), torch.stack(out.logits).cpu()
+
+
+def full_budget_cache(model, max_batch=1):
+    """Budget = max_seq_len (covers everything), full rank, float32 storage; a small window so chunks fold."""
+    kw = skv.store_kwargs_for(model, max_seq_len=512)
+    return skv.enable(model, budget=512, rank=kw["num_kv_heads"] * kw["head_dim"], max_seq_len=512,
+                      max_batch=max_batch, outlier_chunks=2, local_chunks=2, generation_window=16, dtype="float32")
+
+
+def small_budget_cache(model, max_batch=1):
+    return skv.enable(model, budget=16, rank=8, max_seq_len=512, max_batch=max_batch, outlier_chunks=2,
+                      local_chunks=2, generation_window=16, dtype="float32")
+
+
+def full_layer_count(model) -> int:
+    return skv.store_kwargs_for(model, max_seq_len=512)["num_layers"]
+
+
+def describe(a: torch.Tensor, b: torch.Tensor) -> str:
+    return f"max |diff| = {(a - b).abs().max().item():.3e}"
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_full_budget_equals_model(family, model_device):
+    model = build(family, model_device)
+    ids = prompt(150, seed=7)[None]
+    ref_tokens, ref_logits = generate(model, ids)
+
+    cache = full_budget_cache(model)
+    tokens, logits = generate(model, ids, cache=cache)
+
+    assert torch.allclose(logits, ref_logits, atol=ATOL, rtol=0), f"{family}: {describe(logits, ref_logits)}"
+    assert torch.equal(tokens, ref_tokens), f"{family}: greedy tokens differ"
+    stats = cache.store.stats()
+    # every generated token but the last is fed back through every store layer's decode
+    assert stats["decode_steps"] == (NEW_TOKENS - 1) * full_layer_count(model), stats
+    assert stats["folds"] > 0, stats
+    # layers that are not full attention keep transformers' own cache
+    for layer, kind in zip(cache.layers, getattr(model.config, "layer_types", None) or []):
+        assert isinstance(layer, skv.ShadowKVLayer) == (kind == "full_attention" or family == "mistral")
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_small_budget_generates(family, model_device):
+    model = build(family, model_device)
+    ids = prompt(200, seed=11)[None]
+    _, ref_logits = generate(model, ids)
+
+    cache = small_budget_cache(model)
+    tokens, logits = generate(model, ids, cache=cache)
+
+    assert tokens.shape == (1, NEW_TOKENS)
+    assert torch.isfinite(logits).all()
+    stats = cache.store.stats()
+    assert stats["decode_steps"] == (NEW_TOKENS - 1) * full_layer_count(model), stats
+    assert stats["misses"] > 0 and stats["folds"] > 0, stats
+    # the store's sparse decode is really what the model used
+    assert (logits - ref_logits).abs().max().item() > 1e-3, f"{family}: small budget changed nothing"
+
+
+@pytest.mark.parametrize("budget", ["full", "small"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_ragged_batch_equals_alone(family, budget, model_device):
+    model = build(family, model_device)
+    prompts = [prompt(n, seed=20 + n) for n in (131, 96, 57)]
+    ids, mask = left_pad(prompts)
+    make = full_budget_cache if budget == "full" else small_budget_cache
+    new_tokens = 24
+
+    cache = make(model, max_batch=len(prompts))
+    tokens, logits = generate(model, ids, mask, cache=cache, new_tokens=new_tokens)
+    for b, p in enumerate(prompts):
+        alone_tokens, alone_logits = generate(model, p[None], cache=make(model), new_tokens=new_tokens)
+        assert torch.allclose(logits[:, b], alone_logits[:, 0], atol=ATOL, rtol=0), \
+            f"{family} row {b}: {describe(logits[:, b], alone_logits[:, 0])}"
+        assert torch.equal(tokens[b], alone_tokens[0]), f"{family} row {b}: tokens differ from the prompt alone"
+        if budget == "full":
+            model.set_attn_implementation("sdpa")
+            ref_tokens, ref_logits = generate(model, p[None], new_tokens=new_tokens)
+            assert torch.allclose(logits[:, b], ref_logits[:, 0], atol=ATOL, rtol=0), \
+                f"{family} row {b}: {describe(logits[:, b], ref_logits[:, 0])}"
+            assert torch.equal(tokens[b], ref_tokens[0])
+    # the store holds each prompt without its padding
+    for b, p in enumerate(prompts):
+        info = cache.store.sequence_info(0, cache.slots[b])
+        assert info["prompt_len"] == len(p), info
+
+
+def test_continued_conversation_equals_model():
+    """A second generate call on the same cache feeds several new tokens at once (decode steps one by one)."""
+    model = build("llama")
+    first = prompt(100, seed=3)[None]
+    ref_cache = transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        ref1 = model.generate(first, max_new_tokens=8, do_sample=False, **{CACHE_KW: ref_cache})
+        turn2 = torch.cat([ref1, prompt(12, seed=4)[None]], dim=1)
+        ref2 = model.generate(turn2, max_new_tokens=8, do_sample=False, **{CACHE_KW: ref_cache}, output_logits=True,
+                              return_dict_in_generate=True)
+    cache = full_budget_cache(model)
+    with torch.no_grad():
+        out1 = model.generate(first, max_new_tokens=8, do_sample=False, **{CACHE_KW: cache})
+        assert torch.equal(out1, ref1)
+        out2 = model.generate(turn2, max_new_tokens=8, do_sample=False, **{CACHE_KW: cache}, output_logits=True,
+                              return_dict_in_generate=True)
+    assert torch.equal(out2.sequences, ref2.sequences)
+    a, b = torch.stack(out2.logits), torch.stack(ref2.logits)
+    assert torch.allclose(a, b, atol=ATOL, rtol=0), describe(a, b)
+
+
+def test_cache_reset_reuses_slots():
+    model = build("qwen3")
+    cache = full_budget_cache(model)
+    ids = prompt(64, seed=5)[None]
+    first, _ = generate(model, ids, cache=cache, new_tokens=8)
+    cache.reset()
+    assert cache.slots is None and cache.store.active_slots() == []
+    again, _ = generate(model, ids, cache=cache, new_tokens=8)
+    assert torch.equal(first, again)
+
+
+def test_without_shadowkv_attention_is_an_error():
+    model = build("llama")
+    cache = skv.make_cache(model, budget=64, rank=16, max_seq_len=512, outlier_chunks=2, local_chunks=2)
+    model.set_attn_implementation("sdpa")
+    with pytest.raises(RuntimeError, match="attn_implementation='shadowkv'"):
+        generate(model, prompt(40, seed=6)[None], cache=cache, new_tokens=2)
+
+
+def test_shadowkv_attention_without_store_cache_is_sdpa():
+    """A model switched to "shadowkv" still runs with transformers' own cache (every layer is plain sdpa)."""
+    model = build("gemma3")
+    ids = prompt(80, seed=8)[None]
+    ref_tokens, ref_logits = generate(model, ids, new_tokens=8)
+    model.set_attn_implementation(skv.ATTENTION_NAME)
+    tokens, logits = generate(model, ids, new_tokens=8)
+    assert torch.equal(tokens, ref_tokens)
+    assert torch.allclose(logits, ref_logits, atol=1e-6, rtol=0), describe(logits, ref_logits)
+
+
+def test_rejects_models_it_cannot_serve():
+    model = build("mistral")  # window 4096 < max_seq_len: sliding-window attention, nothing for the store
+    with pytest.raises(ValueError, match="no full-attention layer"):
+        skv.make_cache(model, max_seq_len=8192)
