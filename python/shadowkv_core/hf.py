@@ -1,0 +1,529 @@
+"""transformers adapter: `model.generate(...)` with a KVStore holding the full-attention layers' KV cache.
+
+    import shadowkv_core.hf as skv
+    cache = skv.enable(model, budget=2048, rank=160)        # switches model to attn_implementation="shadowkv"
+    out = model.generate(**inputs, cache=cache, max_new_tokens=64)
+
+Two pieces, both in transformers' own terms:
+
+* `ShadowKVCache`, a `transformers.Cache` whose full-attention layers are `ShadowKVLayer`s sharing one `KVStore`
+  (one store layer per full-attention model layer). Other layer types (e.g. Gemma-3's sliding-window layers) keep
+  transformers' own cache layer classes and attention.
+* the attention function registered as ``"shadowkv"`` with `AttentionInterface` (and the same name with
+  `ALL_MASK_ATTENTION_FUNCTIONS`, using the sdpa mask). For a store layer it runs the prompt through the model's
+  dense sdpa attention and hands the prompt's post-RoPE keys, values, positions and last query to `KVStore.prefill`
+  (pad tokens removed); each later token goes through `KVStore.decode`. Every other layer gets plain sdpa.
+
+`Cache.update` cannot return what the store holds (keys are a low-rank factorisation, values live in host memory), so
+a store layer's `update` only records the new tokens' keys and values; the attention function of the same layer,
+called right after it, picks them up (a thread-local hand-over, checked by layer index).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any, Optional
+
+import torch
+
+try:
+    from transformers import AttentionInterface
+    from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLayerMixin
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "shadowkv_core.hf needs transformers>=5.17,<6 (pip install 'transformers>=5.17,<6')"
+    ) from exc
+
+from ._store import KVStore
+
+__all__ = [
+    "ATTENTION_NAME",
+    "ShadowKVCache",
+    "ShadowKVLayer",
+    "enable",
+    "make_cache",
+    "register",
+    "shadowkv_attention_forward",
+    "store_kwargs_for",
+]
+
+ATTENTION_NAME = "shadowkv"
+
+# RoPE variants whose inv_freq changes with the sequence length at run time: the store's tables are fixed.
+_LENGTH_DEPENDENT_ROPE = {"dynamic", "longrope"}
+
+_local = threading.local()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# registration
+# ---------------------------------------------------------------------------------------------------------------------
+
+def register(name: str = ATTENTION_NAME) -> str:
+    """Registers the attention function and its mask function (the sdpa mask) under `name`; idempotent."""
+    AttentionInterface.register(name, shadowkv_attention_forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)
+    return name
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the cache
+# ---------------------------------------------------------------------------------------------------------------------
+
+class _Pending:
+    """What a store layer's `update` hands to the attention function of the same layer."""
+
+    __slots__ = ("layer", "keys", "values", "phase")
+
+    def __init__(self, layer: "ShadowKVLayer", keys: torch.Tensor, values: torch.Tensor, phase: str) -> None:
+        self.layer, self.keys, self.values, self.phase = layer, keys, values, phase
+
+
+def _take_pending(layer_idx: Optional[int]) -> Optional[_Pending]:
+    pending = getattr(_local, "pending", None)
+    if pending is None or pending.layer.layer_idx != layer_idx:
+        return None
+    _local.pending = None
+    return pending
+
+
+class ShadowKVLayer(CacheLayerMixin):
+    """One full-attention layer of a `ShadowKVCache`; its tokens live in the owner's KVStore (layer `store_layer`).
+
+    `keys`/`values` stay None: the store holds them. `update` returns the new tokens' keys and values unchanged and
+    leaves them for the attention function. The sequence length counted here is the padded one transformers sees
+    (prompt columns including left padding + tokens fed since), which is what its mask sizes need.
+    """
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, owner: "ShadowKVCache", layer_idx: int, store_layer: int) -> None:
+        super().__init__()
+        self.owner = owner
+        self.layer_idx = layer_idx
+        self.store_layer = store_layer
+        self.seq_len = 0
+        self.prefilled = False
+
+    def __repr__(self) -> str:
+        return f"ShadowKVLayer(layer={self.layer_idx}, store_layer={self.store_layer}, seq_len={self.seq_len})"
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.dtype = key_states.dtype
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        stale = getattr(_local, "pending", None)
+        if stale is not None and stale.layer.owner is self.owner:
+            _local.pending = None
+            raise RuntimeError(
+                f"ShadowKVCache: layer {stale.layer.layer_idx}'s new tokens were never consumed by the attention "
+                f"function; the model must run with attn_implementation='{ATTENTION_NAME}' "
+                f"(shadowkv_core.hf.enable(model, ...) or model.set_attn_implementation('{ATTENTION_NAME}'))"
+            )
+        if key_states.dim() != 4 or key_states.shape != value_states.shape:
+            raise ValueError(
+                f"ShadowKVCache expects keys and values [batch, kv_heads, tokens, head_dim] of one shape, got "
+                f"{list(key_states.shape)} and {list(value_states.shape)}"
+            )
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        _local.pending = _Pending(self, key_states, value_states, "decode" if self.prefilled else "prefill")
+        self.seq_len += key_states.shape[-2]
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seq_len + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.seq_len
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.seq_len = 0
+        self.prefilled = False
+        self.is_initialized = False
+
+    # Operations that would need the store to copy, reorder or truncate sequences, which it does not offer.
+    def _unsupported(self, what: str) -> None:
+        if self.seq_len > 0:
+            raise NotImplementedError(f"ShadowKVCache does not support {what} (beam search, contrastive search, "
+                                      "assisted generation); use greedy or sampling")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._unsupported("reordering the batch")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove != 0:
+            self._unsupported("cropping")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if repeats != 1:
+            self._unsupported("repeating the batch")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._unsupported("selecting batch rows")
+
+    def offload(self) -> None:  # the store manages its own memory
+        pass
+
+    def prefetch(self) -> None:
+        pass
+
+
+class ShadowKVCache(Cache):
+    """A transformers `Cache` whose full-attention layers live in one `KVStore` (build it with `make_cache`).
+
+    Each batch row of the first forward gets a store slot; the slots are released by `reset()` / `release()` (and
+    when the cache is garbage-collected). Run the model with `attn_implementation="shadowkv"`.
+
+    Args:
+        store: a KVStore with one layer per full-attention model layer and `max_batch` >= the batch size.
+        layer_types: the model's layer types ("full_attention" layers go to the store, in order).
+        layer_kwargs: per layer, the keyword arguments of transformers' own cache layer for non-full layers
+            (e.g. {"sliding_window": 512}).
+    """
+
+    def __init__(self, store: KVStore, layer_types: list, layer_kwargs: Optional[list] = None) -> None:
+        layer_kwargs = layer_kwargs or [{} for _ in layer_types]
+        layers: list = []
+        store_layer = 0
+        for idx, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs)):
+            if kind == "full_attention":
+                layers.append(ShadowKVLayer(self, idx, store_layer))
+                store_layer += 1
+            else:
+                if kind not in DYNAMIC_LAYER_TYPE_MAPPING:
+                    raise ValueError(f"ShadowKVCache: unknown layer type {kind!r} at layer {idx}")
+                layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs))
+        if store_layer == 0:
+            raise ValueError("ShadowKVCache: the model has no full-attention layer for the store")
+        if store.config["num_layers"] != store_layer:
+            raise ValueError(f"ShadowKVCache: the store has {store.config['num_layers']} layers but the model has "
+                             f"{store_layer} full-attention layers")
+        super().__init__(layers=layers)
+        self.store = store
+        self.slots: Optional[list] = None
+        self._softmax_scale = float(store.config["softmax_scale"]) or store.config["head_dim"] ** -0.5
+
+    @property
+    def store_layers(self) -> list:
+        return [layer for layer in self.layers if isinstance(layer, ShadowKVLayer)]
+
+    # --- slots --------------------------------------------------------------------------------------------------
+    def release(self) -> None:
+        """Frees this cache's store slots and forgets every layer's tokens (the cache can be used again)."""
+        if self.slots is not None:
+            slots, self.slots = self.slots, None
+            self.store.release(slots)
+
+    def reset(self) -> None:
+        self.release()
+        super().reset()
+
+    def __del__(self) -> None:
+        try:
+            self.release()
+        except Exception:  # noqa: BLE001 - never raise from a destructor
+            pass
+
+    def _slots_for(self, batch: int) -> list:
+        if self.slots is None:
+            self.slots = self.store.add_sequences(batch)
+        elif len(self.slots) != batch:
+            raise ValueError(f"ShadowKVCache holds {len(self.slots)} sequences but the forward has batch {batch}; "
+                             "call cache.reset() before a new batch")
+        return self.slots
+
+    # --- the work, called by the attention function ------------------------------------------------------------------
+    def _check_module(self, module: torch.nn.Module, scaling: Optional[float], kwargs: dict) -> None:
+        scale = scaling if scaling is not None else getattr(module, "scaling", None)
+        if scale is not None and not math.isclose(float(scale), self._softmax_scale, rel_tol=1e-6):
+            raise ValueError(f"layer {module.layer_idx}: attention scale {scale} differs from the store's "
+                             f"softmax_scale {self._softmax_scale}")
+        if kwargs.get("softcap") is not None or getattr(module, "attn_logit_softcapping", None) is not None:
+            raise NotImplementedError("ShadowKVCache: attention logit soft-capping is not supported by the store")
+
+    def _prefill(self, layer: ShadowKVLayer, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                 attention_mask: Optional[torch.Tensor], position_ids: Optional[torch.Tensor]) -> None:
+        batch, kv_heads, length, head_dim = keys.shape
+        slots = self._slots_for(batch)
+        positions = _positions(position_ids, batch, length, keys.device)
+        valid = _visible_tokens(attention_mask, batch, length)
+        keys_bshd, values_bshd = keys.transpose(1, 2), values.transpose(1, 2)  # [B, S, Hkv, D] views
+        if valid is None:
+            lengths = None
+            q_last = query[:, :, -1, :]
+        else:
+            counts = valid.sum(dim=1)
+            if bool((counts == 0).any()):
+                raise ValueError("ShadowKVCache: a prompt in the batch has no token that is not padding")
+            # Re-pack right-padded: each row's visible tokens first, in order (a stable sort on "is padding").
+            order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)
+            gather = order[:, :, None, None].expand(-1, -1, kv_heads, head_dim)
+            keys_bshd = torch.gather(keys_bshd, 1, gather)
+            values_bshd = torch.gather(values_bshd, 1, gather)
+            positions = torch.gather(positions, 1, order)
+            last = order.gather(1, (counts - 1)[:, None]).squeeze(1)  # index of each row's last visible token
+            q_last = query[torch.arange(batch, device=query.device), :, last, :]
+            lengths = counts.tolist()
+        self.store.prefill(layer.store_layer, slots, keys_bshd, values_bshd, lengths=lengths,
+                           positions=positions.contiguous(), q_last=q_last, keys_post_rope=True)
+        layer.prefilled = True
+
+    def _decode(self, layer: ShadowKVLayer, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                position_ids: Optional[torch.Tensor]) -> torch.Tensor:
+        batch, _, tokens, _ = query.shape
+        slots = self._slots_for(batch)
+        positions = None if position_ids is None else _positions(position_ids, batch, tokens, query.device)
+        outs = []
+        # Several new tokens (a continued conversation) are decode steps one after another: token t attends to the
+        # store and to tokens <= t, which is causal attention.
+        for t in range(tokens):
+            outs.append(self.store.decode(layer.store_layer, slots, query[:, :, t, :], keys[:, :, t, :],
+                                          values[:, :, t, :],
+                                          positions=None if positions is None else positions[:, t].contiguous()))
+        return torch.stack(outs, dim=1)  # [B, T, Hq, D]
+
+    def __repr__(self) -> str:
+        return f"ShadowKVCache(store={self.store!r}, slots={self.slots}, layers={self.layers})"
+
+
+def _positions(position_ids: Optional[torch.Tensor], batch: int, length: int, device) -> torch.Tensor:
+    """int64 [B, T] positions (transformers may pass [1, T] for a whole batch, or nothing)."""
+    if position_ids is None:
+        return torch.arange(length, device=device, dtype=torch.int64)[None].expand(batch, -1)
+    if position_ids.dim() == 1:
+        position_ids = position_ids[None]
+    if position_ids.dim() != 2 or position_ids.shape[-1] != length:
+        raise ValueError(f"ShadowKVCache: position_ids of shape {list(position_ids.shape)} for {length} tokens "
+                         "(3-D / multimodal RoPE positions are not supported)")
+    return position_ids.to(dtype=torch.int64).expand(batch, -1)
+
+
+def _visible_tokens(attention_mask: Optional[torch.Tensor], batch: int, length: int) -> Optional[torch.Tensor]:
+    """Which prompt columns the last prompt token attends to ([B, S] bool), or None for all of them.
+
+    With a causal mask that is every token that is not padding; the sdpa mask is None when nothing is padded."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() != 4 or attention_mask.shape[-1] != length:
+        raise ValueError(f"ShadowKVCache: unexpected prefill mask of shape {list(attention_mask.shape)} for a "
+                         f"{length}-token prompt (mask function must be the sdpa mask)")
+    row = attention_mask[:, 0, -1, :]
+    if row.dtype != torch.bool:  # additive float mask: 0 where visible, a very negative number elsewhere
+        row = row > torch.finfo(row.dtype).min / 2
+    row = row.expand(batch, -1)
+    if bool(row.all()):
+        return None
+    return row
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the attention function
+# ---------------------------------------------------------------------------------------------------------------------
+
+def shadowkv_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                               attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
+                               scaling: Optional[float] = None, **kwargs: Any):
+    """`AttentionInterface` function: store layers of a `ShadowKVCache` go through the store, the rest through sdpa.
+
+    query [B, Hq, q_len, D] post-RoPE; key/value [B, Hkv, T, D] as returned by the cache. Returns
+    ([B, q_len, Hq, D], None)."""
+    pending = _take_pending(getattr(module, "layer_idx", None))
+    if pending is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    layer, cache = pending.layer, pending.layer.owner
+    if key.shape != pending.keys.shape:
+        raise RuntimeError(f"layer {layer.layer_idx}: the attention got keys {list(key.shape)} but the cache "
+                           f"stored {list(pending.keys.shape)}")
+    cache._check_module(module, scaling, kwargs)
+    position_ids = kwargs.get("position_ids")
+    if pending.phase == "prefill":
+        out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                        **kwargs)
+        cache._prefill(layer, query, key, value, attention_mask, position_ids)
+        return out, None
+    return cache._decode(layer, query, key, value, position_ids), None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# building a cache from a model
+# ---------------------------------------------------------------------------------------------------------------------
+
+def _text_config(model):
+    config = model.config
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+def _layer_types(text_config) -> tuple[list, list]:
+    """(layer types, per-layer kwargs of transformers' cache layer classes), as DynamicCache(config=...) builds them."""
+    try:
+        from transformers.cache_utils import get_layer_types_and_kwargs
+        types, kwargs = get_layer_types_and_kwargs(text_config)
+        if isinstance(kwargs, dict):  # transformers < 5.2x: one kwargs dict shared by all layers
+            kwargs = [dict(kwargs) for _ in types]
+        return list(types), list(kwargs)
+    except ImportError:  # older 5.x: layer_types, else everything full attention unless a sliding window is set
+        n = text_config.num_hidden_layers
+        types = getattr(text_config, "layer_types", None)
+        if types is None:
+            window = getattr(text_config, "sliding_window", None)
+            types = ["sliding_attention" if window is not None else "full_attention"] * n
+        kwargs = [{"sliding_window": text_config.sliding_window} if t == "sliding_attention" else {} for t in types]
+        return list(types), kwargs
+
+
+def _rotary_module(model):
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    candidates = [getattr(decoder, "rotary_emb", None)] + list(model.modules())
+    for module in candidates:
+        if module is None:
+            continue
+        if isinstance(getattr(module, "full_attention_inv_freq", None), torch.Tensor):
+            return module
+        if isinstance(getattr(module, "inv_freq", None), torch.Tensor) and hasattr(module, "attention_scaling"):
+            return module
+    raise ValueError("shadowkv_core.hf: found no rotary embedding (inv_freq) in the model; only RoPE models work")
+
+
+def _rotary(model):
+    """(inv_freq, attention_scaling, rope_type) of the rotary embedding the full-attention layers use."""
+    module = _rotary_module(model)
+    if isinstance(getattr(module, "full_attention_inv_freq", None), torch.Tensor):  # per layer type (Gemma-3)
+        rope_type = getattr(module, "rope_type", {})
+        rope_type = rope_type.get("full_attention") if isinstance(rope_type, dict) else rope_type
+        return module.full_attention_inv_freq, float(module.full_attention_attention_scaling), rope_type
+    return module.inv_freq, float(module.attention_scaling), getattr(module, "rope_type", None)
+
+
+def _attention_scale(model, layer_types: list) -> float:
+    scales = {}
+    for module in model.modules():
+        idx = getattr(module, "layer_idx", None)
+        if isinstance(idx, int) and isinstance(getattr(module, "scaling", None), float) and hasattr(module, "head_dim"):
+            if idx < len(layer_types) and layer_types[idx] == "full_attention":
+                scales[idx] = module.scaling
+    if not scales:
+        raise ValueError("shadowkv_core.hf: found no attention module with a `scaling` attribute")
+    values = set(scales.values())
+    if len(values) > 1:
+        raise ValueError(f"shadowkv_core.hf: full-attention layers use different scales {sorted(values)}")
+    return values.pop()
+
+
+def _model_device(model) -> str:
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        return f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
+    return device.type
+
+
+def _plan_layers(model, max_seq_len: int) -> tuple[list, list]:
+    """Layer types for the cache: "full_attention" layers go to the store. A "sliding_attention" layer whose window
+    is at least max_seq_len is full attention in effect (e.g. Mistral-7B-v0.1, window 4096) and goes to the store
+    too, when all layers share one rotary embedding."""
+    types, kwargs = _layer_types(_text_config(model))
+    types, kwargs = list(types), [dict(k) for k in kwargs]
+    shared_rotary = not isinstance(getattr(_rotary_module(model), "full_attention_inv_freq", None), torch.Tensor)
+    for i, kind in enumerate(types):
+        window = kwargs[i].get("sliding_window")
+        if kind == "sliding_attention" and shared_rotary and window is not None and window >= max_seq_len:
+            types[i], kwargs[i] = "full_attention", {}
+    return types, kwargs
+
+
+def _default_max_seq_len(model) -> int:
+    return min(int(getattr(_text_config(model), "max_position_embeddings", 131072) or 131072), 131072)
+
+
+def store_kwargs_for(model, max_seq_len: Optional[int] = None) -> dict:
+    """The model-derived KVStore keyword arguments: layer count, heads, head_dim, RoPE tables, softmax scale,
+    max_seq_len, dtype and device. Raises ValueError / NotImplementedError for models the adapter does not handle."""
+    config = _text_config(model)
+    if max_seq_len is None:
+        max_seq_len = _default_max_seq_len(model)
+    layer_types, _ = _plan_layers(model, max_seq_len)
+    if "full_attention" not in layer_types:
+        raise ValueError(f"shadowkv_core.hf: the model has no full-attention layer for the store (layer types "
+                         f"{sorted(set(layer_types))}; a sliding window >= max_seq_len = {max_seq_len} counts as full)")
+    if getattr(config, "use_bidirectional_attention", False):
+        raise NotImplementedError("shadowkv_core.hf: bidirectional attention is not supported")
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        raise NotImplementedError("shadowkv_core.hf: attention logit soft-capping is not supported")
+    num_q_heads = config.num_attention_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_q_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_q_heads
+    inv_freq, attention_scaling, rope_type = _rotary(model)
+    if rope_type in _LENGTH_DEPENDENT_ROPE:
+        raise NotImplementedError(f"shadowkv_core.hf: rope_type {rope_type!r} changes its frequencies with the "
+                                  "sequence length; the store's RoPE tables are fixed")
+    rotary_dim = 2 * inv_freq.numel()
+    if rotary_dim > head_dim:
+        raise ValueError(f"shadowkv_core.hf: {inv_freq.numel()} RoPE frequencies for head_dim {head_dim}")
+    dtype = next(model.parameters()).dtype
+    return dict(
+        num_layers=sum(t == "full_attention" for t in layer_types),
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_seq_len=max_seq_len,
+        inv_freq=inv_freq.detach().float().cpu(),
+        rotary_dim=rotary_dim,
+        rope_style="half",
+        attention_scaling=attention_scaling,
+        softmax_scale=_attention_scale(model, layer_types),
+        dtype=str(dtype).split(".")[-1],
+        device=_model_device(model),
+    )
+
+
+def make_cache(model, *, budget: int = 2048, rank: Optional[int] = None, max_batch: int = 1,
+               max_seq_len: Optional[int] = None, chunk_size: int = 8, outlier_chunks: int = 48,
+               local_chunks: int = 4, generation_window: int = 256, factorization: str = "gram",
+               dtype: Any = None, device: Any = None, value_store: str = "host",
+               store: Optional[KVStore] = None) -> ShadowKVCache:
+    """A `ShadowKVCache` for `model`, with a new KVStore built from the model's config (or the given `store`).
+
+    budget: selected tokens per KV head per decode step (a multiple of chunk_size). rank: rank of the key
+    factorisation (default min(160, num_kv_heads * head_dim)). max_batch: sequences per generate call.
+    max_seq_len: prompt (with its left padding excluded) + generated tokens per sequence (default: the model's
+    max_position_embeddings, at most 131072). dtype/device: the store's storage precision and device (default: the
+    model's). The other arguments are KVStore's. The model must run with attn_implementation="shadowkv" (`enable`)."""
+    register()
+    if store is None:
+        kwargs = store_kwargs_for(model, max_seq_len)
+        if rank is None:
+            rank = min(160, kwargs["num_kv_heads"] * kwargs["head_dim"])
+        if dtype is not None:
+            kwargs["dtype"] = dtype
+        if device is not None:
+            kwargs["device"] = str(device)
+        store = KVStore(max_batch=max_batch, rank=rank, chunk_size=chunk_size, budget=budget,
+                        outlier_chunks=outlier_chunks, local_chunks=local_chunks,
+                        generation_window=generation_window, factorization=factorization,
+                        value_store=value_store, **kwargs)
+    layer_types, layer_kwargs = _plan_layers(model, int(store.config["max_seq_len"]))
+    return ShadowKVCache(store, layer_types, layer_kwargs)
+
+
+def enable(model, **kwargs) -> ShadowKVCache:
+    """Registers the "shadowkv" attention, switches `model` to it, and returns `make_cache(model, **kwargs)`.
+
+    Layers that are not in a ShadowKVCache (or a forward without one) run plain sdpa, so the switched model still
+    works with transformers' own caches."""
+    register()
+    model.set_attn_implementation(ATTENTION_NAME)
+    return make_cache(model, **kwargs)
+
+
+register()
