@@ -6,6 +6,7 @@
 #include "shadowkv/errors.hpp"
 
 #ifdef SHADOWKV_WITH_CUDA
+#include "cuda_backend.hpp"
 #include "cuda_runtime_info.hpp"
 #endif
 
@@ -13,9 +14,13 @@ namespace shadowkv {
 
 std::unique_ptr<backend> make_backend(const config& cfg, device where) {
   if (where.type == device_type::cpu) return std::make_unique<detail::cpu_backend>(cfg);
+#ifdef SHADOWKV_WITH_CUDA
+  return std::make_unique<cuda::cuda_backend>(cfg, where.index);
+#else
   throw invalid_argument(detail::format_message(
       "no backend for device '", to_string(where),
-      "' in this build: the CUDA backend is not implemented yet (build_info() lists the available backends)"));
+      "' in this build: it was compiled without CUDA (build_info() lists the available backends)"));
+#endif
 }
 
 build_info get_build_info() {
@@ -25,6 +30,8 @@ build_info get_build_info() {
   info.blas = SHADOWKV_BLAS_NAME;
 #ifdef SHADOWKV_WITH_CUDA
   info.cuda_compiled = true;
+  info.cuda_backend = true;
+  info.backends.push_back("cuda");
   info.cuda_devices = detail::cuda_device_count();
 #endif
   return info;

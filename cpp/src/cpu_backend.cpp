@@ -521,7 +521,8 @@ chunk_ids_per_head cpu_backend::outlier_chunks(int layer, int slot) const {
 
 std::int64_t cpu_backend::last_position(int layer, int slot) const { return data(slot, layer).last_position; }
 
-memory_report cpu_backend::memory() const {
+// Reports what the containers really hold (not the formulas): the tests compare it with docs/semantics.md.
+memory_report cpu_backend::memory(std::span<const layer_state* const> /*states*/) const {
   memory_report report;
   const std::int64_t token_bytes = config_.kv_width() * 2 * static_cast<std::int64_t>(dtype_size(config_.kv_dtype));
   for (const auto& slot : layers_) {

@@ -135,6 +135,7 @@ void kv_store::prefill(int layer, std::span<const int> slots, const tensor_view&
   for (std::size_t b = 0; b < slots.size(); ++b) {
     entries[b] = {slots[b], static_cast<std::int64_t>(b), &new_states[b]};
   }
+  backend_->use_stream(options.stream);
   prefill_inputs inputs{keys, values, options.positions, q_last, options.keys_post_rope};
   backend_->prefill(layer, entries, inputs);
 
@@ -149,6 +150,7 @@ void kv_store::prefill(int layer, std::span<const int> slots, const tensor_view&
     backend_->fetch_values(layer, entries);
     backend_->rebuild_keys(layer, entries);
   }
+  backend_->finish_call();
 }
 
 void kv_store::decode(int layer, std::span<const int> slots, const tensor_view& q, const tensor_view& k_new,
@@ -179,22 +181,31 @@ void kv_store::decode(int layer, std::span<const int> slots, const tensor_view& 
     if (state.generated_exact_len == config_.generation_window) folding.push_back(entries[b]);
   }
 
+  backend_->use_stream(options.stream);
+  // While a CUDA graph is being captured nothing runs: the host counters stay as they are, and each replay is
+  // accounted later (account_replayed_steps). Backends that capture keep their counters on the device.
+  const bool recording = backend_->capturing();
   // 1. Fold the oldest generated chunk where the exact generated region is full.
   if (!folding.empty()) {
     backend_->fold_oldest_generated_chunk(layer, folding);
-    for (const batch_entry& entry : folding) {
-      layer_state& state = sequences_[static_cast<std::size_t>(entry.slot)].layers[static_cast<std::size_t>(layer)];
-      state.context_chunks += 1;
-      state.generated_exact_len -= config_.chunk_size;
+    if (!recording) {
+      for (const batch_entry& entry : folding) {
+        layer_state& state =
+            sequences_[static_cast<std::size_t>(entry.slot)].layers[static_cast<std::size_t>(layer)];
+        state.context_chunks += 1;
+        state.generated_exact_len -= config_.chunk_size;
+      }
+      folds_ += static_cast<std::int64_t>(folding.size());
     }
-    folds_ += static_cast<std::int64_t>(folding.size());
   }
   // 2. Append the new token.
   backend_->append_token(layer, entries, append_inputs{k_new, v_new, options.positions, options.keys_post_rope});
-  for (const int slot : slots) {
-    layer_state& state = sequences_[static_cast<std::size_t>(slot)].layers[static_cast<std::size_t>(layer)];
-    state.generated_total += 1;
-    state.generated_exact_len += 1;
+  if (!recording) {
+    for (const int slot : slots) {
+      layer_state& state = sequences_[static_cast<std::size_t>(slot)].layers[static_cast<std::size_t>(layer)];
+      state.generated_total += 1;
+      state.generated_exact_len += 1;
+    }
   }
   // 3–6. Select, then fetch values and rebuild keys of the misses (concurrent on devices with two streams).
   const tensor_view queries = detail::insert_unit_dim(q);
@@ -203,7 +214,34 @@ void kv_store::decode(int layer, std::span<const int> slots, const tensor_view& 
   backend_->rebuild_keys(layer, entries);
   // 7. Exact attention over the union.
   backend_->attend(layer, entries, q, out);
-  decode_steps_ += 1;
+  backend_->finish_call();
+  if (!recording) decode_steps_ += 1;
+}
+
+void kv_store::account_replayed_steps(int layer, std::span<const int> slots, std::int64_t steps) {
+  check_layer(layer);
+  check_batch_slots(slots);
+  SHADOWKV_EXPECTS(steps >= 0, "steps must be >= 0, got ", steps);
+  for (const int slot : slots) {
+    const layer_state& state = sequences_[static_cast<std::size_t>(slot)].layers[static_cast<std::size_t>(layer)];
+    SHADOWKV_EXPECTS(state.prefilled, "layer ", layer, " of slot ", slot, " has no prompt yet");
+    SHADOWKV_EXPECTS_CAPACITY(state.total_len() + steps <= config_.max_seq_len, "slot ", slot, " layer ", layer,
+                              " would hold ", state.total_len() + steps, " tokens, more than max_seq_len = ",
+                              config_.max_seq_len);
+  }
+  for (const int slot : slots) {
+    layer_state& state = sequences_[static_cast<std::size_t>(slot)].layers[static_cast<std::size_t>(layer)];
+    for (std::int64_t step = 0; step < steps; ++step) {
+      if (state.generated_exact_len == config_.generation_window) {
+        state.context_chunks += 1;
+        state.generated_exact_len -= config_.chunk_size;
+        folds_ += 1;
+      }
+      state.generated_total += 1;
+      state.generated_exact_len += 1;
+    }
+  }
+  decode_steps_ += steps;
 }
 
 chunk_ids_per_head kv_store::selected_chunks(int layer, int slot) const {
@@ -234,7 +272,15 @@ sequence_info kv_store::info(int layer, int slot) const {
   return result;
 }
 
-memory_report kv_store::memory() const { return backend_->memory(); }
+memory_report kv_store::memory() const {
+  std::vector<const layer_state*> prefilled;
+  for (const sequence& seq : sequences_) {
+    for (const layer_state& state : seq.layers) {
+      if (state.prefilled) prefilled.push_back(&state);
+    }
+  }
+  return backend_->memory(prefilled);
+}
 
 store_stats kv_store::stats() const {
   store_stats result = backend_->selection_stats();

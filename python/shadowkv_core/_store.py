@@ -44,6 +44,17 @@ def _plain(name: str, tensor: Any) -> Any:
     return tensor
 
 
+def _stream_of(tensor: Any) -> Optional[int]:
+    """The current CUDA stream (an integer handle; 0 is the legacy default stream) of a torch CUDA tensor's device,
+    so that the store's work is ordered after the caller's; None for other tensors."""
+    device = getattr(tensor, "device", None)
+    if getattr(device, "type", None) != "cuda":
+        return None
+    import torch
+
+    return int(torch.cuda.current_stream(device).cuda_stream)
+
+
 def _empty_like(reference: Any, shape: Sequence[int]) -> Any:
     """A new uninitialised array of `shape` with the dtype and device of `reference` (torch or numpy)."""
     if hasattr(reference, "new_empty"):
@@ -197,6 +208,7 @@ class KVStore:
             _plain("positions", positions),
             _plain("q_last", q_last),
             bool(keys_post_rope),
+            _stream_of(keys),
         )
 
     def decode(
@@ -228,8 +240,15 @@ class KVStore:
             _plain("out", out),
             _plain("positions", positions),
             bool(k_new_post_rope),
+            _stream_of(q),
         )
         return out
+
+    def account_replayed_steps(self, layer: int, slots: Union[int, Iterable[int]], steps: int) -> None:
+        """Tells the store that a CUDA graph captured around `decode(layer, slots, ...)` was replayed `steps` times
+        (each replay advances the device state by one step). Capture after one eager decode with the same slots;
+        tensors, shapes and slots are fixed for the graph."""
+        self._store.account_replayed_steps(layer, _slot_list(slots), int(steps))
 
     # --- inspection ------------------------------------------------------------------------------------------------
     def selected_chunks(self, layer: int, slot: int) -> list:

@@ -164,8 +164,9 @@ NB_MODULE(_core, m) {
           [](shadowkv::kv_store& s, int layer, const std::vector<int>& slots, const input_array& keys,
              const input_array& values, const std::vector<std::int64_t>& lengths,
              const std::optional<input_array>& positions, const std::optional<input_array>& q_last,
-             bool keys_post_rope) {
+             bool keys_post_rope, std::optional<std::uintptr_t> stream) {
             shadowkv::prefill_options options;
+            options.stream = stream;
             options.lengths = lengths;
             options.positions = optional_view(positions, "positions");
             options.q_last = optional_view(q_last, "q_last");
@@ -176,13 +177,14 @@ NB_MODULE(_core, m) {
             s.prefill(layer, slots, key_view, value_view, options);
           },
           "layer"_a, "slots"_a, "keys"_a, "values"_a, "lengths"_a, "positions"_a.none(), "q_last"_a.none(),
-          "keys_post_rope"_a)
+          "keys_post_rope"_a, "stream"_a.none() = nb::none())
       .def(
           "decode",
           [](shadowkv::kv_store& s, int layer, const std::vector<int>& slots, const input_array& q,
              const input_array& k_new, const input_array& v_new, const output_array& out,
-             const std::optional<input_array>& positions, bool k_new_post_rope) {
+             const std::optional<input_array>& positions, bool k_new_post_rope, std::optional<std::uintptr_t> stream) {
             shadowkv::decode_options options;
+            options.stream = stream;
             options.positions = optional_view(positions, "positions");
             options.keys_post_rope = k_new_post_rope;
             shadowkv::mutable_tensor_view out_view;
@@ -193,7 +195,14 @@ NB_MODULE(_core, m) {
             nb::gil_scoped_release release;
             s.decode(layer, slots, q_view, k_view, v_view, out_view, options);
           },
-          "layer"_a, "slots"_a, "q"_a, "k_new"_a, "v_new"_a, "out"_a, "positions"_a.none(), "k_new_post_rope"_a)
+          "layer"_a, "slots"_a, "q"_a, "k_new"_a, "v_new"_a, "out"_a, "positions"_a.none(), "k_new_post_rope"_a,
+          "stream"_a.none() = nb::none())
+      .def(
+          "account_replayed_steps",
+          [](shadowkv::kv_store& s, int layer, const std::vector<int>& slots, std::int64_t steps) {
+            s.account_replayed_steps(layer, slots, steps);
+          },
+          "layer"_a, "slots"_a, "steps"_a)
       .def("selected_chunks", &shadowkv::kv_store::selected_chunks, "layer"_a, "slot"_a)
       .def("outlier_chunks", &shadowkv::kv_store::outlier_chunks, "layer"_a, "slot"_a)
       .def(

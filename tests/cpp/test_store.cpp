@@ -1,1 +1,1194 @@
+// kv_store on the CPU backend (shadowkv/store.hpp, docs/semantics.md):
+//  * full rank + full budget + float32 storage == float64 full attention written here, over 40 decode steps with
+//    folds, for MHA/GQA/MQA, head_dim 64 and 128, ragged batches, explicit positions, both RoPE styles;
+//  * the selection and the outliers follow the landmark scores of docs/semantics.md;
+//  * every rejected call throws the documented type and leaves the store exactly as a twin that never saw it;
+//  * capacity (max_batch, max_seq_len), memory() against the formulas of docs/semantics.md, stats().
 #include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <initializer_list>
+#include <limits>
+#include <numeric>
+#include <ostream>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "shadowkv/config.hpp"
+#include "shadowkv/errors.hpp"
+#include "shadowkv/rope.hpp"
+#include "shadowkv/store.hpp"
+#include "shadowkv/tensor_view.hpp"
+
+namespace {
+
+using shadowkv::config;
+using shadowkv::decode_options;
+using shadowkv::dtype;
+using shadowkv::factorization_method;
+using shadowkv::kv_store;
+using shadowkv::memory_report;
+using shadowkv::mutable_tensor_view;
+using shadowkv::prefill_options;
+using shadowkv::rope_rotation;
+using shadowkv::rope_style;
+using shadowkv::sequence_info;
+using shadowkv::store_stats;
+using shadowkv::tensor_view;
+
+using shape_list = std::initializer_list<std::int64_t>;
+
+// ---------------------------------------------------------------------------------------------------------------
+// helpers
+// ---------------------------------------------------------------------------------------------------------------
+
+tensor_view view_of(const std::vector<float>& data, shape_list shape) {
+  return shadowkv::make_contiguous_view(data.data(), dtype::float32, shadowkv::device{}, shape);
+}
+
+mutable_tensor_view mutable_view_of(std::vector<float>& data, shape_list shape) {
+  mutable_tensor_view view;
+  static_cast<tensor_view&>(view) = shadowkv::make_contiguous_view(data.data(), dtype::float32, shadowkv::device{}, shape);
+  return view;
+}
+
+tensor_view index_view_of(const std::vector<std::int64_t>& data, shape_list shape) {
+  return shadowkv::make_contiguous_index_view(data.data(), shadowkv::index_type::int64, shadowkv::device{}, shape);
+}
+
+std::vector<int> slot_list(std::initializer_list<int> slots) { return std::vector<int>(slots); }
+
+class random_source {
+ public:
+  explicit random_source(std::uint64_t seed) : engine_(seed) {}
+  std::vector<float> normals(std::size_t count, float scale = 1.0F) {
+    std::vector<float> out(count);
+    for (float& v : out) v = scale * normal_(engine_);
+    return out;
+  }
+
+ private:
+  std::mt19937_64 engine_;
+  std::normal_distribution<float> normal_{0.0F, 1.0F};
+};
+
+double norm(const std::vector<float>& x) {
+  double sum = 0.0;
+  for (const float v : x) sum += static_cast<double>(v) * v;
+  return std::sqrt(sum);
+}
+
+bool all_finite(const std::vector<float>& x) {
+  return std::all_of(x.begin(), x.end(), [](float v) { return std::isfinite(v); });
+}
+
+// Exact (float64) attention over every token a sequence has seen in one layer.
+struct reference_sequence {
+  int kv_heads = 0;
+  int head_dim = 0;
+  std::vector<float> keys;    // post-RoPE [T, Hkv, D], exactly as the store was given / computed them
+  std::vector<float> values;  // [T, Hkv, D]
+
+  [[nodiscard]] std::int64_t width() const { return static_cast<std::int64_t>(kv_heads) * head_dim; }
+  [[nodiscard]] std::int64_t length() const { return static_cast<std::int64_t>(keys.size()) / width(); }
+
+  void append(const float* key, const float* value) {
+    keys.insert(keys.end(), key, key + width());
+    values.insert(values.end(), value, value + width());
+  }
+
+  // q [Hq, D] -> out [Hq, D]; query head j reads KV head j / G.
+  [[nodiscard]] std::vector<double> attend(const float* q, int q_heads, double scale) const {
+    const int group = q_heads / kv_heads;
+    const std::int64_t tokens = length();
+    std::vector<double> out(static_cast<std::size_t>(q_heads) * head_dim, 0.0);
+    std::vector<double> logits(static_cast<std::size_t>(tokens));
+    for (int j = 0; j < q_heads; ++j) {
+      const int h = j / group;
+      double largest = -std::numeric_limits<double>::infinity();
+      for (std::int64_t t = 0; t < tokens; ++t) {
+        const float* key = keys.data() + t * width() + static_cast<std::int64_t>(h) * head_dim;
+        double dot = 0.0;
+        for (int d = 0; d < head_dim; ++d) dot += static_cast<double>(q[j * head_dim + d]) * key[d];
+        logits[static_cast<std::size_t>(t)] = scale * dot;
+        largest = std::max(largest, logits[static_cast<std::size_t>(t)]);
+      }
+      double total = 0.0;
+      for (double& l : logits) total += (l = std::exp(l - largest));
+      for (std::int64_t t = 0; t < tokens; ++t) {
+        const float* value = values.data() + t * width() + static_cast<std::int64_t>(h) * head_dim;
+        const double w = logits[static_cast<std::size_t>(t)] / total;
+        for (int d = 0; d < head_dim; ++d) out[static_cast<std::size_t>(j * head_dim + d)] += w * value[d];
+      }
+    }
+    return out;
+  }
+};
+
+void expect_same_memory(const memory_report& a, const memory_report& b) {
+  EXPECT_EQ(a.low_rank_factors, b.low_rank_factors);
+  EXPECT_EQ(a.landmarks, b.landmarks);
+  EXPECT_EQ(a.outliers, b.outliers);
+  EXPECT_EQ(a.exact_tokens, b.exact_tokens);
+  EXPECT_EQ(a.value_store, b.value_store);
+  EXPECT_EQ(a.selection_cache, b.selection_cache);
+  EXPECT_EQ(a.full_attention_equivalent, b.full_attention_equivalent);
+}
+
+void expect_same_stats(const store_stats& a, const store_stats& b) {
+  EXPECT_EQ(a.decode_steps, b.decode_steps);
+  EXPECT_EQ(a.selections, b.selections);
+  EXPECT_EQ(a.hits, b.hits);
+  EXPECT_EQ(a.misses, b.misses);
+  EXPECT_EQ(a.chunks_rebuilt, b.chunks_rebuilt);
+  EXPECT_EQ(a.bytes_fetched, b.bytes_fetched);
+  EXPECT_EQ(a.folds, b.folds);
+}
+
+void expect_same_info(const sequence_info& a, const sequence_info& b) {
+  EXPECT_EQ(a.prefilled, b.prefilled);
+  EXPECT_EQ(a.prompt_len, b.prompt_len);
+  EXPECT_EQ(a.total_len, b.total_len);
+  EXPECT_EQ(a.context_chunks, b.context_chunks);
+  EXPECT_EQ(a.outlier_chunks, b.outlier_chunks);
+  EXPECT_EQ(a.local_len, b.local_len);
+  EXPECT_EQ(a.generated_exact_len, b.generated_exact_len);
+  EXPECT_EQ(a.last_position, b.last_position);
+}
+
+// Folds after `steps` decode steps with window W and chunk C (docs/semantics.md, decode step 1).
+struct fold_count {
+  std::int64_t folds = 0;
+  std::int64_t generated_exact = 0;
+};
+fold_count simulate_folds(std::int64_t steps, std::int64_t window, std::int64_t chunk) {
+  fold_count result;
+  for (std::int64_t s = 0; s < steps; ++s) {
+    if (result.generated_exact == window) {
+      result.folds += 1;
+      result.generated_exact -= chunk;
+    }
+    result.generated_exact += 1;
+  }
+  return result;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// full rank + full budget == full attention
+// ---------------------------------------------------------------------------------------------------------------
+
+struct equivalence_case {
+  const char* name;
+  int q_heads;
+  int kv_heads;
+  int head_dim;
+  std::int64_t len0;  // two ragged prompts in one batch
+  std::int64_t len1;
+  rope_style rope;
+  int rotary_dim;
+  factorization_method factorization;
+  int num_layers;
+  std::int64_t position_offset;  // > 0: explicit positions starting there
+  bool prefill_post_rope;        // give the store post-RoPE prompt keys
+  bool decode_pre_rope;          // give the store pre-RoPE k_new
+  float attention_scaling;
+  std::uint64_t seed;
+};
+
+void PrintTo(const equivalence_case& c, std::ostream* os) { *os << c.name << " (seed " << c.seed << ")"; }
+
+class FullAttentionEquivalence : public ::testing::TestWithParam<equivalence_case> {};
+
+TEST_P(FullAttentionEquivalence, DecodeEqualsFloat64FullAttention) {
+  const equivalence_case& p = GetParam();
+  SCOPED_TRACE(std::string(p.name) + " seed=" + std::to_string(p.seed));
+  const std::int64_t steps = 40;
+  const std::int64_t longest = std::max(p.len0, p.len1);
+
+  config cfg;
+  cfg.num_layers = p.num_layers;
+  cfg.num_q_heads = p.q_heads;
+  cfg.num_kv_heads = p.kv_heads;
+  cfg.head_dim = p.head_dim;
+  cfg.max_batch = 2;
+  cfg.max_seq_len = longest + steps + 8;
+  cfg.rope = p.rope;
+  cfg.rotary_dim = p.rotary_dim;
+  cfg.attention_scaling = p.attention_scaling;
+  cfg.rank = p.kv_heads * p.head_dim;  // full rank
+  cfg.chunk_size = 8;
+  cfg.local_chunks = 2;
+  cfg.outlier_chunks = 2;
+  cfg.generation_window = 16;  // folds every 8 steps after the first 16
+  cfg.budget_chunks = static_cast<int>((longest + steps) / cfg.chunk_size + 1);  // covers every chunk
+  cfg.factorization = p.factorization;
+  cfg.kv_dtype = dtype::float32;
+  ASSERT_NO_THROW(cfg.validate());
+
+  kv_store store(cfg);
+  const std::vector<int> slots = store.add_sequences(2);
+  ASSERT_EQ(slots, slot_list({0, 1}));
+  const rope_rotation rope(cfg);
+  const double scale = cfg.effective_softmax_scale();
+  const std::int64_t heads = p.kv_heads;
+  const std::int64_t dim = p.head_dim;
+  const std::int64_t width = heads * dim;
+  const std::int64_t lengths[2] = {p.len0, p.len1};
+  random_source rng(p.seed);
+
+  // refs[layer][b]
+  std::vector<std::vector<reference_sequence>> refs(
+      static_cast<std::size_t>(p.num_layers), std::vector<reference_sequence>(2, reference_sequence{p.kv_heads, p.head_dim, {}, {}}));
+
+  for (int layer = 0; layer < p.num_layers; ++layer) {
+    std::vector<float> keys_pre = rng.normals(static_cast<std::size_t>(2 * longest * width));
+    std::vector<float> values = rng.normals(static_cast<std::size_t>(2 * longest * width));
+    // A shared per-channel offset, as real keys have; it makes attention non-uniform.
+    const std::vector<float> channel_mean = rng.normals(static_cast<std::size_t>(width), 0.5F);
+    std::vector<std::int64_t> positions(static_cast<std::size_t>(2 * longest), -7);
+    std::vector<float> keys_post = keys_pre;
+    for (std::int64_t b = 0; b < 2; ++b) {
+      for (std::int64_t t = 0; t < longest; ++t) {
+        float* pre = keys_pre.data() + (b * longest + t) * width;
+        float* post = keys_post.data() + (b * longest + t) * width;
+        float* value = values.data() + (b * longest + t) * width;
+        if (t >= lengths[b]) {  // right padding: the store must never read it
+          std::fill(pre, pre + width, std::numeric_limits<float>::quiet_NaN());
+          std::fill(post, post + width, std::numeric_limits<float>::quiet_NaN());
+          std::fill(value, value + width, std::numeric_limits<float>::quiet_NaN());
+          continue;
+        }
+        const std::int64_t position = p.position_offset + t;
+        positions[static_cast<std::size_t>(b * longest + t)] = position;
+        for (std::int64_t j = 0; j < width; ++j) pre[j] += channel_mean[static_cast<std::size_t>(j)];
+        std::copy(pre, pre + width, post);
+        for (std::int64_t h = 0; h < heads; ++h) rope.apply(post + h * dim, position);
+        refs[static_cast<std::size_t>(layer)][static_cast<std::size_t>(b)].append(post, value);
+      }
+    }
+    prefill_options options;
+    options.lengths = {p.len0, p.len1};
+    options.keys_post_rope = p.prefill_post_rope;
+    if (p.position_offset > 0) options.positions = index_view_of(positions, {2, longest});
+    const std::vector<float>& given = p.prefill_post_rope ? keys_post : keys_pre;
+    store.prefill(layer, slots, view_of(given, {2, longest, heads, dim}), view_of(values, {2, longest, heads, dim}),
+                  options);
+  }
+  EXPECT_EQ(store.info(0, 1).prompt_len, p.len1);
+
+  double worst = 0.0;
+  for (std::int64_t step = 0; step < steps; ++step) {
+    for (int layer = 0; layer < p.num_layers; ++layer) {
+      SCOPED_TRACE("step=" + std::to_string(step) + " layer=" + std::to_string(layer));
+      const std::vector<float> q = rng.normals(static_cast<std::size_t>(2 * p.q_heads * dim));
+      std::vector<float> k_pre = rng.normals(static_cast<std::size_t>(2 * width));
+      const std::vector<float> v = rng.normals(static_cast<std::size_t>(2 * width));
+      std::vector<float> k_post = k_pre;
+      std::vector<std::int64_t> positions(2);
+      for (std::int64_t b = 0; b < 2; ++b) {
+        positions[static_cast<std::size_t>(b)] = p.position_offset + lengths[b] + step;
+        for (std::int64_t h = 0; h < heads; ++h) rope.apply(k_post.data() + b * width + h * dim, positions[static_cast<std::size_t>(b)]);
+      }
+      decode_options options;
+      options.keys_post_rope = !p.decode_pre_rope;
+      // With an offset, give positions on even steps and rely on "last position + 1" on odd ones.
+      if (p.position_offset > 0 && step % 2 == 0) options.positions = index_view_of(positions, {2});
+      std::vector<float> out(q.size(), std::numeric_limits<float>::quiet_NaN());
+      store.decode(layer, slots, view_of(q, {2, p.q_heads, dim}),
+                   view_of(p.decode_pre_rope ? k_pre : k_post, {2, heads, dim}), view_of(v, {2, heads, dim}),
+                   mutable_view_of(out, {2, p.q_heads, dim}), options);
+      ASSERT_TRUE(all_finite(out));
+      EXPECT_GT(norm(out), 0.1) << "output must be non-trivial";
+      for (std::int64_t b = 0; b < 2; ++b) {
+        reference_sequence& ref = refs[static_cast<std::size_t>(layer)][static_cast<std::size_t>(b)];
+        ref.append(k_post.data() + b * width, v.data() + b * width);
+        const std::vector<double> expected = ref.attend(q.data() + b * p.q_heads * dim, p.q_heads, scale);
+        for (std::size_t i = 0; i < expected.size(); ++i) {
+          const double error = std::fabs(out[static_cast<std::size_t>(b * p.q_heads * dim) + i] - expected[i]);
+          worst = std::max(worst, error);
+          ASSERT_LT(error, 5e-5) << "b=" << b << " element " << i << ": store "
+                                 << out[static_cast<std::size_t>(b * p.q_heads * dim) + i] << " vs full attention "
+                                 << expected[i];
+        }
+      }
+    }
+  }
+  {
+    std::ostringstream text;
+    text << std::scientific << worst;
+    RecordProperty("max_abs_error", text.str());
+  }
+
+  // Counters after the run: every sequence and layer folded as docs/semantics.md says, and with a full budget
+  // every non-outlier context chunk is selected.
+  const fold_count folds = simulate_folds(steps, cfg.generation_window, cfg.chunk_size);
+  ASSERT_GT(folds.folds, 0);
+  EXPECT_EQ(store.stats().folds, folds.folds * 2 * p.num_layers);
+  EXPECT_EQ(store.stats().decode_steps, steps * p.num_layers);
+  for (int layer = 0; layer < p.num_layers; ++layer) {
+    for (std::int64_t b = 0; b < 2; ++b) {
+      const sequence_info info = store.info(layer, slots[static_cast<std::size_t>(b)]);
+      const std::int64_t prompt_chunks = std::max<std::int64_t>(0, lengths[b] / cfg.chunk_size - cfg.local_chunks);
+      EXPECT_TRUE(info.prefilled);
+      EXPECT_EQ(info.prompt_len, lengths[b]);
+      EXPECT_EQ(info.total_len, lengths[b] + steps);
+      EXPECT_EQ(info.context_chunks, prompt_chunks + folds.folds);
+      EXPECT_EQ(info.outlier_chunks, std::min<std::int64_t>(cfg.outlier_chunks, prompt_chunks));
+      EXPECT_EQ(info.local_len, lengths[b] - prompt_chunks * cfg.chunk_size);
+      EXPECT_EQ(info.generated_exact_len, folds.generated_exact);
+      EXPECT_EQ(info.last_position, p.position_offset + lengths[b] + steps - 1);
+      const auto selected = store.selected_chunks(layer, slots[static_cast<std::size_t>(b)]);
+      const auto outliers = store.outlier_chunks(layer, slots[static_cast<std::size_t>(b)]);
+      ASSERT_EQ(selected.size(), static_cast<std::size_t>(heads));
+      ASSERT_EQ(outliers.size(), static_cast<std::size_t>(heads));
+      for (std::int64_t h = 0; h < heads; ++h) {
+        EXPECT_EQ(static_cast<std::int64_t>(outliers[static_cast<std::size_t>(h)].size()), info.outlier_chunks);
+        std::vector<std::int64_t> everything;
+        for (std::int64_t c = 0; c < info.context_chunks; ++c) {
+          const auto& o = outliers[static_cast<std::size_t>(h)];
+          if (std::find(o.begin(), o.end(), c) == o.end()) everything.push_back(c);
+        }
+        EXPECT_EQ(selected[static_cast<std::size_t>(h)], everything) << "head " << h;
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, FullAttentionEquivalence,
+    ::testing::Values(
+        equivalence_case{"mha_d64", 4, 4, 64, 150, 123, rope_style::half_split, 0, factorization_method::gram, 1, 0,
+                         false, false, 1.0F, 101},
+        equivalence_case{"mha_d128_interleaved_svd", 2, 2, 128, 200, 100, rope_style::interleaved, 0,
+                         factorization_method::svd, 1, 0, false, false, 1.0F, 102},
+        equivalence_case{"gqa_d64_positions_two_layers", 8, 2, 64, 300, 257, rope_style::half_split, 0,
+                         factorization_method::gram, 2, 1000, false, true, 1.0F, 103},
+        equivalence_case{"gqa_d128_partial_rotary_post_rope_prompt", 8, 2, 128, 160, 101, rope_style::half_split, 64,
+                         factorization_method::svd, 1, 0, true, false, 1.1F, 104},
+        equivalence_case{"mqa_d64_tiny_prompt", 4, 1, 64, 120, 5, rope_style::half_split, 0,
+                         factorization_method::gram, 1, 0, false, false, 1.0F, 105},
+        equivalence_case{"mqa_d128_interleaved", 8, 1, 128, 180, 99, rope_style::interleaved, 0,
+                         factorization_method::gram, 1, 0, false, true, 1.0F, 106}),
+    [](const ::testing::TestParamInfo<equivalence_case>& info) { return std::string(info.param.name); });
+
+// ---------------------------------------------------------------------------------------------------------------
+// selection semantics: outliers, landmark scores, top-k, temporal cache statistics
+// ---------------------------------------------------------------------------------------------------------------
+
+config selection_config() {
+  config cfg;
+  cfg.num_layers = 1;
+  cfg.num_q_heads = 8;
+  cfg.num_kv_heads = 2;
+  cfg.head_dim = 64;
+  cfg.max_batch = 2;
+  cfg.max_seq_len = 512;
+  cfg.rank = 64;
+  cfg.chunk_size = 8;
+  cfg.budget_chunks = 4;
+  cfg.outlier_chunks = 3;
+  cfg.local_chunks = 2;
+  cfg.generation_window = 64;  // no fold in these tests
+  cfg.kv_dtype = dtype::float32;
+  return cfg;
+}
+
+struct selection_data {
+  std::int64_t length = 200;
+  std::vector<float> keys_pre;
+  std::vector<float> keys_post;
+  std::vector<float> values;
+};
+
+selection_data make_selection_data(const config& cfg, random_source& rng) {
+  selection_data data;
+  const std::int64_t width = cfg.kv_width();
+  data.keys_pre = rng.normals(static_cast<std::size_t>(data.length * width));
+  // Per-chunk drifts make landmarks differ clearly between chunks (real keys cluster by position).
+  for (std::int64_t t = 0; t < data.length; ++t) {
+    const float drift = 0.6F * std::sin(0.37F * static_cast<float>(t / cfg.chunk_size));
+    for (std::int64_t j = 0; j < width; ++j) data.keys_pre[static_cast<std::size_t>(t * width + j)] += drift * ((j % 3) - 1.0F);
+  }
+  data.values = rng.normals(static_cast<std::size_t>(data.length * width));
+  data.keys_post = data.keys_pre;
+  const rope_rotation rope(cfg);
+  for (std::int64_t t = 0; t < data.length; ++t) {
+    for (std::int64_t h = 0; h < cfg.num_kv_heads; ++h) rope.apply(data.keys_post.data() + t * width + h * cfg.head_dim, t);
+  }
+  return data;
+}
+
+// Outliers and the top-k selection per KV head, computed here from docs/semantics.md (float32 storage).
+// `context_keys` are the post-RoPE keys [tokens, Hkv, D] of the context chunks in chunk order: the prompt's
+// `prompt_chunks` chunks first, then folded generated chunks (never outliers).
+struct expected_selection {
+  std::vector<std::vector<std::int64_t>> outliers;
+  std::vector<std::vector<std::int64_t>> selected;
+};
+
+expected_selection select_like_semantics(const config& cfg, const std::vector<float>& context_keys,
+                                         std::int64_t prompt_chunks, std::int64_t context_chunks,
+                                         const std::vector<float>& q) {
+  const std::int64_t heads = cfg.num_kv_heads;
+  const std::int64_t dim = cfg.head_dim;
+  const std::int64_t width = cfg.kv_width();
+  const std::int64_t chunk = cfg.chunk_size;
+  const std::int64_t n = context_chunks;
+  const std::int64_t outlier_count = std::min<std::int64_t>(cfg.outlier_chunks, prompt_chunks);
+  const double scale = cfg.effective_softmax_scale();
+  const int group = cfg.group_size();
+  auto dot = [&](const float* a, const float* b) {
+    double s = 0.0;
+    for (std::int64_t d = 0; d < dim; ++d) s += static_cast<double>(a[d]) * b[d];
+    return s;
+  };
+  expected_selection result;
+  for (std::int64_t h = 0; h < heads; ++h) {
+    std::vector<std::vector<float>> landmarks(static_cast<std::size_t>(n), std::vector<float>(static_cast<std::size_t>(dim)));
+    std::vector<double> min_cos(static_cast<std::size_t>(prompt_chunks));
+    for (std::int64_t c = 0; c < n; ++c) {
+      std::vector<float>& l = landmarks[static_cast<std::size_t>(c)];
+      for (std::int64_t d = 0; d < dim; ++d) {
+        double sum = 0.0;
+        for (std::int64_t i = 0; i < chunk; ++i) sum += context_keys[static_cast<std::size_t>((c * chunk + i) * width + h * dim + d)];
+        l[static_cast<std::size_t>(d)] = static_cast<float>(sum / static_cast<double>(chunk));
+      }
+      if (c >= prompt_chunks) continue;
+      double lowest = std::numeric_limits<double>::infinity();
+      for (std::int64_t i = 0; i < chunk; ++i) {
+        const float* key = context_keys.data() + (c * chunk + i) * width + h * dim;
+        const double cosine = dot(l.data(), key) / std::max(std::sqrt(dot(l.data(), l.data())) * std::sqrt(dot(key, key)), 1e-30);
+        lowest = std::min(lowest, cosine);
+      }
+      min_cos[static_cast<std::size_t>(c)] = lowest;
+    }
+    std::vector<std::int64_t> order(static_cast<std::size_t>(prompt_chunks));
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](std::int64_t a, std::int64_t b) {
+      return min_cos[static_cast<std::size_t>(a)] < min_cos[static_cast<std::size_t>(b)];
+    });
+    std::vector<std::int64_t> outliers(order.begin(), order.begin() + outlier_count);
+    std::sort(outliers.begin(), outliers.end());
+    std::vector<std::int64_t> candidates;
+    for (std::int64_t c = 0; c < n; ++c) {
+      if (!std::binary_search(outliers.begin(), outliers.end(), c)) candidates.push_back(c);
+    }
+    std::vector<double> score(candidates.size(), 0.0);
+    for (int g = 0; g < group; ++g) {
+      const float* qj = q.data() + (h * group + g) * dim;
+      std::vector<double> logits(candidates.size());
+      double largest = -std::numeric_limits<double>::infinity();
+      for (std::size_t i = 0; i < candidates.size(); ++i) {
+        logits[i] = scale * dot(qj, landmarks[static_cast<std::size_t>(candidates[i])].data());
+        largest = std::max(largest, logits[i]);
+      }
+      double total = 0.0;
+      for (double& l : logits) total += (l = std::exp(l - largest));
+      for (std::size_t i = 0; i < candidates.size(); ++i) score[i] = std::max(score[i], logits[i] / total);
+    }
+    std::vector<std::size_t> ranked(candidates.size());
+    std::iota(ranked.begin(), ranked.end(), 0);
+    std::stable_sort(ranked.begin(), ranked.end(), [&](std::size_t a, std::size_t b) { return score[a] > score[b]; });
+    std::vector<std::int64_t> selected;
+    for (std::size_t i = 0; i < std::min<std::size_t>(static_cast<std::size_t>(cfg.budget_chunks), ranked.size()); ++i) {
+      selected.push_back(candidates[ranked[i]]);
+    }
+    std::sort(selected.begin(), selected.end());
+    result.outliers.push_back(outliers);
+    result.selected.push_back(selected);
+  }
+  return result;
+}
+
+expected_selection select_like_semantics(const config& cfg, const selection_data& data, const std::vector<float>& q) {
+  const std::int64_t n = std::max<std::int64_t>(0, data.length / cfg.chunk_size - cfg.local_chunks);
+  return select_like_semantics(cfg, data.keys_post, n, n, q);
+}
+
+TEST(StoreSelection, OutliersAndTopKFollowLandmarkScores) {
+  const config cfg = selection_config();
+  for (const std::uint64_t seed : {201ULL, 202ULL, 203ULL}) {
+    SCOPED_TRACE("seed=" + std::to_string(seed));
+    random_source rng(seed);
+    const selection_data data = make_selection_data(cfg, rng);
+    kv_store store(cfg);
+    const std::vector<int> slots = store.add_sequences(1);
+    store.prefill(0, slots, view_of(data.keys_pre, {1, data.length, cfg.num_kv_heads, cfg.head_dim}),
+                  view_of(data.values, {1, data.length, cfg.num_kv_heads, cfg.head_dim}));
+    std::vector<std::int64_t> previous_first_head;
+    for (int step = 0; step < 3; ++step) {
+      SCOPED_TRACE("step=" + std::to_string(step));
+      // Queries aimed at the keys of one context chunk, so that selection has a clear winner.
+      std::vector<float> q = rng.normals(static_cast<std::size_t>(cfg.num_q_heads * cfg.head_dim), 0.5F);
+      const std::int64_t target = 3 + 5 * step;
+      for (int j = 0; j < cfg.num_q_heads; ++j) {
+        const std::int64_t h = j / cfg.group_size();
+        for (int d = 0; d < cfg.head_dim; ++d) {
+          q[static_cast<std::size_t>(j * cfg.head_dim + d)] += 0.8F * data.keys_post[static_cast<std::size_t>((target * cfg.chunk_size + 1) * cfg.kv_width() + h * cfg.head_dim + d)];
+        }
+      }
+      const std::vector<float> k = rng.normals(static_cast<std::size_t>(cfg.kv_width()));
+      const std::vector<float> v = rng.normals(static_cast<std::size_t>(cfg.kv_width()));
+      std::vector<float> out(q.size());
+      store.decode(0, slots, view_of(q, {1, cfg.num_q_heads, cfg.head_dim}), view_of(k, {1, cfg.num_kv_heads, cfg.head_dim}),
+                   view_of(v, {1, cfg.num_kv_heads, cfg.head_dim}), mutable_view_of(out, {1, cfg.num_q_heads, cfg.head_dim}));
+      const expected_selection expected = select_like_semantics(cfg, data, q);
+      EXPECT_EQ(store.outlier_chunks(0, slots[0]), expected.outliers);
+      EXPECT_EQ(store.selected_chunks(0, slots[0]), expected.selected);
+      for (const auto& head : expected.selected) EXPECT_EQ(head.size(), static_cast<std::size_t>(cfg.budget_chunks));
+      EXPECT_NE(expected.selected[0], previous_first_head) << "the queries must move the selection";
+      previous_first_head = expected.selected[0];
+    }
+  }
+}
+
+TEST(StoreSelection, SameQueryTwiceIsAllHits) {
+  const config cfg = selection_config();
+  const std::uint64_t seed = 301;
+  SCOPED_TRACE("seed=" + std::to_string(seed));
+  random_source rng(seed);
+  const selection_data data = make_selection_data(cfg, rng);
+  const std::int64_t per_step = static_cast<std::int64_t>(cfg.num_kv_heads) * cfg.budget_chunks;  // one slot
+  const std::int64_t chunk_value_bytes = static_cast<std::int64_t>(cfg.chunk_size) * cfg.head_dim * 4;
+
+  kv_store store(cfg);
+  const std::vector<int> slots = store.add_sequences(1);
+  store.prefill(0, slots, view_of(data.keys_pre, {1, data.length, cfg.num_kv_heads, cfg.head_dim}),
+                view_of(data.values, {1, data.length, cfg.num_kv_heads, cfg.head_dim}));
+  EXPECT_EQ(store.stats().selections, 0) << "no q_last: no selection at prefill";
+  const std::vector<float> q = rng.normals(static_cast<std::size_t>(cfg.num_q_heads * cfg.head_dim));
+  auto step = [&]() {
+    const std::vector<float> k = rng.normals(static_cast<std::size_t>(cfg.kv_width()));
+    const std::vector<float> v = rng.normals(static_cast<std::size_t>(cfg.kv_width()));
+    std::vector<float> out(q.size());
+    store.decode(0, slots, view_of(q, {1, cfg.num_q_heads, cfg.head_dim}), view_of(k, {1, cfg.num_kv_heads, cfg.head_dim}),
+                 view_of(v, {1, cfg.num_kv_heads, cfg.head_dim}), mutable_view_of(out, {1, cfg.num_q_heads, cfg.head_dim}));
+    EXPECT_GT(norm(out), 0.0);
+  };
+
+  step();
+  store_stats first = store.stats();
+  EXPECT_EQ(first.decode_steps, 1);
+  EXPECT_EQ(first.selections, 1);
+  EXPECT_EQ(first.hits, 0);
+  EXPECT_EQ(first.misses, per_step) << "a cold cache misses every selected chunk";
+  EXPECT_EQ(first.chunks_rebuilt, per_step);
+  EXPECT_EQ(first.bytes_fetched, per_step * chunk_value_bytes);
+  const auto selected_first = store.selected_chunks(0, slots[0]);
+
+  step();
+  const store_stats second = store.stats();
+  EXPECT_EQ(second.decode_steps, 2);
+  EXPECT_EQ(second.selections, 2);
+  EXPECT_EQ(second.hits - first.hits, per_step) << "the same query selects the same chunks: all hits";
+  EXPECT_EQ(second.misses - first.misses, 0);
+  EXPECT_EQ(second.chunks_rebuilt - first.chunks_rebuilt, 0);
+  EXPECT_EQ(second.bytes_fetched - first.bytes_fetched, 0);
+  EXPECT_DOUBLE_EQ(second.hit_rate(), 0.5);
+  EXPECT_EQ(store.selected_chunks(0, slots[0]), selected_first);
+
+  store.reset_stats();
+  const store_stats reset = store.stats();
+  EXPECT_EQ(reset.decode_steps, 0);
+  EXPECT_EQ(reset.hits + reset.misses + reset.selections + reset.bytes_fetched + reset.folds, 0);
+  step();
+  EXPECT_EQ(store.stats().hits, per_step);
+  EXPECT_DOUBLE_EQ(store.stats().hit_rate(), 1.0);
+}
+
+TEST(StoreSelection, PrefillQueryWarmsTheCache) {
+  const config cfg = selection_config();
+  const std::uint64_t seed = 302;
+  SCOPED_TRACE("seed=" + std::to_string(seed));
+  random_source rng(seed);
+  const selection_data data = make_selection_data(cfg, rng);
+  const std::int64_t per_step = static_cast<std::int64_t>(cfg.num_kv_heads) * cfg.budget_chunks;
+  const std::vector<float> q = rng.normals(static_cast<std::size_t>(cfg.num_q_heads * cfg.head_dim));
+
+  kv_store store(cfg);
+  const std::vector<int> slots = store.add_sequences(1);
+  prefill_options options;
+  options.q_last = view_of(q, {1, cfg.num_q_heads, cfg.head_dim});
+  store.prefill(0, slots, view_of(data.keys_pre, {1, data.length, cfg.num_kv_heads, cfg.head_dim}),
+                view_of(data.values, {1, data.length, cfg.num_kv_heads, cfg.head_dim}), options);
+  EXPECT_EQ(store.stats().selections, 1);
+  EXPECT_EQ(store.stats().misses, per_step);
+  EXPECT_EQ(store.stats().decode_steps, 0);
+  EXPECT_EQ(store.selected_chunks(0, slots[0]), select_like_semantics(cfg, data, q).selected);
+
+  const std::vector<float> k = rng.normals(static_cast<std::size_t>(cfg.kv_width()));
+  const std::vector<float> v = rng.normals(static_cast<std::size_t>(cfg.kv_width()));
+  std::vector<float> out(q.size());
+  store.decode(0, slots, view_of(q, {1, cfg.num_q_heads, cfg.head_dim}), view_of(k, {1, cfg.num_kv_heads, cfg.head_dim}),
+               view_of(v, {1, cfg.num_kv_heads, cfg.head_dim}), mutable_view_of(out, {1, cfg.num_q_heads, cfg.head_dim}));
+  EXPECT_EQ(store.stats().hits, per_step) << "the first decode step with the prefill's query starts warm";
+  EXPECT_EQ(store.stats().misses, per_step);
+}
+
+TEST(StoreSelection, FoldedChunksAreScoredByTheirLandmarks) {
+  config cfg = selection_config();
+  cfg.generation_window = 16;
+  const std::uint64_t seed = 303;
+  SCOPED_TRACE("seed=" + std::to_string(seed));
+  random_source rng(seed);
+  const selection_data data = make_selection_data(cfg, rng);
+  const std::int64_t width = cfg.kv_width();
+  const std::int64_t prompt_chunks = data.length / cfg.chunk_size - cfg.local_chunks;
+  const rope_rotation rope(cfg);
+
+  kv_store store(cfg);
+  const std::vector<int> slots = store.add_sequences(1);
+  store.prefill(0, slots, view_of(data.keys_pre, {1, data.length, cfg.num_kv_heads, cfg.head_dim}),
+                view_of(data.values, {1, data.length, cfg.num_kv_heads, cfg.head_dim}));
+  // Context keys in chunk order: the prompt's context chunks, then each folded chunk of generated keys.
+  std::vector<float> context(data.keys_post.begin(), data.keys_post.begin() + prompt_chunks * cfg.chunk_size * width);
+  std::vector<float> generated;
+  const std::int64_t steps = 40;
+  std::int64_t folded_chunks_seen = 0;
+  for (std::int64_t step = 0; step < steps; ++step) {
+    SCOPED_TRACE("step=" + std::to_string(step));
+    // Strong generated keys, so that folded chunks compete for selection.
+    std::vector<float> k = rng.normals(static_cast<std::size_t>(width), 2.0F);
+    for (std::int64_t h = 0; h < cfg.num_kv_heads; ++h) rope.apply(k.data() + h * cfg.head_dim, data.length + step);
+    generated.insert(generated.end(), k.begin(), k.end());
+    const std::vector<float> v = rng.normals(static_cast<std::size_t>(width));
+    std::vector<float> q = rng.normals(static_cast<std::size_t>(cfg.num_q_heads * cfg.head_dim));
+    std::vector<float> out(q.size());
+    store.decode(0, slots, view_of(q, {1, cfg.num_q_heads, cfg.head_dim}), view_of(k, {1, cfg.num_kv_heads, cfg.head_dim}),
+                 view_of(v, {1, cfg.num_kv_heads, cfg.head_dim}), mutable_view_of(out, {1, cfg.num_q_heads, cfg.head_dim}));
+    const sequence_info info = store.info(0, slots[0]);
+    while (prompt_chunks + folded_chunks_seen < info.context_chunks) {  // a fold happened before this step's append
+      const auto first = generated.begin() + folded_chunks_seen * cfg.chunk_size * width;
+      context.insert(context.end(), first, first + cfg.chunk_size * width);
+      folded_chunks_seen += 1;
+    }
+    const expected_selection expected = select_like_semantics(cfg, context, prompt_chunks, info.context_chunks, q);
+    ASSERT_EQ(store.selected_chunks(0, slots[0]), expected.selected);
+  }
+  EXPECT_EQ(folded_chunks_seen, simulate_folds(steps, cfg.generation_window, cfg.chunk_size).folds);
+  // Non-trivial: some folded chunk was selected at least once, for some head, on the last step or before.
+  const auto last = store.selected_chunks(0, slots[0]);
+  bool folded_selected = false;
+  for (const auto& head : last) folded_selected = folded_selected || (!head.empty() && head.back() >= prompt_chunks);
+  EXPECT_TRUE(folded_selected) << "the test needs a folded chunk among the selected ones";
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// rejected calls leave the store exactly as a twin that never saw them
+// ---------------------------------------------------------------------------------------------------------------
+
+config twin_config() {
+  config cfg;
+  cfg.num_layers = 2;
+  cfg.num_q_heads = 4;
+  cfg.num_kv_heads = 2;
+  cfg.head_dim = 64;
+  cfg.max_batch = 4;
+  cfg.max_seq_len = 160;
+  cfg.rank = 32;
+  cfg.chunk_size = 8;
+  cfg.budget_chunks = 4;
+  cfg.outlier_chunks = 2;
+  cfg.local_chunks = 2;
+  cfg.generation_window = 16;
+  cfg.kv_dtype = dtype::bfloat16;
+  return cfg;
+}
+
+// Two stores fed the same calls; only `subject` receives the bad one.
+class twin_stores {
+ public:
+  explicit twin_stores(std::uint64_t seed) : cfg(twin_config()), subject(cfg), twin(cfg), rng_(seed) {
+    // Slots 0 and 1 live, slot 2 released, slot 3 never added.
+    both([](kv_store& s) {
+      EXPECT_EQ(s.add_sequences(3), slot_list({0, 1, 2}));
+      s.release(slot_list({2}));
+    });
+    prefill_both(0, {0}, 100, /*with_query=*/true);
+    prefill_both(0, {1}, 77);
+    prefill_both(1, {0}, 100);
+    for (int i = 0; i < 3; ++i) decode_both(0, {0, 1});
+  }
+
+  template <typename Call>
+  void both(Call&& call) {
+    call(subject);
+    call(twin);
+  }
+
+  void prefill_both(int layer, std::initializer_list<int> slot_init, std::int64_t length, bool with_query = false) {
+    const std::vector<int> slots(slot_init);
+    const auto batch = static_cast<std::int64_t>(slots.size());
+    const std::vector<float> keys = rng_.normals(static_cast<std::size_t>(batch * length * cfg.kv_width()));
+    const std::vector<float> values = rng_.normals(static_cast<std::size_t>(batch * length * cfg.kv_width()));
+    const std::vector<float> q = rng_.normals(static_cast<std::size_t>(batch * cfg.num_q_heads * cfg.head_dim));
+    prefill_options options;
+    if (with_query) options.q_last = view_of(q, {batch, 1, cfg.num_q_heads, cfg.head_dim});
+    both([&](kv_store& s) {
+      s.prefill(layer, slots, view_of(keys, {batch, length, cfg.num_kv_heads, cfg.head_dim}),
+                view_of(values, {batch, length, cfg.num_kv_heads, cfg.head_dim}), options);
+    });
+  }
+
+  // One decode step on both stores with the same data; their outputs must agree bit for bit.
+  void decode_both(int layer, const std::vector<int>& slots) {
+    const auto batch = static_cast<std::int64_t>(slots.size());
+    const std::vector<float> q = rng_.normals(static_cast<std::size_t>(batch * cfg.num_q_heads * cfg.head_dim));
+    const std::vector<float> k = rng_.normals(static_cast<std::size_t>(batch * cfg.kv_width()));
+    const std::vector<float> v = rng_.normals(static_cast<std::size_t>(batch * cfg.kv_width()));
+    std::vector<float> out_subject(q.size(), -1.0F);
+    std::vector<float> out_twin(q.size(), -2.0F);
+    subject.decode(layer, slots, view_of(q, {batch, cfg.num_q_heads, cfg.head_dim}),
+                   view_of(k, {batch, cfg.num_kv_heads, cfg.head_dim}), view_of(v, {batch, cfg.num_kv_heads, cfg.head_dim}),
+                   mutable_view_of(out_subject, {batch, cfg.num_q_heads, cfg.head_dim}));
+    twin.decode(layer, slots, view_of(q, {batch, cfg.num_q_heads, cfg.head_dim}),
+                view_of(k, {batch, cfg.num_kv_heads, cfg.head_dim}), view_of(v, {batch, cfg.num_kv_heads, cfg.head_dim}),
+                mutable_view_of(out_twin, {batch, cfg.num_q_heads, cfg.head_dim}));
+    ASSERT_TRUE(all_finite(out_subject));
+    EXPECT_GT(norm(out_subject), 0.05);
+    ASSERT_EQ(out_subject, out_twin) << "decode output differs from the twin's (layer " << layer << ")";
+    decoded_ += 1;
+  }
+  void decode_both(int layer, std::initializer_list<int> slots) { decode_both(layer, std::vector<int>(slots)); }
+
+  void expect_same_state() {
+    EXPECT_EQ(subject.active_slots(), twin.active_slots());
+    expect_same_memory(subject.memory(), twin.memory());
+    expect_same_stats(subject.stats(), twin.stats());
+    for (const int slot : twin.active_slots()) {
+      for (int layer = 0; layer < cfg.num_layers; ++layer) {
+        SCOPED_TRACE("slot=" + std::to_string(slot) + " layer=" + std::to_string(layer));
+        expect_same_info(subject.info(layer, slot), twin.info(layer, slot));
+        if (twin.info(layer, slot).prefilled) {
+          EXPECT_EQ(subject.selected_chunks(layer, slot), twin.selected_chunks(layer, slot));
+          EXPECT_EQ(subject.outlier_chunks(layer, slot), twin.outlier_chunks(layer, slot));
+        }
+      }
+    }
+  }
+
+  // Same state now, then the same outputs for 20 more steps of every prefilled (layer, slot) with room left
+  // (the window of 16 makes them fold on the way).
+  void expect_same_future() {
+    expect_same_state();
+    const std::int64_t steps = 20;
+    for (int layer = 0; layer < cfg.num_layers; ++layer) {
+      std::vector<int> slots;
+      for (const int slot : twin.active_slots()) {
+        const sequence_info info = twin.info(layer, slot);
+        if (info.prefilled && info.total_len + steps <= cfg.max_seq_len) slots.push_back(slot);
+      }
+      if (slots.empty()) continue;
+      for (std::int64_t i = 0; i < steps; ++i) {
+        SCOPED_TRACE("continuation step " + std::to_string(i) + " layer " + std::to_string(layer));
+        decode_both(layer, slots);
+        if (::testing::Test::HasFatalFailure()) return;
+      }
+    }
+    EXPECT_GE(decoded_, 3 + steps) << "the continuation must decode something";
+    expect_same_state();
+    EXPECT_GT(twin.stats().folds, 0);
+  }
+
+  config cfg;
+  kv_store subject;
+  kv_store twin;
+
+ private:
+  random_source rng_;
+  std::int64_t decoded_ = 0;
+};
+
+// Runs `bad` on the subject only, expects `Exception`, then the twins must agree now and in the future.
+template <typename Exception>
+void expect_rejected(const std::string& what, const std::function<void(kv_store&, const config&)>& bad,
+                     const std::function<void(twin_stores&)>& extra_setup = {}) {
+  const std::uint64_t seed = 400 + std::hash<std::string>{}(what) % 1000;
+  SCOPED_TRACE(what + " seed=" + std::to_string(seed));
+  twin_stores stores(seed);
+  if (extra_setup) extra_setup(stores);
+  try {
+    bad(stores.subject, stores.cfg);
+    ADD_FAILURE() << what << ": no exception";
+  } catch (const Exception& error) {
+    EXPECT_NE(std::string(error.what()), "") << "the message must say what is wrong";
+  } catch (const std::exception& error) {
+    ADD_FAILURE() << what << ": wrong exception type: " << error.what();
+  }
+  stores.expect_same_future();
+}
+
+// Data for bad calls: right-sized for one sequence unless a test changes a dimension.
+struct bad_data {
+  std::vector<float> big = std::vector<float>(4 * 200 * 2 * 64, 0.25F);
+  std::vector<std::int64_t> ints = std::vector<std::int64_t>(4 * 200, 1);
+};
+
+TEST(StoreErrors, PrefillWithBadTensorsIsRejected) {
+  using shadowkv::invalid_argument;
+  static bad_data d;
+  auto keys = [](shape_list s) { return view_of(d.big, s); };
+  expect_rejected<invalid_argument>("values length differs", [&](kv_store& s, const config&) {
+    s.prefill(1, slot_list({1}), keys({1, 60, 2, 64}), keys({1, 59, 2, 64}));
+  });
+  expect_rejected<invalid_argument>("keys with 3 kv heads", [&](kv_store& s, const config&) {
+    s.prefill(1, slot_list({1}), keys({1, 60, 3, 64}), keys({1, 60, 3, 64}));
+  });
+  expect_rejected<invalid_argument>("keys with head_dim 32", [&](kv_store& s, const config&) {
+    s.prefill(1, slot_list({1}), keys({1, 60, 2, 32}), keys({1, 60, 2, 32}));
+  });
+  expect_rejected<invalid_argument>("batch of 2 for one slot", [&](kv_store& s, const config&) {
+    s.prefill(1, slot_list({1}), keys({2, 60, 2, 64}), keys({2, 60, 2, 64}));
+  });
+  expect_rejected<invalid_argument>("keys of rank 3", [&](kv_store& s, const config&) {
+    s.prefill(1, slot_list({1}), keys({60, 2, 64}), keys({1, 60, 2, 64}));
+  });
+  expect_rejected<invalid_argument>("integer keys", [&](kv_store& s, const config&) {
+    const tensor_view ints = shadowkv::make_contiguous_index_view(d.ints.data(), shadowkv::index_type::int64, {}, {1, 6, 2, 64});
+    s.prefill(1, slot_list({1}), ints, keys({1, 6, 2, 64}));
+  });
+  expect_rejected<invalid_argument>("missing values", [&](kv_store& s, const config&) {
+    s.prefill(1, slot_list({1}), keys({1, 60, 2, 64}), tensor_view{});
+  });
+  expect_rejected<invalid_argument>("keys on a cuda device", [&](kv_store& s, const config&) {
+    const tensor_view gpu = shadowkv::make_contiguous_view(d.big.data(), dtype::float32,
+                                                           shadowkv::device{shadowkv::device_type::cuda, 0}, {1, 60, 2, 64});
+    s.prefill(1, slot_list({1}), gpu, keys({1, 60, 2, 64}));
+  });
+  expect_rejected<invalid_argument>("positions of the wrong length", [&](kv_store& s, const config&) {
+    prefill_options options;
+    options.positions = index_view_of(d.ints, {1, 59});
+    s.prefill(1, slot_list({1}), keys({1, 60, 2, 64}), keys({1, 60, 2, 64}), options);
+  });
+  expect_rejected<invalid_argument>("float positions", [&](kv_store& s, const config&) {
+    prefill_options options;
+    options.positions = keys({1, 60});
+    s.prefill(1, slot_list({1}), keys({1, 60, 2, 64}), keys({1, 60, 2, 64}), options);
+  });
+  expect_rejected<invalid_argument>("q_last with 3 query heads", [&](kv_store& s, const config&) {
+    prefill_options options;
+    options.q_last = keys({1, 3, 64});
+    s.prefill(1, slot_list({1}), keys({1, 60, 2, 64}), keys({1, 60, 2, 64}), options);
+  });
+  expect_rejected<invalid_argument>("q_last with no tokens", [&](kv_store& s, const config&) {
+    prefill_options options;
+    options.q_last = keys({1, 0, 4, 64});
+    s.prefill(1, slot_list({1}), keys({1, 60, 2, 64}), keys({1, 60, 2, 64}), options);
+  });
+  expect_rejected<invalid_argument>("lengths above S", [&](kv_store& s, const config&) {
+    prefill_options options;
+    options.lengths = {61};
+    s.prefill(1, slot_list({1}), keys({1, 60, 2, 64}), keys({1, 60, 2, 64}), options);
+  });
+  expect_rejected<invalid_argument>("lengths of zero", [&](kv_store& s, const config&) {
+    prefill_options options;
+    options.lengths = {0};
+    s.prefill(1, slot_list({1}), keys({1, 60, 2, 64}), keys({1, 60, 2, 64}), options);
+  });
+  expect_rejected<invalid_argument>("lengths with two entries for one slot", [&](kv_store& s, const config&) {
+    prefill_options options;
+    options.lengths = {60, 60};
+    s.prefill(1, slot_list({1}), keys({1, 60, 2, 64}), keys({1, 60, 2, 64}), options);
+  });
+}
+
+TEST(StoreErrors, PrefillWithBadSlotsOrLayersIsRejected) {
+  using shadowkv::invalid_argument;
+  static bad_data d;
+  auto keys = [](shape_list s) { return view_of(d.big, s); };
+  for (const int slot : {3, 2, 4, 9, -1}) {  // never added, released, out of range
+    expect_rejected<invalid_argument>("prefill slot " + std::to_string(slot), [&](kv_store& s, const config&) {
+      s.prefill(1, slot_list({slot}), keys({1, 60, 2, 64}), keys({1, 60, 2, 64}));
+    });
+  }
+  expect_rejected<invalid_argument>("prefill with a valid and a released slot", [&](kv_store& s, const config&) {
+    s.prefill(1, slot_list({1, 2}), keys({2, 60, 2, 64}), keys({2, 60, 2, 64}));
+  });
+  expect_rejected<invalid_argument>("prefill with a duplicate slot", [&](kv_store& s, const config&) {
+    s.prefill(1, slot_list({1, 1}), keys({2, 60, 2, 64}), keys({2, 60, 2, 64}));
+  });
+  expect_rejected<invalid_argument>("prefill with no slots", [&](kv_store& s, const config&) {
+    s.prefill(1, std::vector<int>{}, keys({0, 60, 2, 64}), keys({0, 60, 2, 64}));
+  });
+  for (const int layer : {2, -1}) {
+    expect_rejected<invalid_argument>("prefill layer " + std::to_string(layer), [&](kv_store& s, const config&) {
+      s.prefill(layer, slot_list({1}), keys({1, 60, 2, 64}), keys({1, 60, 2, 64}));
+    });
+  }
+  expect_rejected<invalid_argument>("second prefill of a layer", [&](kv_store& s, const config&) {
+    s.prefill(0, slot_list({0}), keys({1, 60, 2, 64}), keys({1, 60, 2, 64}));
+  });
+  expect_rejected<invalid_argument>("second prefill of one slot in a batch", [&](kv_store& s, const config&) {
+    // slot 1 is fresh in layer 1, slot 0 is not: nothing may be stored for slot 1 either.
+    s.prefill(1, slot_list({1, 0}), keys({2, 60, 2, 64}), keys({2, 60, 2, 64}));
+  });
+}
+
+TEST(StoreErrors, PromptLongerThanMaxSeqLenIsCapacityError) {
+  static bad_data d;
+  auto keys = [](shape_list s) { return view_of(d.big, s); };
+  expect_rejected<shadowkv::capacity_error>("prompt of max_seq_len + 1", [&](kv_store& s, const config& cfg) {
+    s.prefill(1, slot_list({1}), keys({1, cfg.max_seq_len + 1, 2, 64}), keys({1, cfg.max_seq_len + 1, 2, 64}));
+  });
+  expect_rejected<shadowkv::capacity_error>("padded batch with one prompt too long", [&](kv_store& s, const config& cfg) {
+    prefill_options options;
+    options.lengths = {cfg.max_seq_len + 1};
+    s.prefill(1, slot_list({1}), keys({1, cfg.max_seq_len + 1, 2, 64}), keys({1, cfg.max_seq_len + 1, 2, 64}), options);
+  });
+  // A prompt of exactly max_seq_len is accepted, and the next decode of it is a capacity error.
+  expect_rejected<shadowkv::capacity_error>(
+      "decode beyond max_seq_len",
+      [&](kv_store& s, const config&) {
+        std::vector<float> out(2 * 4 * 64);
+        s.decode(1, slot_list({0, 1}), keys({2, 4, 64}), keys({2, 2, 64}), keys({2, 2, 64}), mutable_view_of(out, {2, 4, 64}));
+      },
+      [](twin_stores& t) {
+        t.prefill_both(1, {1}, t.cfg.max_seq_len - 1);
+        t.decode_both(1, {1});  // now exactly full
+        EXPECT_EQ(t.twin.info(1, 1).total_len, t.cfg.max_seq_len);
+      });
+}
+
+TEST(StoreErrors, DecodeWithBadArgumentsIsRejected) {
+  using shadowkv::invalid_argument;
+  static bad_data d;
+  auto t = [](shape_list s) { return view_of(d.big, s); };
+  static std::vector<float> out_data(4 * 4 * 64);
+  auto decode = [](kv_store& s, int layer, std::vector<int> slots, tensor_view q, tensor_view k, tensor_view v,
+                   shape_list out_shape, const decode_options& options = {}) {
+    s.decode(layer, slots, q, k, v, mutable_view_of(out_data, out_shape), options);
+  };
+  expect_rejected<invalid_argument>("q with 3 heads", [&](kv_store& s, const config&) {
+    decode(s, 0, {0, 1}, t({2, 3, 64}), t({2, 2, 64}), t({2, 2, 64}), {2, 4, 64});
+  });
+  expect_rejected<invalid_argument>("k_new with 1 head", [&](kv_store& s, const config&) {
+    decode(s, 0, {0, 1}, t({2, 4, 64}), t({2, 1, 64}), t({2, 2, 64}), {2, 4, 64});
+  });
+  expect_rejected<invalid_argument>("v_new with head_dim 63", [&](kv_store& s, const config&) {
+    decode(s, 0, {0, 1}, t({2, 4, 64}), t({2, 2, 64}), t({2, 2, 63}), {2, 4, 64});
+  });
+  expect_rejected<invalid_argument>("out of the wrong shape", [&](kv_store& s, const config&) {
+    decode(s, 0, {0, 1}, t({2, 4, 64}), t({2, 2, 64}), t({2, 2, 64}), {2, 4, 32});
+  });
+  expect_rejected<invalid_argument>("q for one sequence, two slots", [&](kv_store& s, const config&) {
+    decode(s, 0, {0, 1}, t({1, 4, 64}), t({2, 2, 64}), t({2, 2, 64}), {2, 4, 64});
+  });
+  expect_rejected<invalid_argument>("positions of the wrong length", [&](kv_store& s, const config&) {
+    decode_options options;
+    options.positions = index_view_of(d.ints, {1});
+    decode(s, 0, {0, 1}, t({2, 4, 64}), t({2, 2, 64}), t({2, 2, 64}), {2, 4, 64}, options);
+  });
+  expect_rejected<invalid_argument>("float positions", [&](kv_store& s, const config&) {
+    decode_options options;
+    options.positions = t({2});
+    decode(s, 0, {0, 1}, t({2, 4, 64}), t({2, 2, 64}), t({2, 2, 64}), {2, 4, 64}, options);
+  });
+  expect_rejected<invalid_argument>("integer out", [&](kv_store& s, const config&) {
+    mutable_tensor_view out;
+    static_cast<tensor_view&>(out) = shadowkv::make_contiguous_index_view(d.ints.data(), shadowkv::index_type::int64, {}, {2, 4, 64});
+    s.decode(0, slot_list({0, 1}), t({2, 4, 64}), t({2, 2, 64}), t({2, 2, 64}), out);
+  });
+  for (const int slot : {3, 2, 4, -1}) {  // never added, released, out of range
+    expect_rejected<invalid_argument>("decode with slot " + std::to_string(slot), [&](kv_store& s, const config&) {
+      decode(s, 0, {0, slot}, t({2, 4, 64}), t({2, 2, 64}), t({2, 2, 64}), {2, 4, 64});
+    });
+  }
+  expect_rejected<invalid_argument>("decode with a duplicate slot", [&](kv_store& s, const config&) {
+    decode(s, 0, {0, 0}, t({2, 4, 64}), t({2, 2, 64}), t({2, 2, 64}), {2, 4, 64});
+  });
+  expect_rejected<invalid_argument>("decode with no slots", [&](kv_store& s, const config&) {
+    decode(s, 0, {}, t({0, 4, 64}), t({0, 2, 64}), t({0, 2, 64}), {0, 4, 64});
+  });
+  for (const int layer : {2, -1}) {
+    expect_rejected<invalid_argument>("decode layer " + std::to_string(layer), [&](kv_store& s, const config&) {
+      decode(s, layer, {0, 1}, t({2, 4, 64}), t({2, 2, 64}), t({2, 2, 64}), {2, 4, 64});
+    });
+  }
+  expect_rejected<invalid_argument>("decode before prefill of one slot in the batch", [&](kv_store& s, const config&) {
+    // layer 1 holds slot 0 only: slot 0 must not receive the token either.
+    decode(s, 1, {0, 1}, t({2, 4, 64}), t({2, 2, 64}), t({2, 2, 64}), {2, 4, 64});
+  });
+}
+
+TEST(StoreErrors, ReleaseAndAddWithBadArgumentsAreRejected) {
+  using shadowkv::invalid_argument;
+  expect_rejected<invalid_argument>("release a slot twice in one call",
+                                    [](kv_store& s, const config&) { s.release(slot_list({0, 0})); });
+  expect_rejected<invalid_argument>("release a live and a free slot",
+                                    [](kv_store& s, const config&) { s.release(slot_list({0, 3})); });
+  expect_rejected<invalid_argument>("release a released slot",
+                                    [](kv_store& s, const config&) { s.release(slot_list({2})); });
+  expect_rejected<invalid_argument>("release nothing", [](kv_store& s, const config&) { s.release(std::vector<int>{}); });
+  expect_rejected<shadowkv::capacity_error>("add beyond max_batch",
+                                            [](kv_store& s, const config&) { (void)s.add_sequences(3); });
+  expect_rejected<invalid_argument>("add zero sequences", [](kv_store& s, const config&) { (void)s.add_sequences(0); });
+  expect_rejected<invalid_argument>("inspect a free slot",
+                                    [](kv_store& s, const config&) { (void)s.selected_chunks(0, 3); });
+  expect_rejected<invalid_argument>("inspect a layer out of range",
+                                    [](kv_store& s, const config&) { (void)s.info(2, 0); });
+  expect_rejected<invalid_argument>("outliers of a released slot",
+                                    [](kv_store& s, const config&) { (void)s.outlier_chunks(0, 2); });
+}
+
+TEST(StoreErrors, DecodeBeforeAnyPrefill) {
+  kv_store store(twin_config());
+  const std::vector<int> slots = store.add_sequences(1);
+  std::vector<float> data(4 * 64, 0.5F);
+  std::vector<float> out(4 * 64);
+  EXPECT_THROW(store.decode(0, slots, view_of(data, {1, 4, 64}), view_of(data, {1, 2, 64}), view_of(data, {1, 2, 64}),
+                            mutable_view_of(out, {1, 4, 64})),
+               shadowkv::invalid_argument);
+  EXPECT_FALSE(store.info(0, slots[0]).prefilled);
+  EXPECT_EQ(store.info(0, slots[0]).total_len, 0);
+  EXPECT_EQ(store.info(0, slots[0]).last_position, -1);
+  EXPECT_EQ(store.stats().decode_steps, 0);
+  EXPECT_EQ(store.memory().total(), 0);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// capacity: slots
+// ---------------------------------------------------------------------------------------------------------------
+
+TEST(StoreCapacity, AddSequencesBeyondMaxBatchThrowsCapacityError) {
+  config cfg = twin_config();
+  cfg.max_batch = 3;
+  kv_store store(cfg);
+  EXPECT_THROW((void)store.add_sequences(4), shadowkv::capacity_error);
+  EXPECT_TRUE(store.active_slots().empty()) << "a refused add takes no slot";
+  EXPECT_EQ(store.add_sequences(2), slot_list({0, 1}));
+  EXPECT_THROW((void)store.add_sequences(2), shadowkv::capacity_error);
+  EXPECT_EQ(store.active_slots(), slot_list({0, 1}));
+  EXPECT_EQ(store.add_sequences(1), slot_list({2}));
+  EXPECT_THROW((void)store.add_sequences(1), shadowkv::capacity_error);
+  store.release(slot_list({1}));
+  EXPECT_EQ(store.active_slots(), slot_list({0, 2}));
+  EXPECT_EQ(store.add_sequences(1), slot_list({1})) << "the lowest free slot comes first";
+  EXPECT_EQ(store.active_slots(), slot_list({0, 1, 2}));
+  EXPECT_THROW((void)store.add_sequences(1), shadowkv::capacity_error);
+}
+
+TEST(StoreCapacity, ReusedSlotStartsEmpty) {
+  const std::uint64_t seed = 501;
+  SCOPED_TRACE("seed=" + std::to_string(seed));
+  const config cfg = twin_config();
+  random_source rng(seed);
+  kv_store store(cfg);
+  const std::vector<int> slots = store.add_sequences(1);
+  const std::vector<float> keys = rng.normals(static_cast<std::size_t>(50 * cfg.kv_width()));
+  store.prefill(0, slots, view_of(keys, {1, 50, 2, 64}), view_of(keys, {1, 50, 2, 64}));
+  EXPECT_GT(store.memory().total(), 0);
+  store.release(slots);
+  EXPECT_EQ(store.memory().total(), 0);
+  EXPECT_EQ(store.memory().full_attention_equivalent, 0);
+  EXPECT_EQ(store.add_sequences(1), slots);
+  EXPECT_FALSE(store.info(0, slots[0]).prefilled);
+  EXPECT_NO_THROW(store.prefill(0, slots, view_of(keys, {1, 50, 2, 64}), view_of(keys, {1, 50, 2, 64})))
+      << "a new sequence in a reused slot may be prefilled again";
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// memory(): the formulas of docs/semantics.md
+// ---------------------------------------------------------------------------------------------------------------
+
+struct memory_expectation {
+  std::int64_t prompt_len = 0;
+  std::int64_t decode_steps = 0;
+};
+
+memory_report expected_memory(const config& cfg, const std::vector<memory_expectation>& layers) {
+  const std::int64_t e = static_cast<std::int64_t>(shadowkv::dtype_size(cfg.kv_dtype));
+  const std::int64_t width = cfg.kv_width();
+  const std::int64_t r = cfg.rank;
+  const std::int64_t c = cfg.chunk_size;
+  memory_report report;
+  for (const memory_expectation& layer : layers) {
+    const std::int64_t n = std::max<std::int64_t>(0, layer.prompt_len / c - cfg.local_chunks);
+    const fold_count folds = simulate_folds(layer.decode_steps, cfg.generation_window, c);
+    const std::int64_t ctx_chunks = n + folds.folds;
+    const std::int64_t outliers = std::min<std::int64_t>(cfg.outlier_chunks, n);
+    const std::int64_t local = layer.prompt_len - n * c;
+    report.low_rank_factors += (ctx_chunks * c * r + r * width) * 4;
+    report.landmarks += ctx_chunks * width * e;
+    report.outliers += outliers * c * width * 2 * e;
+    report.exact_tokens += (local + folds.generated_exact) * width * 2 * e;
+    report.value_store += ctx_chunks * c * width * e;
+    report.selection_cache += static_cast<std::int64_t>(cfg.budget_chunks) * c * width * 2 * e;
+    report.full_attention_equivalent += (layer.prompt_len + layer.decode_steps) * width * 2 * e;
+  }
+  return report;
+}
+
+TEST(StoreMemory, MatchesDocumentedFormulasAfterPrefillAndFolds) {
+  for (const dtype type : {dtype::bfloat16, dtype::float32, dtype::float16}) {
+    const std::uint64_t seed = 601;
+    SCOPED_TRACE(std::string(shadowkv::dtype_name(type)) + " seed=" + std::to_string(seed));
+    config cfg;
+    cfg.num_layers = 2;
+    cfg.num_q_heads = 4;
+    cfg.num_kv_heads = 2;
+    cfg.head_dim = 64;
+    cfg.max_batch = 3;
+    cfg.max_seq_len = 256;
+    cfg.rank = 40;
+    cfg.chunk_size = 8;
+    cfg.budget_chunks = 3;
+    cfg.outlier_chunks = 2;
+    cfg.local_chunks = 2;
+    cfg.generation_window = 16;
+    cfg.kv_dtype = type;
+    random_source rng(seed);
+    kv_store store(cfg);
+    EXPECT_EQ(store.add_sequences(3), slot_list({0, 1, 2}));
+    EXPECT_EQ(store.memory().total(), 0) << "nothing is held before a prefill";
+
+    auto prefill = [&](int layer, int slot, std::int64_t length) {
+      const std::vector<float> keys = rng.normals(static_cast<std::size_t>(length * cfg.kv_width()));
+      const std::vector<float> values = rng.normals(static_cast<std::size_t>(length * cfg.kv_width()));
+      store.prefill(layer, slot_list({slot}), view_of(keys, {1, length, 2, 64}), view_of(values, {1, length, 2, 64}));
+    };
+    auto decode = [&](int layer, const std::vector<int>& slots, int steps) {
+      const auto batch = static_cast<std::int64_t>(slots.size());
+      for (int i = 0; i < steps; ++i) {
+        const std::vector<float> q = rng.normals(static_cast<std::size_t>(batch * 4 * 64));
+        const std::vector<float> kv = rng.normals(static_cast<std::size_t>(batch * 2 * 64));
+        std::vector<float> out(q.size());
+        store.decode(layer, slots, view_of(q, {batch, 4, 64}), view_of(kv, {batch, 2, 64}), view_of(kv, {batch, 2, 64}),
+                     mutable_view_of(out, {batch, 4, 64}));
+      }
+    };
+    auto check = [&](const std::vector<memory_expectation>& layers, const char* when) {
+      SCOPED_TRACE(when);
+      const memory_report got = store.memory();
+      const memory_report want = expected_memory(cfg, layers);
+      expect_same_memory(got, want);
+      EXPECT_EQ(got.total(), want.low_rank_factors + want.landmarks + want.outliers + want.exact_tokens +
+                                 want.value_store + want.selection_cache);
+      EXPECT_GT(got.total(), 0);
+    };
+
+    // slot 0: both layers, 100 tokens (10 context chunks); slot 1: layer 0, 37 tokens; slot 2: layer 0, 10 tokens
+    // (no context chunk, no outlier).
+    prefill(0, 0, 100);
+    prefill(1, 0, 100);
+    prefill(0, 1, 37);
+    prefill(0, 2, 10);
+    check({{100, 0}, {100, 0}, {37, 0}, {10, 0}}, "after prefill");
+    EXPECT_EQ(store.info(0, 2).context_chunks, 0);
+
+    decode(0, {0, 1, 2}, 30);  // folds at steps 17 and 25 (window 16, chunk 8)
+    decode(1, {0}, 9);         // no fold yet
+    check({{100, 30}, {100, 9}, {37, 30}, {10, 30}}, "after decode with folds");
+    EXPECT_EQ(store.stats().folds, 3 * 2);
+    EXPECT_EQ(store.info(0, 2).context_chunks, 2) << "folded chunks are context chunks";
+
+    store.release(slot_list({1}));
+    check({{100, 30}, {100, 9}, {10, 30}}, "after releasing slot 1");
+  }
+}
+
+}  // namespace

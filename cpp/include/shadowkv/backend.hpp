@@ -7,7 +7,9 @@
 #pragma once
 
 #include <cstdint>
+#include <cstddef>
 #include <memory>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -73,6 +75,10 @@ class backend {
   /// The device whose memory the backend's tensors must live on.
   [[nodiscard]] virtual device where() const noexcept = 0;
 
+  /// Makes the following operations run on the caller's stream (a cudaStream_t as an integer); unset: the
+  /// backend's own stream, and finish_call() then waits for it. Backends without streams ignore it.
+  virtual void use_stream(std::optional<std::uintptr_t> stream) { (void)stream; }
+
   /// Prepares storage for a new sequence in `slot` (all layers empty). May throw out_of_memory.
   virtual void open_sequence(int slot) = 0;
   /// Frees everything of `slot`.
@@ -83,7 +89,8 @@ class backend {
   virtual void prefill(int layer, std::span<const batch_entry> entries, const prefill_inputs& inputs) = 0;
 
   /// Folds each entry's oldest `chunk_size` exact generated tokens into the compressed store as context chunk
-  /// `state->context_chunks` (states hold the counters before the fold).
+  /// `state->context_chunks` (states hold the counters before the fold). A backend whose counters live on the
+  /// device may instead fold inside append_token by the same rule (ring full) and do nothing here.
   virtual void fold_oldest_generated_chunk(int layer, std::span<const batch_entry> entries) = 0;
 
   /// Appends one token per entry to its exact generated region (states hold the counters before the append).
@@ -108,8 +115,13 @@ class backend {
   /// Position of the last token stored for (layer, slot), -1 if none.
   [[nodiscard]] virtual std::int64_t last_position(int layer, int slot) const = 0;
 
-  /// Bytes held, by kind, over all open sequences.
-  [[nodiscard]] virtual memory_report memory() const = 0;
+  /// Bytes held, by kind, over the prefilled (sequence, layer)s whose counters are `states`.
+  [[nodiscard]] virtual memory_report memory(std::span<const layer_state* const> states) const = 0;
+  /// True while the current call's stream is being captured into a CUDA graph: the work is recorded, not run, so
+  /// the store leaves its host counters alone (each replay is accounted with kv_store::account_replayed_steps).
+  [[nodiscard]] virtual bool capturing() const { return false; }
+  /// Ends the current call: waits for the backend's own stream when the caller gave none.
+  virtual void finish_call() {}
   /// Selection counters (selections, hits, misses, chunks_rebuilt, bytes_fetched); the store adds the rest.
   [[nodiscard]] virtual store_stats selection_stats() const = 0;
   virtual void reset_selection_stats() noexcept = 0;

@@ -29,10 +29,10 @@ enum class value_store_policy : std::uint8_t {
 
 /// All parameters of a store. Every field has a default; `validate()` checks them together.
 struct config {
-  // Model shapes.
+  // Model shapes (defaults: Llama-3-8B's attention, so that the default rank 160 is valid).
   int num_layers = 1;
-  int num_q_heads = 1;
-  int num_kv_heads = 1;
+  int num_q_heads = 32;
+  int num_kv_heads = 8;
   int head_dim = 128;
 
   // Capacity.

@@ -14,6 +14,8 @@ struct memory_report {
   std::int64_t value_store = 0;       ///< values of all context chunks (offloaded on GPUs)
   std::int64_t selection_cache = 0;   ///< rebuilt keys and fetched values of the selected chunks
   std::int64_t full_attention_equivalent = 0;  ///< a plain KV cache of the same tokens in the same dtype
+  std::int64_t device_reserved = 0;  ///< device memory reserved up front for the configured capacity (CUDA)
+  std::int64_t host_reserved = 0;    ///< pinned host memory reserved for the value store (CUDA)
 
   [[nodiscard]] std::int64_t total() const noexcept {
     return low_rank_factors + landmarks + outliers + exact_tokens + value_store + selection_cache;

@@ -6,8 +6,10 @@
 // sequence in it are as they were.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -25,12 +27,17 @@ struct prefill_options {
   tensor_view positions;              ///< int [B, S]; empty: 0..S-1
   tensor_view q_last;                 ///< post-RoPE queries [B, Hq, D] or [B, Tq, Hq, D] to warm the selection
   bool keys_post_rope = false;        ///< keys carry RoPE already (the store removes it)
+  /// cudaStream_t (as an integer; 0 is the legacy default stream) the inputs are ready on and the work is ordered
+  /// on (CUDA). Unset: the store's own stream, and the call completes before it returns (inputs must be ready).
+  std::optional<std::uintptr_t> stream;
 };
 
 /// Optional inputs of kv_store::decode.
 struct decode_options {
   tensor_view positions;         ///< int [B]; empty: each sequence's last position + 1
   bool keys_post_rope = true;    ///< k_new carries RoPE (false: the store applies it)
+  /// As prefill_options::stream; `out` is written in stream order.
+  std::optional<std::uintptr_t> stream;
 };
 
 class kv_store {
@@ -62,6 +69,15 @@ class kv_store {
   /// (post-RoPE) and writes the attention output to out [B, Hq, D].
   void decode(int layer, std::span<const int> slots, const tensor_view& q, const tensor_view& k_new,
               const tensor_view& v_new, const mutable_tensor_view& out, const decode_options& options = {});
+
+  /// Accounts for `steps` decode steps of (layer, slots) that ran without the store seeing them: replays of a CUDA
+  /// graph captured around one decode call. Advances the host counters (fold rule included) exactly as that many
+  /// decode calls would; throws capacity_error (changing nothing) if a sequence would exceed max_seq_len.
+  ///
+  /// CUDA graph rule: capture `decode(layer, slots, ...)` on the caller's stream after at least one eager decode with
+  /// the same `slots` (so the slot list is already on the device); shapes, tensors' addresses and slots are fixed
+  /// for the graph; each replay advances the device state by one step; tell the store with this call.
+  void account_replayed_steps(int layer, std::span<const int> slots, std::int64_t steps);
 
   /// Chunk ids of the last selection of (layer, slot), per KV head, ascending.
   [[nodiscard]] chunk_ids_per_head selected_chunks(int layer, int slot) const;

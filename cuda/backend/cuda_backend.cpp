@@ -1,0 +1,528 @@
+#include "cuda_backend.hpp"
+
+#include <algorithm>
+#include <cmath>
+
+#include "chunk_rebuild.cuh"
+#include "chunk_selection.cuh"
+#include "cuda_check.hpp"
+#include "generated_tokens.cuh"
+#include "prompt_kernels.cuh"
+#include "shadowkv/errors.hpp"
+#include "shadowkv/rope.hpp"
+#include "sparse_attention.cuh"
+
+namespace shadowkv::cuda {
+namespace {
+
+constexpr std::size_t kAlignment = 256;
+
+std::size_t align_up(std::size_t bytes) { return (bytes + kAlignment - 1) / kAlignment * kAlignment; }
+
+int element_code(dtype type) {
+  switch (type) {
+    case dtype::float16: return element_f16;
+    case dtype::bfloat16: return element_bf16;
+    case dtype::float32: break;
+  }
+  return element_f32;
+}
+
+strided_tensor as_strided(const tensor_view& view) {
+  strided_tensor result{view.data, element_code(view.float_type), {0, 0, 0, 0}};
+  for (int dim = 0; dim < view.rank; ++dim) result.stride[dim] = view.strides[static_cast<std::size_t>(dim)];
+  return result;
+}
+
+int index_bits(const tensor_view& view) { return view.int_type == index_type::int32 ? 32 : 64; }
+
+// Sets the current device for the scope of a call and restores the caller's.
+class device_guard {
+ public:
+  explicit device_guard(int device) {
+    SHADOWKV_CUDA_TRY(cudaGetDevice(&previous_));
+    if (previous_ != device) SHADOWKV_CUDA_TRY(cudaSetDevice(device));
+  }
+  ~device_guard() { (void)cudaSetDevice(previous_); }
+  device_guard(const device_guard&) = delete;
+  device_guard& operator=(const device_guard&) = delete;
+
+ private:
+  int previous_ = 0;
+};
+
+}  // namespace
+
+// Bytes of every array of one (slot, layer), each aligned.
+struct cuda_backend::layer_sizes {
+  std::size_t basis, coefficients, context_positions, landmarks, is_outlier, outlier, exact, exact_positions,
+      cache_chunks, slot_of_chunk, cache, value_store;
+
+  explicit layer_sizes(const dims& d, std::size_t element) {
+    const std::size_t width = static_cast<std::size_t>(d.kv_heads) * d.head_dim;
+    const std::size_t context_tokens = static_cast<std::size_t>(d.max_chunks) * d.chunk;
+    basis = align_up(static_cast<std::size_t>(d.rank) * width * sizeof(float));
+    coefficients = align_up(context_tokens * d.rank * sizeof(float));
+    context_positions = align_up(context_tokens * sizeof(long long));
+    landmarks = align_up(static_cast<std::size_t>(d.max_chunks) * width * element);
+    is_outlier = align_up(static_cast<std::size_t>(d.kv_heads) * d.max_chunks);
+    outlier = align_up(static_cast<std::size_t>(d.max_outliers) * d.chunk * width * element);
+    exact = align_up(static_cast<std::size_t>(d.local_capacity + d.window) * width * element);
+    exact_positions = align_up(static_cast<std::size_t>(d.local_capacity + d.window) * sizeof(long long));
+    cache_chunks = align_up(static_cast<std::size_t>(d.kv_heads) * d.budget * sizeof(int));
+    slot_of_chunk = align_up(static_cast<std::size_t>(d.kv_heads) * d.max_chunks * sizeof(int));
+    cache = align_up(static_cast<std::size_t>(d.budget) * d.chunk * width * element);
+    value_store = align_up(context_tokens * width * element);
+  }
+  [[nodiscard]] std::size_t device_total() const {
+    return basis + coefficients + context_positions + landmarks + is_outlier + 2 * outlier + 2 * exact +
+           exact_positions + cache_chunks + slot_of_chunk + 2 * cache;
+  }
+};
+
+cuda_backend::cuda_backend(const config& cfg, int device_index)
+    : config_(cfg), device_(device_index), kv_type_(element_code(cfg.kv_dtype)), device_memory_(device_index) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    (void)cudaGetLastError();
+    count = 0;
+  }
+  SHADOWKV_EXPECTS(device_index >= 0 && device_index < count, "device cuda:", device_index,
+                   " is not available: this machine has ", count, " CUDA device(s)");
+  SHADOWKV_EXPECTS(cfg.value_store == value_store_policy::host,
+                   "value_store='device' is not supported by the CUDA backend yet; use 'host'");
+  device_guard guard(device_);
+
+  dims_.num_layers = cfg.num_layers;
+  dims_.q_heads = cfg.num_q_heads;
+  dims_.kv_heads = cfg.num_kv_heads;
+  dims_.head_dim = cfg.head_dim;
+  dims_.group = cfg.group_size();
+  dims_.chunk = cfg.chunk_size;
+  dims_.budget = cfg.budget_chunks;
+  dims_.max_outliers = cfg.outlier_chunks;
+  dims_.rank = cfg.rank;
+  dims_.window = cfg.generation_window;
+  dims_.local_capacity = (cfg.local_chunks + 1) * cfg.chunk_size - 1;
+  dims_.max_chunks = static_cast<int>(cfg.max_seq_len / cfg.chunk_size);
+  dims_.rotary_dim = cfg.effective_rotary_dim();
+  dims_.rope_interleaved = cfg.rope == rope_style::interleaved ? 1 : 0;
+  dims_.attention_scaling = cfg.attention_scaling;
+  dims_.softmax_scale = cfg.effective_softmax_scale();
+
+  SHADOWKV_CUDA_TRY(cudaStreamCreateWithFlags(&own_stream_, cudaStreamNonBlocking));
+  SHADOWKV_CUDA_TRY(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking));
+  SHADOWKV_CUDA_TRY(cudaEventCreateWithFlags(&selected_event_, cudaEventDisableTiming));
+  SHADOWKV_CUDA_TRY(cudaEventCreateWithFlags(&fetched_event_, cudaEventDisableTiming));
+  SHADOWKV_CUDA_TRY(cudaEventCreateWithFlags(&values_ready_event_, cudaEventDisableTiming));
+  SHADOWKV_CUBLAS_TRY(cublasCreate(&cublas_));
+  SHADOWKV_CUSOLVER_TRY(cusolverDnCreate(&cusolver_));
+  stream_ = own_stream_;
+
+  // Reserve everything up front.
+  const std::size_t element = dtype_size(cfg.kv_dtype);
+  const layer_sizes sizes(dims_, element);
+  const std::size_t layers = static_cast<std::size_t>(cfg.max_batch) * cfg.num_layers;
+  arena_ = device_buffer(sizes.device_total() * layers, own_stream_, device_memory_);
+  value_store_ = host_buffer(sizes.value_store * layers, host_memory_);
+  views_ = device_buffer(sizeof(layer_view) * layers, own_stream_, device_memory_);
+  host_views_.resize(layers);
+  auto* cursor = static_cast<std::uint8_t*>(arena_.data());
+  auto* host_cursor = static_cast<std::uint8_t*>(value_store_.device_pointer());
+  auto take = [&cursor](std::size_t bytes) {
+    void* pointer = cursor;
+    cursor += bytes;
+    return pointer;
+  };
+  for (std::size_t i = 0; i < layers; ++i) {
+    layer_view& v = host_views_[i];
+    v = layer_view{};
+    v.basis = static_cast<float*>(take(sizes.basis));
+    v.coefficients = static_cast<float*>(take(sizes.coefficients));
+    v.context_positions = static_cast<long long*>(take(sizes.context_positions));
+    v.landmarks = take(sizes.landmarks);
+    v.is_outlier = static_cast<std::uint8_t*>(take(sizes.is_outlier));
+    v.outlier_keys = take(sizes.outlier);
+    v.outlier_values = take(sizes.outlier);
+    v.exact_keys = take(sizes.exact);
+    v.exact_values = take(sizes.exact);
+    v.exact_positions = static_cast<long long*>(take(sizes.exact_positions));
+    v.cache_chunks = static_cast<int*>(take(sizes.cache_chunks));
+    v.slot_of_chunk = static_cast<int*>(take(sizes.slot_of_chunk));
+    v.cache_keys = take(sizes.cache);
+    v.cache_values = take(sizes.cache);
+    v.value_store = host_cursor;
+    host_cursor += sizes.value_store;
+  }
+  SHADOWKV_CUDA_TRY(cudaMemcpyAsync(views_.data(), host_views_.data(), sizeof(layer_view) * layers,
+                                    cudaMemcpyHostToDevice, own_stream_));
+
+  // Decode workspace for max_batch sequences.
+  const std::size_t batch = static_cast<std::size_t>(cfg.max_batch);
+  workspace_.max_splits = sparse_attention_max_splits(dims_);
+  const std::size_t logits = align_up(batch * cfg.num_q_heads * dims_.max_chunks * sizeof(float));
+  const std::size_t scores = align_up(batch * cfg.num_kv_heads * dims_.max_chunks * sizeof(float));
+  const std::size_t lists = align_up(batch * cfg.num_kv_heads * cfg.budget_chunks * sizeof(int));
+  const std::size_t counts = align_up(batch * cfg.num_kv_heads * sizeof(int));
+  const std::size_t counters = align_up(4 * sizeof(unsigned long long));
+  const std::size_t partial =
+      align_up(batch * cfg.num_q_heads * workspace_.max_splits * (cfg.head_dim + 2) * sizeof(float));
+  workspace_memory_ = device_buffer(logits + scores + 2 * lists + counts + counters + partial, own_stream_,
+                                    device_memory_);
+  cursor = static_cast<std::uint8_t*>(workspace_memory_.data());
+  workspace_.logits = static_cast<float*>(take(logits));
+  workspace_.scores = static_cast<float*>(take(scores));
+  workspace_.selected = static_cast<int*>(take(lists));
+  workspace_.miss_slots = static_cast<int*>(take(lists));
+  workspace_.miss_counts = static_cast<int*>(take(counts));
+  workspace_.counters = static_cast<unsigned long long*>(take(counters));
+  workspace_.partial = static_cast<float*>(take(partial));
+  SHADOWKV_CUDA_TRY(cudaMemsetAsync(workspace_.counters, 0, counters, own_stream_));
+  SHADOWKV_CUDA_TRY(cudaMemsetAsync(workspace_.miss_counts, 0, counts, own_stream_));
+
+  const rope_rotation rope(cfg);
+  inv_freq_ = device_buffer(rope.inv_freq().size() * sizeof(float), own_stream_, device_memory_);
+  SHADOWKV_CUDA_TRY(cudaMemcpyAsync(inv_freq_.data(), rope.inv_freq().data(), rope.inv_freq().size() * sizeof(float),
+                                    cudaMemcpyHostToDevice, own_stream_));
+  batch_slots_ = device_buffer(batch * sizeof(int), own_stream_, device_memory_);
+  batch_staging_ = host_buffer(batch * sizeof(int), host_memory_);
+  SHADOWKV_CUDA_TRY(cudaStreamSynchronize(own_stream_));
+}
+
+cuda_backend::~cuda_backend() {
+  (void)cudaSetDevice(device_);
+  (void)cudaStreamSynchronize(own_stream_);
+  (void)cudaStreamSynchronize(copy_stream_);
+  arena_.release(own_stream_);
+  views_.release(own_stream_);
+  workspace_memory_.release(own_stream_);
+  inv_freq_.release(own_stream_);
+  batch_slots_.release(own_stream_);
+  (void)cudaStreamSynchronize(own_stream_);
+  if (cusolver_ != nullptr) (void)cusolverDnDestroy(cusolver_);
+  if (cublas_ != nullptr) (void)cublasDestroy(cublas_);
+  (void)cudaEventDestroy(selected_event_);
+  (void)cudaEventDestroy(fetched_event_);
+  (void)cudaEventDestroy(values_ready_event_);
+  (void)cudaStreamDestroy(copy_stream_);
+  (void)cudaStreamDestroy(own_stream_);
+}
+
+void cuda_backend::use_stream(std::optional<std::uintptr_t> stream) {
+  SHADOWKV_CUDA_TRY(cudaSetDevice(device_));
+  caller_stream_ = stream.has_value();
+  stream_ = caller_stream_ ? reinterpret_cast<cudaStream_t>(*stream) : own_stream_;
+  SHADOWKV_CUBLAS_TRY(cublasSetStream(cublas_, stream_));
+  SHADOWKV_CUSOLVER_TRY(cusolverDnSetStream(cusolver_, stream_));
+}
+
+bool cuda_backend::capturing() const {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  SHADOWKV_CUDA_TRY(cudaStreamIsCapturing(stream_, &status));
+  return status != cudaStreamCaptureStatusNone;
+}
+
+void cuda_backend::finish_call() {
+  if (!caller_stream_) SHADOWKV_CUDA_TRY(cudaStreamSynchronize(stream_));
+}
+
+layer_view* cuda_backend::device_view(int slot, int layer) const {
+  return static_cast<layer_view*>(views_.data()) + static_cast<std::ptrdiff_t>(slot) * config_.num_layers + layer;
+}
+
+void cuda_backend::open_sequence(int /*slot*/) {
+  // Arenas are reserved for every slot when the store is built; prefill initialises a layer's arrays.
+}
+
+void cuda_backend::close_sequence(int /*slot*/) noexcept {}
+
+void cuda_backend::upload_batch(std::span<const batch_entry> entries) {
+  std::vector<int> slots(entries.size());
+  for (std::size_t i = 0; i < entries.size(); ++i) slots[i] = entries[i].slot;
+  batch_size_ = static_cast<std::int64_t>(entries.size());
+  if (slots == uploaded_slots_) return;
+  // The staging buffer may still be read by an earlier copy: wait for the streams that used it.
+  SHADOWKV_CUDA_TRY(cudaStreamSynchronize(stream_));
+  std::copy(slots.begin(), slots.end(), static_cast<int*>(batch_staging_.data()));
+  SHADOWKV_CUDA_TRY(cudaMemcpyAsync(batch_slots_.data(), batch_staging_.data(), slots.size() * sizeof(int),
+                                    cudaMemcpyHostToDevice, stream_));
+  uploaded_slots_ = slots;
+}
+
+void cuda_backend::factorize(const float* keys_pre, int rows, float* basis) {
+  const int n = static_cast<int>(config_.kv_width());
+  const int rank = config_.rank;
+  int* info = nullptr;
+  device_buffer info_buffer(sizeof(int), stream_, device_memory_);
+  info = static_cast<int*>(info_buffer.data());
+  if (config_.factorization == factorization_method::gram || rows < n) {
+    // Gram matrix KᵀK (float32, cuBLAS), leading eigenvectors in float64 (cuSOLVER), as the CPU backend.
+    // (Row-major K[rows, n] is the column-major matrix Kᵀ[n, rows]; SYRK gives Kᵀ·K.)
+    device_buffer gram(static_cast<std::size_t>(n) * n * sizeof(float), stream_, device_memory_);
+    device_buffer gram64(static_cast<std::size_t>(n) * n * sizeof(double), stream_, device_memory_);
+    device_buffer eigenvalues(static_cast<std::size_t>(n) * sizeof(double), stream_, device_memory_);
+    const float one = 1.0F;
+    const float zero = 0.0F;
+    SHADOWKV_CUBLAS_TRY(cublasSsyrk(cublas_, CUBLAS_FILL_MODE_LOWER, CUBLAS_OP_N, n, rows, &one, keys_pre, n, &zero,
+                                    static_cast<float*>(gram.data()), n));
+    launch_keys_to_double(static_cast<const float*>(gram.data()), n, n, false, static_cast<double*>(gram64.data()),
+                          stream_);
+    int found = 0;
+    int lwork = 0;
+    SHADOWKV_CUSOLVER_TRY(cusolverDnDsyevdx_bufferSize(
+        cusolver_, CUSOLVER_EIG_MODE_VECTOR, CUSOLVER_EIG_RANGE_I, CUBLAS_FILL_MODE_LOWER, n,
+        static_cast<double*>(gram64.data()), n, 0.0, 0.0, n - rank + 1, n, &found,
+        static_cast<double*>(eigenvalues.data()), &lwork));
+    device_buffer work(static_cast<std::size_t>(lwork) * sizeof(double), stream_, device_memory_);
+    SHADOWKV_CUSOLVER_TRY(cusolverDnDsyevdx(cusolver_, CUSOLVER_EIG_MODE_VECTOR, CUSOLVER_EIG_RANGE_I,
+                                            CUBLAS_FILL_MODE_LOWER, n, static_cast<double*>(gram64.data()), n, 0.0,
+                                            0.0, n - rank + 1, n, &found, static_cast<double*>(eigenvalues.data()),
+                                            static_cast<double*>(work.data()), lwork, info));
+    int status = 0;
+    SHADOWKV_CUDA_TRY(cudaMemcpyAsync(&status, info, sizeof(int), cudaMemcpyDeviceToHost, stream_));
+    SHADOWKV_CUDA_TRY(cudaStreamSynchronize(stream_));
+    if (status != 0 || found != rank) {
+      throw cuda_error(shadowkv::detail::format_message("cusolverDnDsyevdx failed on the ", n, "x", n,
+                                                        " Gram matrix (info=", status, ", found ", found, " of ",
+                                                        rank, " eigenvectors)"));
+    }
+    // Eigenvalues ascend: the leading vectors are the last columns.
+    launch_basis_from_vectors(static_cast<const double*>(gram64.data()), n, rank, true, false, basis, stream_);
+    return;
+  }
+  // Exact SVD of K (rows >= n): column-major float64 copy, cuSOLVER gesvd, B = the leading rows of Vᵀ.
+  device_buffer matrix(static_cast<std::size_t>(rows) * n * sizeof(double), stream_, device_memory_);
+  device_buffer singular(static_cast<std::size_t>(n) * sizeof(double), stream_, device_memory_);
+  device_buffer vt(static_cast<std::size_t>(n) * n * sizeof(double), stream_, device_memory_);
+  launch_keys_to_double(keys_pre, rows, n, true, static_cast<double*>(matrix.data()), stream_);
+  int lwork = 0;
+  SHADOWKV_CUSOLVER_TRY(cusolverDnDgesvd_bufferSize(cusolver_, rows, n, &lwork));
+  device_buffer work(static_cast<std::size_t>(lwork) * sizeof(double), stream_, device_memory_);
+  SHADOWKV_CUSOLVER_TRY(cusolverDnDgesvd(cusolver_, 'N', 'A', rows, n, static_cast<double*>(matrix.data()), rows,
+                                         static_cast<double*>(singular.data()), nullptr, rows,
+                                         static_cast<double*>(vt.data()), n, static_cast<double*>(work.data()), lwork,
+                                         nullptr, info));
+  int status = 0;
+  SHADOWKV_CUDA_TRY(cudaMemcpyAsync(&status, info, sizeof(int), cudaMemcpyDeviceToHost, stream_));
+  SHADOWKV_CUDA_TRY(cudaStreamSynchronize(stream_));
+  if (status != 0) {
+    throw cuda_error(shadowkv::detail::format_message("cusolverDnDgesvd failed on a ", rows, "x", n,
+                                                      " key matrix (info=", status, ")"));
+  }
+  // Vᵀ is column-major [n, n]: the i-th right singular vector is row i of Vᵀ.
+  launch_basis_from_vectors(static_cast<const double*>(vt.data()), n, rank, false, true, basis, stream_);
+}
+
+void cuda_backend::prefill_one(int layer, const batch_entry& entry, const prefill_inputs& inputs) {
+  const layer_state& state = *entry.state;
+  const int len = static_cast<int>(state.prompt_len);
+  const int chunks = static_cast<int>(state.prompt_context_chunks);
+  const int outliers = static_cast<int>(state.outlier_chunks);
+  const std::size_t width = static_cast<std::size_t>(config_.kv_width());
+  const std::size_t element = dtype_size(config_.kv_dtype);
+  const layer_view& view = host_view(entry.slot, layer);
+
+  // All workspace first: an allocation failure leaves the layer untouched.
+  device_buffer keys_pre(len * width * sizeof(float), stream_, device_memory_);
+  device_buffer keys_post(len * width * element, stream_, device_memory_);
+  device_buffer positions(static_cast<std::size_t>(len) * sizeof(long long), stream_, device_memory_);
+  device_buffer min_cosine(std::max<std::size_t>(1, static_cast<std::size_t>(config_.num_kv_heads) * chunks) * sizeof(float),
+                           stream_, device_memory_);
+  device_buffer outlier_ids(std::max<std::size_t>(1, static_cast<std::size_t>(config_.num_kv_heads) * config_.outlier_chunks) *
+                                sizeof(int), stream_, device_memory_);
+  const std::size_t value_bytes = static_cast<std::size_t>(chunks) * config_.chunk_size * width * element;
+  device_buffer value_staging(std::max<std::size_t>(1, value_bytes), stream_, device_memory_);
+
+  launch_prepare_prompt_keys(dims_, kv_type_, as_strided(inputs.keys),
+                             inputs.positions.empty() ? strided_tensor{nullptr, 0, {0, 0, 0, 0}}
+                                                      : strided_tensor{inputs.positions.data, 0,
+                                                                       {inputs.positions.strides[0],
+                                                                        inputs.positions.strides[1], 0, 0}},
+                             inputs.positions.empty() ? 64 : index_bits(inputs.positions), static_cast<int>(entry.row),
+                             len, inputs.keys_post_rope, static_cast<const float*>(inv_freq_.data()),
+                             static_cast<float*>(keys_pre.data()), keys_post.data(),
+                             static_cast<long long*>(positions.data()), stream_);
+  factorize(static_cast<const float*>(keys_pre.data()), len, view.basis);
+  if (chunks > 0) {
+    // A = K_ctx · Bᵀ: column-major Aᵀ[r, ctx] = (Bᵀ as column-major [width, r])ᵀ · Kᵀ[width, ctx].
+    const float one = 1.0F;
+    const float zero = 0.0F;
+    const int context_tokens = chunks * config_.chunk_size;
+    SHADOWKV_CUBLAS_TRY(cublasSgemm(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, config_.rank, context_tokens,
+                                    static_cast<int>(width), &one, view.basis, static_cast<int>(width),
+                                    static_cast<const float*>(keys_pre.data()), static_cast<int>(width), &zero,
+                                    view.coefficients, config_.rank));
+  }
+  launch_landmarks(dims_, kv_type_, keys_post.data(), chunks, view.landmarks, static_cast<float*>(min_cosine.data()),
+                   stream_);
+  launch_pick_outliers(dims_, static_cast<const float*>(min_cosine.data()), chunks, outliers, view.is_outlier,
+                       static_cast<int*>(outlier_ids.data()), stream_);
+  launch_scatter_prompt(dims_, kv_type_, keys_post.data(), as_strided(inputs.values), static_cast<int>(entry.row), len,
+                        chunks, outliers, static_cast<const int*>(outlier_ids.data()),
+                        static_cast<const long long*>(positions.data()), view, value_staging.data(), stream_);
+  SHADOWKV_CUDA_TRY(cudaMemsetAsync(view.cache_chunks, 0xff,
+                                    static_cast<std::size_t>(config_.num_kv_heads) * config_.budget_chunks * sizeof(int),
+                                    stream_));
+  SHADOWKV_CUDA_TRY(cudaMemsetAsync(view.slot_of_chunk, 0xff,
+                                    static_cast<std::size_t>(config_.num_kv_heads) * dims_.max_chunks * sizeof(int),
+                                    stream_));
+  launch_set_prefill_counters(device_view(entry.slot, layer), len, chunks, outliers,
+                              static_cast<int>(state.local_len), static_cast<const long long*>(positions.data()), len,
+                              stream_);
+  // Values to the pinned value store on the copy stream, overlapping whatever the caller does next.
+  if (value_bytes > 0) {
+    SHADOWKV_CUDA_TRY(cudaEventRecord(values_ready_event_, stream_));
+    SHADOWKV_CUDA_TRY(cudaStreamWaitEvent(copy_stream_, values_ready_event_, 0));
+    void* host_target = static_cast<std::uint8_t*>(value_store_.data()) +
+                        (static_cast<std::uint8_t*>(view.value_store) -
+                         static_cast<std::uint8_t*>(value_store_.device_pointer()));
+    SHADOWKV_CUDA_TRY(cudaMemcpyAsync(host_target, value_staging.data(), value_bytes, cudaMemcpyDeviceToHost,
+                                      copy_stream_));
+    value_staging.release(copy_stream_);
+  }
+  keys_pre.release(stream_);
+  keys_post.release(stream_);
+  positions.release(stream_);
+  min_cosine.release(stream_);
+  outlier_ids.release(stream_);
+}
+
+void cuda_backend::prefill(int layer, std::span<const batch_entry> entries, const prefill_inputs& inputs) {
+  device_guard guard(device_);
+  for (const batch_entry& entry : entries) prefill_one(layer, entry, inputs);
+}
+
+void cuda_backend::fold_oldest_generated_chunk(int /*layer*/, std::span<const batch_entry> /*entries*/) {
+  // Folding happens on the device inside append_token (launch_advance_generated), by the same rule.
+}
+
+void cuda_backend::append_token(int layer, std::span<const batch_entry> entries, const append_inputs& inputs) {
+  upload_batch(entries);
+  const strided_tensor positions =
+      inputs.positions.empty() ? strided_tensor{nullptr, 0, {0, 0, 0, 0}}
+                               : strided_tensor{inputs.positions.data, 0, {inputs.positions.strides[0], 0, 0, 0}};
+  launch_advance_generated(dims_, kv_type_, static_cast<layer_view*>(views_.data()),
+                           static_cast<const int*>(batch_slots_.data()), layer, static_cast<int>(entries.size()),
+                           as_strided(inputs.keys), as_strided(inputs.values), positions,
+                           inputs.positions.empty() ? 64 : index_bits(inputs.positions), inputs.keys_post_rope,
+                           static_cast<const float*>(inv_freq_.data()), stream_);
+}
+
+void cuda_backend::select_chunks(int layer, std::span<const batch_entry> entries, const tensor_view& queries) {
+  upload_batch(entries);
+  launch_select_chunks(dims_, kv_type_, static_cast<layer_view*>(views_.data()),
+                       static_cast<const int*>(batch_slots_.data()), layer, static_cast<int>(entries.size()),
+                       as_strided(queries), static_cast<int>(queries.shape[1]), workspace_, stream_);
+  SHADOWKV_CUDA_TRY(cudaEventRecord(selected_event_, stream_));
+}
+
+void cuda_backend::fetch_values(int layer, std::span<const batch_entry> entries) {
+  SHADOWKV_CUDA_TRY(cudaStreamWaitEvent(copy_stream_, selected_event_, 0));
+  launch_fetch_values(dims_, kv_type_, static_cast<layer_view*>(views_.data()),
+                      static_cast<const int*>(batch_slots_.data()), layer, static_cast<int>(entries.size()), workspace_,
+                      copy_stream_);
+  SHADOWKV_CUDA_TRY(cudaEventRecord(fetched_event_, copy_stream_));
+}
+
+void cuda_backend::rebuild_keys(int layer, std::span<const batch_entry> entries) {
+  launch_rebuild_keys(dims_, kv_type_, static_cast<layer_view*>(views_.data()),
+                      static_cast<const int*>(batch_slots_.data()), layer, static_cast<int>(entries.size()), workspace_,
+                      static_cast<const float*>(inv_freq_.data()), stream_);
+  // Attention (and the caller's next use of the store) must see the fetched values.
+  SHADOWKV_CUDA_TRY(cudaStreamWaitEvent(stream_, fetched_event_, 0));
+}
+
+void cuda_backend::attend(int layer, std::span<const batch_entry> entries, const tensor_view& queries,
+                          const mutable_tensor_view& out) {
+  launch_sparse_attention(dims_, kv_type_, static_cast<const layer_view*>(views_.data()),
+                          static_cast<const int*>(batch_slots_.data()), layer, static_cast<int>(entries.size()),
+                          as_strided(queries), as_strided(out), workspace_.partial, workspace_.max_splits, stream_);
+}
+
+chunk_ids_per_head cuda_backend::selected_chunks(int layer, int slot) const {
+  device_guard guard(device_);
+  const layer_view& view = host_view(slot, layer);
+  std::vector<int> chunks(static_cast<std::size_t>(config_.num_kv_heads) * config_.budget_chunks);
+  SHADOWKV_CUDA_TRY(cudaStreamSynchronize(stream_));
+  SHADOWKV_CUDA_TRY(cudaMemcpy(chunks.data(), view.cache_chunks, chunks.size() * sizeof(int), cudaMemcpyDeviceToHost));
+  chunk_ids_per_head result(static_cast<std::size_t>(config_.num_kv_heads));
+  for (int h = 0; h < config_.num_kv_heads; ++h) {
+    for (int s = 0; s < config_.budget_chunks; ++s) {
+      const int c = chunks[static_cast<std::size_t>(h) * config_.budget_chunks + s];
+      if (c >= 0) result[static_cast<std::size_t>(h)].push_back(c);
+    }
+    std::sort(result[static_cast<std::size_t>(h)].begin(), result[static_cast<std::size_t>(h)].end());
+  }
+  return result;
+}
+
+chunk_ids_per_head cuda_backend::outlier_chunks(int layer, int slot) const {
+  device_guard guard(device_);
+  const layer_view& view = host_view(slot, layer);
+  layer_view counters{};
+  SHADOWKV_CUDA_TRY(cudaStreamSynchronize(stream_));
+  SHADOWKV_CUDA_TRY(cudaMemcpy(&counters, device_view(slot, layer), sizeof(layer_view), cudaMemcpyDeviceToHost));
+  std::vector<std::uint8_t> flags(static_cast<std::size_t>(config_.num_kv_heads) * dims_.max_chunks);
+  SHADOWKV_CUDA_TRY(cudaMemcpy(flags.data(), view.is_outlier, flags.size(), cudaMemcpyDeviceToHost));
+  chunk_ids_per_head result(static_cast<std::size_t>(config_.num_kv_heads));
+  for (int h = 0; h < config_.num_kv_heads; ++h) {
+    for (int c = 0; c < counters.context_chunks; ++c) {
+      if (flags[static_cast<std::size_t>(h) * dims_.max_chunks + c] != 0) result[static_cast<std::size_t>(h)].push_back(c);
+    }
+  }
+  return result;
+}
+
+std::int64_t cuda_backend::last_position(int layer, int slot) const {
+  device_guard guard(device_);
+  layer_view counters{};
+  SHADOWKV_CUDA_TRY(cudaStreamSynchronize(stream_));
+  SHADOWKV_CUDA_TRY(cudaMemcpy(&counters, device_view(slot, layer), sizeof(layer_view), cudaMemcpyDeviceToHost));
+  return counters.last_position;
+}
+
+memory_report cuda_backend::memory(std::span<const layer_state* const> states) const {
+  // In use by the documented formulas (docs/semantics.md), plus what is reserved for the configured capacity.
+  memory_report report;
+  const std::int64_t e = static_cast<std::int64_t>(dtype_size(config_.kv_dtype));
+  const std::int64_t width = config_.kv_width();
+  const std::int64_t chunk = config_.chunk_size;
+  const std::int64_t rank = config_.rank;
+  for (const layer_state* state : states) {
+    const std::int64_t context_tokens = state->context_chunks * chunk;
+    report.low_rank_factors += (context_tokens * rank + rank * width) * 4;
+    report.landmarks += state->context_chunks * width * e;
+    report.outliers += state->outlier_chunks * chunk * width * 2 * e;
+    report.exact_tokens += (state->local_len + state->generated_exact_len) * width * 2 * e;
+    report.value_store += context_tokens * width * e;
+    report.selection_cache += static_cast<std::int64_t>(config_.budget_chunks) * chunk * width * 2 * e;
+    report.full_attention_equivalent += state->total_len() * width * 2 * e;
+  }
+  report.device_reserved = static_cast<std::int64_t>(arena_.size() + views_.size() + workspace_memory_.size());
+  report.host_reserved = static_cast<std::int64_t>(value_store_.size());
+  return report;
+}
+
+store_stats cuda_backend::selection_stats() const {
+  device_guard guard(device_);
+  unsigned long long counters[4] = {0, 0, 0, 0};
+  SHADOWKV_CUDA_TRY(cudaStreamSynchronize(stream_));
+  SHADOWKV_CUDA_TRY(cudaStreamSynchronize(copy_stream_));
+  SHADOWKV_CUDA_TRY(cudaMemcpy(counters, workspace_.counters, sizeof(counters), cudaMemcpyDeviceToHost));
+  store_stats stats;
+  stats.hits = static_cast<std::int64_t>(counters[0]);
+  stats.misses = static_cast<std::int64_t>(counters[1]);
+  stats.selections = static_cast<std::int64_t>(counters[2]);
+  stats.chunks_rebuilt = stats.misses;
+  stats.bytes_fetched = static_cast<std::int64_t>(counters[3]);
+  return stats;
+}
+
+void cuda_backend::reset_selection_stats() noexcept {
+  (void)cudaSetDevice(device_);
+  (void)cudaStreamSynchronize(stream_);
+  (void)cudaStreamSynchronize(copy_stream_);
+  (void)cudaMemset(workspace_.counters, 0, 4 * sizeof(unsigned long long));
+}
+
+}  // namespace shadowkv::cuda

@@ -1,0 +1,90 @@
+// The CUDA backend: the backend seam on one GPU (DESIGN.md §2–4).
+//
+// Everything a sequence can need is reserved when the store is built: per (slot, layer) device arenas sized from
+// max_seq_len, the pinned value store, and the decode workspace for max_batch sequences, so a decode step allocates
+// nothing. A decode step runs on the caller's stream (compute) and a copy stream of the backend's own:
+//   compute: advance_generated (fold + append) -> select_chunks -> [event selected] -> rebuild_keys -> [wait fetched]
+//            -> sparse attention
+//   copy:    [wait selected] -> fetch_values -> [event fetched]
+// Counters of each (slot, layer) live in device layer_views and advance on the device, so the host never reads
+// device memory inside a step (see device_layout.cuh).
+#pragma once
+
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+#include <cusolverDn.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "device_layout.cuh"
+#include "memory_resources.hpp"
+#include "shadowkv/backend.hpp"
+
+namespace shadowkv::cuda {
+
+class cuda_backend final : public backend {
+ public:
+  cuda_backend(const config& cfg, int device_index);
+  ~cuda_backend() override;
+
+  [[nodiscard]] device where() const noexcept override { return {device_type::cuda, device_}; }
+  void use_stream(std::optional<std::uintptr_t> stream) override;
+  void finish_call() override;
+  [[nodiscard]] bool capturing() const override;
+  void open_sequence(int slot) override;
+  void close_sequence(int slot) noexcept override;
+  void prefill(int layer, std::span<const batch_entry> entries, const prefill_inputs& inputs) override;
+  void fold_oldest_generated_chunk(int layer, std::span<const batch_entry> entries) override;
+  void append_token(int layer, std::span<const batch_entry> entries, const append_inputs& inputs) override;
+  void select_chunks(int layer, std::span<const batch_entry> entries, const tensor_view& queries) override;
+  void fetch_values(int layer, std::span<const batch_entry> entries) override;
+  void rebuild_keys(int layer, std::span<const batch_entry> entries) override;
+  void attend(int layer, std::span<const batch_entry> entries, const tensor_view& queries,
+              const mutable_tensor_view& out) override;
+  [[nodiscard]] chunk_ids_per_head selected_chunks(int layer, int slot) const override;
+  [[nodiscard]] chunk_ids_per_head outlier_chunks(int layer, int slot) const override;
+  [[nodiscard]] std::int64_t last_position(int layer, int slot) const override;
+  [[nodiscard]] memory_report memory(std::span<const layer_state* const> states) const override;
+  [[nodiscard]] store_stats selection_stats() const override;
+  void reset_selection_stats() noexcept override;
+
+ private:
+  struct layer_sizes;  // bytes of each array of one (slot, layer)
+  void upload_batch(std::span<const batch_entry> entries);
+  void prefill_one(int layer, const batch_entry& entry, const prefill_inputs& inputs);
+  void factorize(const float* keys_pre, int rows, float* basis);
+  [[nodiscard]] layer_view& host_view(int slot, int layer) { return host_views_[static_cast<std::size_t>(slot * config_.num_layers + layer)]; }
+  [[nodiscard]] const layer_view& host_view(int slot, int layer) const { return host_views_[static_cast<std::size_t>(slot * config_.num_layers + layer)]; }
+  [[nodiscard]] layer_view* device_view(int slot, int layer) const;
+
+  config config_;
+  int device_;
+  dims dims_{};
+  int kv_type_;
+  cudaStream_t stream_ = nullptr;       ///< the current call's compute stream (caller's or own_stream_)
+  cudaStream_t own_stream_ = nullptr;
+  cudaStream_t copy_stream_ = nullptr;
+  bool caller_stream_ = false;
+  cudaEvent_t selected_event_ = nullptr;
+  cudaEvent_t fetched_event_ = nullptr;
+  cudaEvent_t values_ready_event_ = nullptr;
+  cublasHandle_t cublas_ = nullptr;
+  cusolverDnHandle_t cusolver_ = nullptr;
+
+  device_memory_resource device_memory_;
+  pinned_host_resource host_memory_;
+  device_buffer arena_;          ///< all (slot, layer) arrays
+  host_buffer value_store_;      ///< all (slot, layer) value stores
+  device_buffer views_;          ///< layer_view [max_batch * num_layers]
+  device_buffer workspace_memory_;
+  device_buffer inv_freq_;
+  device_buffer batch_slots_;    ///< int [max_batch]
+  host_buffer batch_staging_;    ///< pinned int [max_batch]
+  std::vector<layer_view> host_views_;
+  std::vector<int> uploaded_slots_;
+  step_workspace workspace_{};
+  std::int64_t batch_size_ = 0;
+};
+
+}  // namespace shadowkv::cuda

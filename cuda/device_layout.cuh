@@ -1,0 +1,104 @@
+// Where a (sequence, layer) keeps its data on a CUDA device, and the dimensions every kernel needs.
+//
+// One `layer_view` per (slot, layer) lives in device memory (an array indexed slot * num_layers + layer). Its
+// pointers are fixed when the store is built (arenas are reserved up front from the configured capacity); its
+// counters are written by the prefill and then advanced by the decode kernels themselves (append, fold), so a decode
+// step needs no per-step upload from the host and its kernels have shapes that depend only on the batch size:
+// the step can be captured in a CUDA graph. The host keeps its own mirror of the counters (kv_store's layer_state)
+// for validation; both advance by the same rules (docs/semantics.md).
+//
+// Element type `T` of keys/values/landmarks is the store's dtype (__nv_bfloat16, __half or float); pointers to them
+// are `void*` here and cast by the kernels, which are templated on T.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace shadowkv::cuda {
+
+/// Shapes and parameters shared by all kernels (passed by value).
+struct dims {
+  int num_layers;
+  int q_heads;         ///< Hq
+  int kv_heads;        ///< Hkv
+  int head_dim;        ///< D
+  int group;           ///< G = Hq / Hkv
+  int chunk;           ///< C
+  int budget;          ///< k, chunks per KV head
+  int max_outliers;    ///< O (per head; actual count is layer_view::outlier_chunks)
+  int rank;            ///< r
+  int window;          ///< W, generated ring capacity in tokens
+  int local_capacity;  ///< rows reserved for the local window: (local_chunks + 1) * C - 1
+  int max_chunks;      ///< context chunk capacity: max_seq_len / C
+  int rotary_dim;
+  int rope_interleaved;  ///< 0: half-split, 1: interleaved
+  float attention_scaling;
+  float softmax_scale;
+};
+
+/// Everything of one (slot, layer) on the device. Row-major, head-major where a kernel reads one head at a time.
+struct layer_view {
+  // Counters (device-owned during decode).
+  int prompt_len;
+  int context_chunks;       ///< prompt context chunks + folded chunks
+  int outlier_chunks;       ///< per head
+  int local_len;            ///< exact rows [0, local_len) of the exact region
+  int generated_exact_len;  ///< exact generated tokens in the ring
+  int ring_head;            ///< ring slot of the oldest generated token
+  long long last_position;
+
+  // Low-rank keys (float32).
+  float* basis;                  ///< B [r, Hkv*D]
+  float* coefficients;           ///< A [max_chunks*C, r]
+  long long* context_positions;  ///< [max_chunks*C]
+  // Selection data.
+  void* landmarks;               ///< T [Hkv, max_chunks, D]
+  std::uint8_t* is_outlier;      ///< [Hkv, max_chunks]
+  // Exact data.
+  void* outlier_keys;            ///< T [Hkv, O*C, D] post-RoPE (first outlier_chunks*C rows valid)
+  void* outlier_values;          ///< T [Hkv, O*C, D]
+  void* exact_keys;              ///< T [Hkv, local_capacity + W, D]: local window rows, then the generated ring
+  void* exact_values;            ///< T [Hkv, local_capacity + W, D]
+  long long* exact_positions;    ///< [local_capacity + W]
+  // Selection cache.
+  int* cache_chunks;             ///< [Hkv, k]: chunk id per buffer slot, -1 = empty
+  int* slot_of_chunk;            ///< [Hkv, max_chunks]: buffer slot holding a chunk, -1 = none
+  void* cache_keys;              ///< T [Hkv, k*C, D] rebuilt post-RoPE keys
+  void* cache_values;            ///< T [Hkv, k*C, D] fetched values
+  // Value store in pinned, mapped host memory (device-accessible pointer).
+  void* value_store;             ///< T [max_chunks, Hkv, C, D]: one (chunk, head) = one contiguous run
+};
+
+/// Ring row of the i-th oldest generated token (0 <= i < generated_exact_len) in the exact region.
+__host__ __device__ inline int generated_row(const layer_view& view, const dims& d, int i) {
+  return d.local_capacity + (view.ring_head + i) % d.window;
+}
+
+/// Per-step workspace of a decode batch (device memory, reserved for max_batch sequences).
+struct step_workspace {
+  float* logits;       ///< [max_batch, Hq, max_chunks]
+  float* scores;       ///< [max_batch, Hkv, max_chunks]
+  int* selected;       ///< [max_batch, Hkv, k] selected chunk ids, ascending; -1 padding
+  int* miss_slots;     ///< [max_batch, Hkv, k] buffer slots to fill this step
+  int* miss_counts;    ///< [max_batch, Hkv]
+  unsigned long long* counters;  ///< [4]: hits, misses, selections, bytes fetched (accumulated)
+  float* partial;      ///< attention split partials [max_batch, Hq, max_splits, D + 2]
+  int max_splits;
+};
+
+}  // namespace shadowkv::cuda
+
+namespace shadowkv::cuda {
+
+/// Element type codes of caller tensors (same order as shadowkv::dtype).
+enum element_type : int { element_f32 = 0, element_f16 = 1, element_bf16 = 2 };
+
+/// A caller tensor as kernels take it: data, element type and strides in elements (up to 4 dims).
+struct strided_tensor {
+  const void* data;
+  int type;  ///< element_type
+  long long stride[4];
+};
+
+}  // namespace shadowkv::cuda

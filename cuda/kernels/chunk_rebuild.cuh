@@ -1,0 +1,21 @@
+// Decode steps 4 (misses only): rebuild the keys of missed chunks (gather-GEMM A[rows]·B[:, head] + RoPE) on the
+// compute stream, and fetch their values from the pinned value store on the copy stream. Both read the miss lists
+// that launch_select_chunks wrote into the step workspace.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "device_layout.cuh"
+
+namespace shadowkv::cuda {
+
+/// Keys of every missed (entry, head, chunk) into its buffer slot of cache_keys, rounded to T.
+void launch_rebuild_keys(const dims& d, int kv_type, layer_view* views, const int* batch_slots, int layer, int batch,
+                         const step_workspace& workspace, const float* inv_freq, cudaStream_t stream);
+
+/// Values of every missed (entry, head, chunk): one contiguous run of C*D elements from the value store (mapped host
+/// memory, read by the kernel over PCIe) into its buffer slot of cache_values; adds the bytes to counters[3].
+void launch_fetch_values(const dims& d, int kv_type, layer_view* views, const int* batch_slots, int layer, int batch,
+                         const step_workspace& workspace, cudaStream_t stream);
+
+}  // namespace shadowkv::cuda

@@ -1,0 +1,28 @@
+// Landmark scores, top-k per KV head and the temporal-cache scan (DESIGN.md §2 decode steps 2–4,
+// docs/semantics.md "Decode" 3–6), for a batch of (sequence, layer) entries.
+//
+// For entry b (slot = batch_slots[b], view = views[slot * num_layers + layer]) and KV head h:
+//   candidates = chunks c < context_chunks with is_outlier[h*max_chunks + c] == 0;
+//   p_j(c) = softmax over candidates of softmax_scale * q_{t,j}·landmark[h, c] for each query token t, summed over t;
+//   score(c) = max over the G query heads j of h of p_j(c);
+//   selected = the min(k, #candidates) best by descending score, ties to the smaller chunk id, written ascending
+//              to workspace.selected[(b*Hkv + h)*k ...] and padded with -1;
+//   cache: a buffer slot whose chunk is selected is a hit and stays; other slots are freed (cache_chunks = -1 and
+//          slot_of_chunk[old] = -1); each selected chunk not cached (a miss), in ascending chunk id, takes the
+//          lowest free slot (cache_chunks, slot_of_chunk updated); workspace.miss_slots[(b*Hkv + h)*k ...] lists
+//          the filled slots (ascending chunk order), miss_counts[b*Hkv + h] their number;
+//   counters[0] += hits, counters[1] += misses, counters[2] += 1 per entry.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "device_layout.cuh"
+
+namespace shadowkv::cuda {
+
+/// queries: [B, Tq, Hq, D] (strides in queries.stride[0..3]), any element type; tokens = Tq >= 1.
+/// kv_type: element_type of landmarks. Never allocates; throws shadowkv::cuda_error on a launch failure.
+void launch_select_chunks(const dims& d, int kv_type, layer_view* views, const int* batch_slots, int layer, int batch,
+                          strided_tensor queries, int tokens, const step_workspace& workspace, cudaStream_t stream);
+
+}  // namespace shadowkv::cuda

@@ -1,0 +1,89 @@
+// Loading and storing keys/values of the store's element type (float, __half, __nv_bfloat16) as float, and
+// reading caller tensors whose element type is only known at run time.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "device_layout.cuh"
+
+namespace shadowkv::cuda {
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+/// Element `offset` of a caller tensor, as float.
+__device__ __forceinline__ float load_any(const void* data, int type, long long offset) {
+  switch (type) {
+    case element_f16: return __half2float(static_cast<const __half*>(data)[offset]);
+    case element_bf16: return __bfloat162float(static_cast<const __nv_bfloat16*>(data)[offset]);
+    default: return static_cast<const float*>(data)[offset];
+  }
+}
+
+/// Writes `value` as element `offset` of a caller tensor (rounded to nearest even).
+__device__ __forceinline__ void store_any(void* data, int type, long long offset, float value) {
+  switch (type) {
+    case element_f16: static_cast<__half*>(data)[offset] = __float2half_rn(value); return;
+    case element_bf16: static_cast<__nv_bfloat16*>(data)[offset] = __float2bfloat16_rn(value); return;
+    default: static_cast<float*>(data)[offset] = value; return;
+  }
+}
+
+/// Rounds through T (the store's element type).
+template <typename T>
+__device__ __forceinline__ float round_through(float v) {
+  return to_float(from_float<T>(v));
+}
+
+/// Integer element `offset` of an int32/int64 tensor (type 32 or 64 in `bits`).
+__device__ __forceinline__ long long load_index_any(const void* data, int bits, long long offset) {
+  return bits == 32 ? static_cast<long long>(static_cast<const int*>(data)[offset])
+                    : static_cast<const long long*>(data)[offset];
+}
+
+/// Rotates the pair (x1, x2) of rotary index i to `position` (inverse: un-rotates), exactly as the CPU backend:
+/// float32 angle, accurately evaluated cos/sin, attention_scaling on cos/sin (divided out when inverting).
+__device__ __forceinline__ void rope_pair(float& x1, float& x2, float inv_freq, long long position, float scaling,
+                                          bool inverse) {
+  const float angle = static_cast<float>(position) * inv_freq;
+  double s;
+  double c;
+  sincos(static_cast<double>(angle), &s, &c);
+  double cos_a;
+  double sin_a;
+  if (inverse) {
+    cos_a = c / scaling;
+    sin_a = -s / scaling;
+  } else {
+    cos_a = static_cast<double>(static_cast<float>(c) * scaling);
+    sin_a = static_cast<double>(static_cast<float>(s) * scaling);
+  }
+  const double a = x1;
+  const double b = x2;
+  x1 = static_cast<float>(a * cos_a - b * sin_a);
+  x2 = static_cast<float>(b * cos_a + a * sin_a);
+}
+
+/// Dimension paired with rotary index i: (first, second).
+__device__ __forceinline__ void rope_dims(const dims& d, int i, int& first, int& second) {
+  if (d.rope_interleaved) {
+    first = 2 * i;
+    second = 2 * i + 1;
+  } else {
+    first = i;
+    second = i + d.rotary_dim / 2;
+  }
+}
+
+}  // namespace shadowkv::cuda

@@ -1,0 +1,143 @@
+#include "cuda_check.hpp"
+#include "dispatch.cuh"
+#include "element_access.cuh"
+#include "generated_tokens.cuh"
+
+namespace shadowkv::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+template <typename T>
+__global__ void advance_generated_kernel(dims d, layer_view* views, const int* batch_slots, int layer,
+                                         strided_tensor k_new, strided_tensor v_new, strided_tensor positions,
+                                         int positions_bits, bool keys_post_rope, const float* inv_freq) {
+  extern __shared__ float keys_pre[];  // [C, Hkv*D]
+  const int b = blockIdx.x;
+  layer_view* view = views + static_cast<long long>(batch_slots[b]) * d.num_layers + layer;
+  const int width = d.kv_heads * d.head_dim;
+  const long long head_rows = d.local_capacity + d.window;
+  T* exact_keys = static_cast<T*>(view->exact_keys);
+  T* exact_values = static_cast<T*>(view->exact_values);
+  const int generated = view->generated_exact_len;
+  const int ring_head = view->ring_head;
+
+  // 1. Fold the oldest C generated tokens into context chunk `chunk` when the ring is full.
+  if (generated == d.window) {
+    const int chunk = view->context_chunks;
+    // Un-rotated keys of the C tokens, heads concatenated.
+    for (int index = threadIdx.x; index < d.chunk * width; index += blockDim.x) {
+      const int i = index / width;
+      const int h = (index % width) / d.head_dim;
+      const int dim = index % d.head_dim;
+      const int ring_row = d.local_capacity + (ring_head + i) % d.window;
+      const long long position = view->exact_positions[ring_row];
+      const T* key = exact_keys + (h * head_rows + ring_row) * d.head_dim;
+      float value = to_float(key[dim]);
+      if (dim < d.rotary_dim) {
+        const int half = d.rotary_dim / 2;
+        const int pair = d.rope_interleaved ? dim / 2 : dim % half;
+        int first;
+        int second;
+        rope_dims(d, pair, first, second);
+        float x1 = to_float(key[first]);
+        float x2 = to_float(key[second]);
+        rope_pair(x1, x2, inv_freq[pair], position, d.attention_scaling, true);
+        value = dim == first ? x1 : x2;
+      }
+      keys_pre[index] = value;
+    }
+    __syncthreads();
+    // Coefficients a = k_pre · V_r (B = V_rᵀ rows), context positions, landmark, values to the value store.
+    for (int index = threadIdx.x; index < d.chunk * d.rank; index += blockDim.x) {
+      const int i = index / d.rank;
+      const int r = index % d.rank;
+      const float* basis_row = view->basis + static_cast<long long>(r) * width;
+      float sum = 0.0F;
+      for (int j = 0; j < width; ++j) sum += keys_pre[i * width + j] * basis_row[j];
+      view->coefficients[(static_cast<long long>(chunk) * d.chunk + i) * d.rank + r] = sum;
+    }
+    for (int i = threadIdx.x; i < d.chunk; i += blockDim.x) {
+      view->context_positions[static_cast<long long>(chunk) * d.chunk + i] =
+          view->exact_positions[d.local_capacity + (ring_head + i) % d.window];
+    }
+    T* landmarks = static_cast<T*>(view->landmarks);
+    T* value_store = static_cast<T*>(view->value_store);
+    for (int index = threadIdx.x; index < width; index += blockDim.x) {
+      const int h = index / d.head_dim;
+      const int dim = index % d.head_dim;
+      double sum = 0.0;
+      for (int i = 0; i < d.chunk; ++i) {
+        const int ring_row = d.local_capacity + (ring_head + i) % d.window;
+        sum += to_float(exact_keys[(h * head_rows + ring_row) * d.head_dim + dim]);
+        value_store[((static_cast<long long>(chunk) * d.kv_heads + h) * d.chunk + i) * d.head_dim + dim] =
+            exact_values[(h * head_rows + ring_row) * d.head_dim + dim];
+      }
+      landmarks[(static_cast<long long>(h) * d.max_chunks + chunk) * d.head_dim + dim] =
+          from_float<T>(static_cast<float>(sum / d.chunk));
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      view->context_chunks = chunk + 1;
+      view->ring_head = (ring_head + d.chunk) % d.window;
+      view->generated_exact_len = generated - d.chunk;
+    }
+    __syncthreads();
+  }
+
+  // 2. Append the new token at the ring's end.
+  const int length = view->generated_exact_len;
+  const int ring_row = d.local_capacity + (view->ring_head + length) % d.window;
+  const long long position = positions.data == nullptr
+                                 ? view->last_position + 1
+                                 : load_index_any(positions.data, positions_bits, b * positions.stride[0]);
+  for (int index = threadIdx.x; index < width; index += blockDim.x) {
+    const int h = index / d.head_dim;
+    const int dim = index % d.head_dim;
+    const long long base = b * k_new.stride[0] + h * k_new.stride[1];
+    float key = load_any(k_new.data, k_new.type, base + dim * k_new.stride[2]);
+    if (!keys_post_rope && dim < d.rotary_dim) {
+      const int half = d.rotary_dim / 2;
+      const int pair = d.rope_interleaved ? dim / 2 : dim % half;
+      int first;
+      int second;
+      rope_dims(d, pair, first, second);
+      float x1 = load_any(k_new.data, k_new.type, base + first * k_new.stride[2]);
+      float x2 = load_any(k_new.data, k_new.type, base + second * k_new.stride[2]);
+      rope_pair(x1, x2, inv_freq[pair], position, d.attention_scaling, false);
+      key = dim == first ? x1 : x2;
+    }
+    const float value = load_any(v_new.data, v_new.type, b * v_new.stride[0] + h * v_new.stride[1] + dim * v_new.stride[2]);
+    exact_keys[(h * head_rows + ring_row) * d.head_dim + dim] = from_float<T>(key);
+    exact_values[(h * head_rows + ring_row) * d.head_dim + dim] = from_float<T>(value);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    view->exact_positions[ring_row] = position;
+    view->generated_exact_len = length + 1;
+    view->last_position = position;
+  }
+}
+
+}  // namespace
+
+std::size_t advance_generated_shared_bytes(const dims& d) {
+  return static_cast<std::size_t>(d.chunk) * d.kv_heads * d.head_dim * sizeof(float);
+}
+
+void launch_advance_generated(const dims& d, int kv_type, layer_view* views, const int* batch_slots, int layer,
+                              int batch, strided_tensor k_new, strided_tensor v_new, strided_tensor positions,
+                              int positions_bits, bool keys_post_rope, const float* inv_freq, cudaStream_t stream) {
+  const std::size_t shared = advance_generated_shared_bytes(d);
+  shadowkv_dispatch_element(kv_type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    static const bool large_shared_memory_allowed = shadowkv_allow_max_shared_memory(advance_generated_kernel<T>);
+    (void)large_shared_memory_allowed;
+    advance_generated_kernel<T><<<batch, kThreads, shared, stream>>>(d, views, batch_slots, layer, k_new, v_new,
+                                                                     positions, positions_bits, keys_post_rope,
+                                                                     inv_freq);
+  });
+  SHADOWKV_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace shadowkv::cuda

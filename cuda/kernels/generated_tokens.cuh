@@ -1,0 +1,20 @@
+// Decode step 0–1 on the device: fold the oldest generated chunk when the ring is full, then append the new token
+// (docs/semantics.md "Decode" 0–2). One CTA per entry; the counters in the layer view advance on the device.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "device_layout.cuh"
+
+namespace shadowkv::cuda {
+
+/// Dynamic shared memory the launcher needs (the folded chunk's pre-RoPE keys).
+std::size_t advance_generated_shared_bytes(const dims& d);
+
+/// k_new, v_new: [B, Hkv, D]; positions: int tensor [B] of `positions_bits` bits, or data == nullptr for each
+/// sequence's last position + 1. keys_post_rope=false applies RoPE to k_new first.
+void launch_advance_generated(const dims& d, int kv_type, layer_view* views, const int* batch_slots, int layer,
+                              int batch, strided_tensor k_new, strided_tensor v_new, strided_tensor positions,
+                              int positions_bits, bool keys_post_rope, const float* inv_freq, cudaStream_t stream);
+
+}  // namespace shadowkv::cuda

@@ -1,0 +1,621 @@
+// Split-KV ("flash-decoding") exact attention over the sparse union of one (sequence, layer).
+//
+// Two kernels per launch, both with shapes that depend only on the dims and the batch size (CUDA-graph capturable):
+//
+// 1. split kernel, grid (split, KV head h, entry b), 128 threads. The CTA reads the counters of its layer_view and
+//    walks its share of the virtual row list of head h
+//        [outlier rows | local rows | generated ring rows | cache slot rows],
+//    where the cache part spans buffer slots 0 .. (last filled slot) and rows of empty slots (-1) in the middle are
+//    skipped (masked) rather than compacted: empty slots only exist while a sequence has fewer candidate chunks than
+//    the budget, and masking keeps the row -> address map a few integer ops with no shared-memory slot list. The
+//    split's share is a contiguous range of ceil(N / splits) rows of the N actual rows, so a short sequence in a
+//    ragged batch costs what it holds.
+//    Rows stream through a multi-stage shared-memory pipeline (cp.async, 16 bytes per copy, 32-40 KiB in flight per
+//    CTA independent of registers): a stage holds the K and V rows of one compute step. A row is read from shared
+//    memory by a *row slot* of L lanes (L = the row's 16-byte vectors rounded up to a power of two, at most 32),
+//    each lane holding one or two 16-byte vectors of it and, in registers, the matching slice of its query heads
+//    (pre-scaled by softmax_scale * log2 e) and their online-softmax state (max, sum, acc) in float32. A query tile
+//    of G_t <= 8 heads is split over 1 or 2 slots that read the same rows (cta_layout: at most 32 query floats per
+//    lane). Per step a slot reduces its heads x U partial dot products across its L lanes with xor shuffles and
+//    updates its state. At the end the slots merge by shuffles, then through shared memory, and the CTA writes, per
+//    query head j, the partial (max in log2 units, sum, unnormalised acc[D]) to partial[b, j, split, 0 .. D+2).
+//    The CTA loops over query tiles when G > 8 (each tile re-reads the CTA's rows, mostly from L2). A CTA whose
+//    range is empty writes the neutral partial (-inf, 0, 0...).
+// 2. combine kernel, grid (query head, entry): weights 2^(max_s - max) per split, out = sum_s w_s acc_s / sum_s w_s l_s
+//    written in out.type with out.stride (0 when no row at all exists).
+//
+// Requires 16-byte aligned key/value arrays (the store's arenas are); rows are then aligned too since
+// D * sizeof(T) is a multiple of 16 for every supported D.
+#include "sparse_attention.cuh"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <type_traits>
+
+#include "cuda_check.hpp"
+#include "dispatch.cuh"
+#include "element_access.cuh"
+#include "shadowkv/errors.hpp"
+
+namespace shadowkv::cuda {
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kCombineThreads = 128;
+/// Upper bound of sparse_attention_max_splits (the combine kernel keeps one weight per split in shared memory).
+constexpr int kMaxSplits = 64;
+/// A split should have at least this many rows of the largest possible row list: below it the CTA's fixed costs
+/// (counters, query, partial write, combine) outweigh its rows.
+constexpr int kMinRowsPerSplit = 64;
+/// CTAs the split count aims for: one wave at 3 CTAs per SM of an H200 (132 SMs). A constant, not the device's SM
+/// count, so that the split count (and with it the rounding of the result) depends only on the dims and the batch.
+constexpr int kTargetCtas = 132 * 3;
+constexpr int kMaxHeadTile = 8;
+/// Shared memory for the K/V pipeline stages of one CTA (with the few static bytes, under the 48 KiB default).
+constexpr int kPipelineBytes = 40 * 1024;
+constexpr float kLog2e = 1.4426950408889634F;
+
+constexpr int next_power_of_two(int n) { return n <= 1 ? 1 : 2 * next_power_of_two((n + 1) / 2); }
+
+/// How the CTA's threads share rows and query heads.
+///
+/// A row of D elements of T is `vectors` 16-byte vectors, spread over a *row slot* of `lanes` lanes (the vector
+/// count rounded up to a power of two, at most 32; lanes past the row idle). Each lane keeps the query slices and
+/// accumulators of `heads_per_lane` query heads in registers (at most 32 floats each, so that a tile of 8 heads
+/// does not exhaust the register file); the `head_parts` = HeadTile / heads_per_lane slots of one *row group* read
+/// the same rows and each works for its own part of the query heads.
+template <typename T, int D, int HeadTile>
+struct cta_layout {
+  static constexpr int vec = 16 / static_cast<int>(sizeof(T));  ///< elements per 16-byte vector
+  static_assert(D % vec == 0, "rows must be whole 16-byte vectors");
+  static constexpr int vectors = D / vec;
+  static constexpr int lanes = next_power_of_two(vectors) < 32 ? next_power_of_two(vectors) : 32;
+  static constexpr int per_lane = (vectors + lanes - 1) / lanes;  ///< 16-byte vectors per lane
+  static constexpr int elements = per_lane * vec;                 ///< row elements per lane
+  static constexpr int slots_per_warp = 32 / lanes;
+  static constexpr int slots = kWarps * slots_per_warp;
+  static constexpr int heads_per_lane = HeadTile * elements <= 32 ? HeadTile : std::max(1, 32 / elements);
+  static constexpr int head_parts = HeadTile / heads_per_lane;
+  static_assert(HeadTile % heads_per_lane == 0 && slots % head_parts == 0, "head parts must tile the slots");
+  static constexpr int groups = slots / head_parts;  ///< row groups: distinct rows per CTA and row of a step
+  static constexpr int parts_in_warp = std::min(head_parts, slots_per_warp);
+  static constexpr int warps_per_group = head_parts / parts_in_warp;
+  static constexpr int units = kWarps / warps_per_group;  ///< per-warp(-pair) partial states merged in shared memory
+  /// Rows per row group and step: 4 amortises the per-step softmax bookkeeping over more rows when a lane serves
+  /// 4+ heads (measured on an H200: 2.1 vs 1.9 TB/s at G=4), 2 is better for 1-2 heads; the heads x rows scores stay
+  /// in registers (<= 16).
+  static constexpr int rows_per_group = heads_per_lane >= 4 ? std::max(1, std::min(4, 16 / heads_per_lane)) : 2;
+  static constexpr int step_rows = groups * rows_per_group;  ///< rows per pipeline stage
+  static constexpr int stage_bytes = 2 * step_rows * D * static_cast<int>(sizeof(T));  ///< K and V
+  static constexpr int stages = std::max(2, std::min(8, kPipelineBytes / stage_bytes));
+  static constexpr int pipeline_bytes = stages * stage_bytes;
+  static constexpr int reduction_bytes = units * HeadTile * (D + 2) * static_cast<int>(sizeof(float));
+  static constexpr int shared_bytes = std::max(pipeline_bytes, reduction_bytes);
+};
+
+/// 16-byte asynchronous copy global -> shared, cached in L2 only (the rows are read once).
+__device__ __forceinline__ void copy_async_16(void* shared, const void* global) {
+  const auto address = static_cast<unsigned>(__cvta_generic_to_shared(shared));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(address), "l"(global) : "memory");
+}
+
+__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+/// Waits until at most `Pending` of this thread's committed copy groups are still in flight.
+template <int Pending>
+__device__ __forceinline__ void copy_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(Pending) : "memory");
+}
+
+__device__ __forceinline__ unsigned word_of(const int4& raw, int i) {
+  return static_cast<unsigned>(i == 0 ? raw.x : i == 1 ? raw.y : i == 2 ? raw.z : raw.w);
+}
+
+/// The 16 / sizeof(T) elements of a 16-byte vector as float.
+template <typename T>
+__device__ __forceinline__ void unpack(const int4& raw, float* out);
+
+template <>
+__device__ __forceinline__ void unpack<float>(const int4& raw, float* out) {
+  out[0] = __int_as_float(raw.x);
+  out[1] = __int_as_float(raw.y);
+  out[2] = __int_as_float(raw.z);
+  out[3] = __int_as_float(raw.w);
+}
+
+template <>
+__device__ __forceinline__ void unpack<__half>(const int4& raw, float* out) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const unsigned word = word_of(raw, i);
+    __half2 pair;
+    memcpy(&pair, &word, sizeof(pair));
+    const float2 f = __half22float2(pair);
+    out[2 * i] = f.x;
+    out[2 * i + 1] = f.y;
+  }
+}
+
+template <>
+__device__ __forceinline__ void unpack<__nv_bfloat16>(const int4& raw, float* out) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const unsigned word = word_of(raw, i);
+    out[2 * i] = __uint_as_float(word << 16);              // low half: element 2i
+    out[2 * i + 1] = __uint_as_float(word & 0xFFFF0000U);  // high half: element 2i + 1
+  }
+}
+
+/// exp2(x - m) for a merge weight; 0 when m is -inf (then x is -inf too: nothing was seen).
+__device__ __forceinline__ float merge_weight(float x, float m) { return m == -INFINITY ? 0.0F : exp2f(x - m); }
+
+// At most 170 registers: 3 CTAs (12 warps) per SM.
+template <typename T, int D, int HeadTile>
+__global__ void __launch_bounds__(kThreads, 3)
+    sparse_attention_split_kernel(dims d, const layer_view* views, const int* batch_slots, int layer, strided_tensor q,
+                                  float* partial, int splits, int max_splits) {
+  using layout = cta_layout<T, D, HeadTile>;
+  constexpr int kLanes = layout::lanes;
+  constexpr int kPerLane = layout::per_lane;
+  constexpr int kVec = layout::vec;
+  constexpr int kElements = layout::elements;
+  constexpr int kHeads = layout::heads_per_lane;
+  constexpr int kParts = layout::head_parts;
+  constexpr int kGroups = layout::groups;
+  constexpr int kRows = layout::rows_per_group;
+  constexpr int kStepRows = layout::step_rows;
+  constexpr int kStages = layout::stages;
+
+  // Pipeline stages [stage][K|V][step row][D] of T; after the row loop the same bytes hold the reduction.
+  __shared__ __align__(16) unsigned char storage[layout::shared_bytes];
+  __shared__ int warp_last_filled[kWarps];
+  __shared__ unsigned char row_is_token[kStages][kStepRows];  // written with the copies, read by the consumers
+  T* const stage_rows = reinterpret_cast<T*>(storage);
+  auto stage_row = [&](int stage, int which, int row) {
+    return stage_rows + ((static_cast<long long>(stage) * 2 + which) * kStepRows + row) * D;
+  };
+  float (*const unit_acc)[HeadTile][D] = reinterpret_cast<float (*)[HeadTile][D]>(storage);
+  float (*const unit_max)[HeadTile] =
+      reinterpret_cast<float (*)[HeadTile]>(storage + layout::units * HeadTile * D * sizeof(float));
+  float (*const unit_sum)[HeadTile] =
+      reinterpret_cast<float (*)[HeadTile]>(storage + layout::units * HeadTile * (D + 1) * sizeof(float));
+
+  const int split = static_cast<int>(blockIdx.x);
+  const int h = static_cast<int>(blockIdx.y);
+  const int b = static_cast<int>(blockIdx.z);
+  const int warp = static_cast<int>(threadIdx.x) / 32;
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const int row_slot = static_cast<int>(threadIdx.x) / kLanes;
+  const int part = row_slot % kParts;   // which heads_per_lane query heads of the tile
+  const int group = row_slot / kParts;  // which rows
+  const int segment = lane % kLanes;    // which vectors of a row
+
+  const layer_view& view = views[static_cast<long long>(batch_slots[b]) * d.num_layers + layer];
+  const int chunk = d.chunk;
+  const int* slot_chunks = view.cache_chunks + static_cast<long long>(h) * d.budget;
+
+  // The cache part ends after the last filled buffer slot.
+  int last_filled = -1;
+  for (int s = static_cast<int>(threadIdx.x); s < d.budget; s += kThreads) {
+    if (slot_chunks[s] >= 0) last_filled = s;
+  }
+  last_filled = __reduce_max_sync(0xFFFFFFFFU, last_filled);
+  if (lane == 0) warp_last_filled[warp] = last_filled;
+  __syncthreads();
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) last_filled = max(last_filled, warp_last_filled[w]);
+
+  const int outlier_rows = view.outlier_chunks * chunk;
+  const int local_rows = view.local_len;
+  const int generated_rows = view.generated_exact_len;
+  const int total_rows = outlier_rows + local_rows + generated_rows + (last_filled + 1) * chunk;
+  const int span = (total_rows + splits - 1) / splits;
+  const int row_begin = min(total_rows, split * span);
+  const int row_end = min(total_rows, row_begin + span);
+  const int steps = (row_end - row_begin + kStepRows - 1) / kStepRows;
+
+  // Head h's arrays (elements): outliers [O*C, D], exact rows [local_capacity + W, D], cache rows [k*C, D].
+  const long long outlier_offset = static_cast<long long>(h) * d.max_outliers * chunk * D;
+  const long long exact_offset = static_cast<long long>(h) * (d.local_capacity + d.window) * D;
+  const long long cache_offset = static_cast<long long>(h) * d.budget * chunk * D;
+  const T* outlier_keys = static_cast<const T*>(view.outlier_keys) + outlier_offset;
+  const T* outlier_values = static_cast<const T*>(view.outlier_values) + outlier_offset;
+  const T* exact_keys = static_cast<const T*>(view.exact_keys) + exact_offset;
+  const T* exact_values = static_cast<const T*>(view.exact_values) + exact_offset;
+  const T* cache_keys = static_cast<const T*>(view.cache_keys) + cache_offset;
+  const T* cache_values = static_cast<const T*>(view.cache_values) + cache_offset;
+
+  // Whether row i of the CTA's range is a token (false past the range and in empty cache slots).
+  const int chunk_shift = (chunk & (chunk - 1)) == 0 ? __ffs(chunk) - 1 : -1;  // C is normally a power of two
+  auto row_valid = [&](int i) {
+    if (i >= row_end) return false;
+    const int cache_row = i - (outlier_rows + local_rows + generated_rows);
+    if (cache_row < 0) return true;
+    return slot_chunks[chunk_shift >= 0 ? cache_row >> chunk_shift : cache_row / chunk] >= 0;
+  };
+  // Row i of the virtual list -> its key and value rows.
+  auto locate = [&](int i, const T*& key, const T*& value) {
+    if (i < outlier_rows) {
+      key = outlier_keys + static_cast<long long>(i) * D;
+      value = outlier_values + static_cast<long long>(i) * D;
+      return;
+    }
+    i -= outlier_rows;
+    if (i < local_rows + generated_rows) {
+      const int row = i < local_rows ? i : generated_row(view, d, i - local_rows);
+      key = exact_keys + static_cast<long long>(row) * D;
+      value = exact_values + static_cast<long long>(row) * D;
+      return;
+    }
+    i -= local_rows + generated_rows;  // a cache row: buffer slot i / C
+    key = cache_keys + static_cast<long long>(i) * D;
+    value = cache_values + static_cast<long long>(i) * D;
+  };
+  // Starts the copies of step `step` into its stage (rows spread over all row slots) and commits them as one group
+  // (an empty group past the last step keeps the group count uniform).
+  auto issue_step = [&](int step) {
+    if (step < steps) {
+      const int stage = step % kStages;
+      const int base = row_begin + step * kStepRows;
+      for (int r = row_slot; r < kStepRows; r += layout::slots) {
+        const bool token = row_valid(base + r);
+        if (segment == 0) row_is_token[stage][r] = token ? 1 : 0;
+        if (!token) continue;
+        const T* key = nullptr;
+        const T* value = nullptr;
+        locate(base + r, key, value);
+#pragma unroll
+        for (int v = 0; v < kPerLane; ++v) {
+          const int vector = segment + v * kLanes;
+          if (vector < layout::vectors) {
+            copy_async_16(stage_row(stage, 0, r) + vector * kVec, key + vector * kVec);
+            copy_async_16(stage_row(stage, 1, r) + vector * kVec, value + vector * kVec);
+          }
+        }
+      }
+    }
+    copy_async_commit();
+  };
+
+  const float q_scale = d.softmax_scale * kLog2e;
+  const int tiles = (d.group + HeadTile - 1) / HeadTile;
+  for (int tile = 0; tile < tiles; ++tile) {
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) issue_step(s);
+
+    const int first_head = tile * HeadTile + part * kHeads;  // within the group
+    // This lane's slice of its query heads, scaled so that scores are in log2 units.
+    float query[kHeads][kElements];
+#pragma unroll
+    for (int g = 0; g < kHeads; ++g) {
+      const int local_head = first_head + g;
+      const long long head_offset = static_cast<long long>(b) * q.stride[0] +
+                                    static_cast<long long>(h * d.group + local_head) * q.stride[1];
+#pragma unroll
+      for (int v = 0; v < kPerLane; ++v) {
+        const int vector = segment + v * kLanes;
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) {
+          const bool used = local_head < d.group && vector < layout::vectors;
+          const long long offset = head_offset + static_cast<long long>(vector * kVec + e) * q.stride[2];
+          query[g][v * kVec + e] = used ? q_scale * load_any(q.data, q.type, offset) : 0.0F;
+        }
+      }
+    }
+
+    float running_max[kHeads];
+    float running_sum[kHeads];
+    float acc[kHeads][kElements];
+#pragma unroll
+    for (int g = 0; g < kHeads; ++g) {
+      running_max[g] = -INFINITY;
+      running_sum[g] = 0.0F;
+#pragma unroll
+      for (int e = 0; e < kElements; ++e) acc[g][e] = 0.0F;
+    }
+
+    for (int step = 0; step < steps; ++step) {
+      copy_async_wait<kStages - 2>();  // this thread's copies of `step` have landed ...
+      __syncthreads();                 // ... everyone's have, and nobody still reads the stage refilled next
+      issue_step(step + kStages - 1);
+
+      const int stage = step % kStages;
+      int4 key_raw[kRows][kPerLane];
+      int4 value_raw[kRows][kPerLane];
+      bool valid[kRows];
+#pragma unroll
+      for (int u = 0; u < kRows; ++u) {
+        const int r = u * kGroups + group;
+        valid[u] = row_is_token[stage][r] != 0;
+#pragma unroll
+        for (int v = 0; v < kPerLane; ++v) {
+          const int vector = segment + v * kLanes;
+          key_raw[u][v] = make_int4(0, 0, 0, 0);  // rows outside the token set hold stale bytes: never read them
+          value_raw[u][v] = make_int4(0, 0, 0, 0);
+          if (valid[u] && vector < layout::vectors) {
+            key_raw[u][v] = *reinterpret_cast<const int4*>(stage_row(stage, 0, r) + vector * kVec);
+            value_raw[u][v] = *reinterpret_cast<const int4*>(stage_row(stage, 1, r) + vector * kVec);
+          }
+        }
+      }
+
+      float score[kHeads][kRows];
+#pragma unroll
+      for (int u = 0; u < kRows; ++u) {
+        float key_row[kElements];
+#pragma unroll
+        for (int v = 0; v < kPerLane; ++v) unpack<T>(key_raw[u][v], key_row + v * kVec);
+#pragma unroll
+        for (int g = 0; g < kHeads; ++g) {
+          float dot = 0.0F;
+#pragma unroll
+          for (int e = 0; e < kElements; ++e) dot = fmaf(query[g][e], key_row[e], dot);
+          score[g][u] = dot;
+        }
+      }
+#pragma unroll
+      for (int offset = kLanes / 2; offset > 0; offset /= 2) {
+#pragma unroll
+        for (int g = 0; g < kHeads; ++g) {
+#pragma unroll
+          for (int u = 0; u < kRows; ++u) score[g][u] += __shfl_xor_sync(0xFFFFFFFFU, score[g][u], offset);
+        }
+      }
+
+      // Online softmax: p = 2^(score - max); rows outside the token set get p = 0 (their registers hold zeros).
+#pragma unroll
+      for (int g = 0; g < kHeads; ++g) {
+        float step_max = running_max[g];
+#pragma unroll
+        for (int u = 0; u < kRows; ++u) step_max = valid[u] ? fmaxf(step_max, score[g][u]) : step_max;
+        const float rescale = step_max == -INFINITY ? 1.0F : exp2f(running_max[g] - step_max);
+        float step_sum = 0.0F;
+#pragma unroll
+        for (int u = 0; u < kRows; ++u) {
+          score[g][u] = valid[u] ? exp2f(score[g][u] - step_max) : 0.0F;  // now the probability
+          step_sum += score[g][u];
+        }
+        running_sum[g] = running_sum[g] * rescale + step_sum;
+        running_max[g] = step_max;
+#pragma unroll
+        for (int e = 0; e < kElements; ++e) acc[g][e] *= rescale;
+      }
+#pragma unroll
+      for (int u = 0; u < kRows; ++u) {
+        float value_row[kElements];
+#pragma unroll
+        for (int v = 0; v < kPerLane; ++v) unpack<T>(value_raw[u][v], value_row + v * kVec);
+#pragma unroll
+        for (int g = 0; g < kHeads; ++g) {
+#pragma unroll
+          for (int e = 0; e < kElements; ++e) acc[g][e] = fmaf(score[g][u], value_row[e], acc[g][e]);
+        }
+      }
+    }
+    copy_async_wait<0>();  // only empty groups can be left; the stages become the reduction buffer
+    __syncthreads();
+
+    // Merge the row groups of a warp that hold the same heads (a butterfly: all of them end with the merged state) ...
+#pragma unroll
+    for (int offset = kLanes * kParts; offset < 32; offset *= 2) {
+#pragma unroll
+      for (int g = 0; g < kHeads; ++g) {
+        const float other_max = __shfl_xor_sync(0xFFFFFFFFU, running_max[g], offset);
+        const float other_sum = __shfl_xor_sync(0xFFFFFFFFU, running_sum[g], offset);
+        const float merged_max = fmaxf(running_max[g], other_max);
+        const float mine = merge_weight(running_max[g], merged_max);
+        const float theirs = merge_weight(other_max, merged_max);
+        running_sum[g] = running_sum[g] * mine + other_sum * theirs;
+        running_max[g] = merged_max;
+#pragma unroll
+        for (int e = 0; e < kElements; ++e) {
+          const float other = __shfl_xor_sync(0xFFFFFFFFU, acc[g][e], offset);
+          acc[g][e] = acc[g][e] * mine + other * theirs;
+        }
+      }
+    }
+    // ... then the warps (pairs of warps when they split the heads) through shared memory.
+    const int unit = warp / layout::warps_per_group;
+    if (lane < kLanes * layout::parts_in_warp) {
+#pragma unroll
+      for (int g = 0; g < kHeads; ++g) {
+        const int tile_head = part * kHeads + g;
+#pragma unroll
+        for (int v = 0; v < kPerLane; ++v) {
+          const int vector = segment + v * kLanes;
+          if (vector < layout::vectors) {
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) unit_acc[unit][tile_head][vector * kVec + e] = acc[g][v * kVec + e];
+          }
+        }
+        if (segment == 0) {
+          unit_max[unit][tile_head] = running_max[g];
+          unit_sum[unit][tile_head] = running_sum[g];
+        }
+      }
+    }
+    __syncthreads();
+    for (int index = static_cast<int>(threadIdx.x); index < HeadTile * D; index += kThreads) {
+      const int tile_head = index / D;
+      const int dim = index % D;
+      const int local_head = tile * HeadTile + tile_head;
+      if (local_head >= d.group) continue;
+      float cta_max = -INFINITY;
+#pragma unroll
+      for (int w = 0; w < layout::units; ++w) cta_max = fmaxf(cta_max, unit_max[w][tile_head]);
+      float sum = 0.0F;
+      float value = 0.0F;
+#pragma unroll
+      for (int w = 0; w < layout::units; ++w) {
+        const float weight = merge_weight(unit_max[w][tile_head], cta_max);
+        sum += weight * unit_sum[w][tile_head];
+        value += weight * unit_acc[w][tile_head][dim];
+      }
+      const long long j = static_cast<long long>(h) * d.group + local_head;
+      float* out = partial + ((static_cast<long long>(b) * d.q_heads + j) * max_splits + split) * (D + 2);
+      out[2 + dim] = value;
+      if (dim == 0) {
+        out[0] = cta_max;
+        out[1] = sum;
+      }
+    }
+    __syncthreads();  // the next tile refills the stages
+  }
+}
+
+__global__ void __launch_bounds__(kCombineThreads)
+    sparse_attention_combine_kernel(int head_dim, int q_heads, const float* partial, int splits, int max_splits,
+                                    strided_tensor out) {
+  __shared__ float weights[kMaxSplits];
+  __shared__ float inverse_total;
+  const int j = static_cast<int>(blockIdx.x);
+  const int b = static_cast<int>(blockIdx.y);
+  const long long entry = static_cast<long long>(head_dim) + 2;
+  const float* source = partial + (static_cast<long long>(b) * q_heads + j) * max_splits * entry;
+
+  if (threadIdx.x < 32) {
+    const int lane = static_cast<int>(threadIdx.x);
+    float global_max = -INFINITY;
+    for (int s = lane; s < splits; s += 32) global_max = fmaxf(global_max, source[s * entry]);
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) {
+      global_max = fmaxf(global_max, __shfl_xor_sync(0xFFFFFFFFU, global_max, offset));
+    }
+    float total = 0.0F;
+    for (int s = lane; s < splits; s += 32) {
+      const float weight = merge_weight(source[s * entry], global_max);
+      weights[s] = weight;
+      total += weight * source[s * entry + 1];
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) total += __shfl_xor_sync(0xFFFFFFFFU, total, offset);
+    if (lane == 0) inverse_total = total > 0.0F ? 1.0F / total : 0.0F;
+  }
+  __syncthreads();
+
+  void* target = const_cast<void*>(out.data);  // strided_tensor carries a const pointer; out is ours to write
+  const long long head_offset = static_cast<long long>(b) * out.stride[0] + static_cast<long long>(j) * out.stride[1];
+  for (int dim = static_cast<int>(threadIdx.x); dim < head_dim; dim += kCombineThreads) {
+    float value = 0.0F;
+    for (int s = 0; s < splits; ++s) {
+      if (weights[s] != 0.0F) value = fmaf(weights[s], source[s * entry + 2 + dim], value);
+    }
+    store_any(target, out.type, head_offset + dim * out.stride[2], value * inverse_total);
+  }
+}
+
+bool supported_head_dim(int head_dim) {
+  return head_dim == 64 || head_dim == 80 || head_dim == 96 || head_dim == 128 || head_dim == 256;
+}
+
+bool valid_element_type(int type) { return type == element_f32 || type == element_f16 || type == element_bf16; }
+
+int choose_splits(const dims& d, int batch, int max_splits) {
+  // Rounded down: the grid stays within one wave rather than spilling a partial second one.
+  const long long heads = static_cast<long long>(batch) * d.kv_heads;
+  const long long wanted = kTargetCtas / heads;
+  const long long limit = std::min(sparse_attention_max_splits(d), max_splits);
+  return static_cast<int>(std::max(1LL, std::min(wanted, limit)));
+}
+
+/// Arguments of one split-kernel launch.
+struct split_launch {
+  dims d;
+  const layer_view* views;
+  const int* batch_slots;
+  int layer;
+  int batch;
+  strided_tensor q;
+  float* partial;
+  int splits;
+  int max_splits;
+  cudaStream_t stream;
+};
+
+template <typename T, int D, int HeadTile>
+void launch_split(const split_launch& a) {
+  const dim3 grid(static_cast<unsigned>(a.splits), static_cast<unsigned>(a.d.kv_heads), static_cast<unsigned>(a.batch));
+  sparse_attention_split_kernel<T, D, HeadTile>
+      <<<grid, kThreads, 0, a.stream>>>(a.d, a.views, a.batch_slots, a.layer, a.q, a.partial, a.splits, a.max_splits);
+  SHADOWKV_CUDA_CHECK_LAUNCH();
+}
+
+template <typename T, int D>
+void launch_split_for_group(const split_launch& a) {
+  // Query-head tile: the group rounded up to a power of two, at most 8 (larger groups loop over tiles).
+  if (a.d.group >= 5) {
+    launch_split<T, D, kMaxHeadTile>(a);
+  } else if (a.d.group >= 3) {
+    launch_split<T, D, 4>(a);
+  } else if (a.d.group == 2) {
+    launch_split<T, D, 2>(a);
+  } else {
+    launch_split<T, D, 1>(a);
+  }
+}
+
+template <typename T>
+void launch_split_for_head_dim(const split_launch& a) {
+  switch (a.d.head_dim) {
+    case 64: launch_split_for_group<T, 64>(a); return;
+    case 80: launch_split_for_group<T, 80>(a); return;
+    case 96: launch_split_for_group<T, 96>(a); return;
+    case 128: launch_split_for_group<T, 128>(a); return;
+    case 256: launch_split_for_group<T, 256>(a); return;
+    default: break;
+  }
+  throw shadowkv::invalid_argument(
+      shadowkv::detail::format_message("sparse attention: unsupported head_dim ", a.d.head_dim));
+}
+
+}  // namespace
+
+int sparse_attention_max_splits(const dims& d) {
+  const long long chunk = std::max(d.chunk, 0);
+  const long long rows = std::max(d.max_outliers, 0) * chunk + std::max(d.local_capacity, 0) +
+                         std::max(d.window, 0) + std::max(d.budget, 0) * chunk;
+  const long long by_rows = (rows + kMinRowsPerSplit - 1) / kMinRowsPerSplit;
+  return static_cast<int>(std::clamp<long long>(by_rows, 1, kMaxSplits));
+}
+
+void launch_sparse_attention(const dims& d, int kv_type, const layer_view* views, const int* batch_slots, int layer,
+                             int batch, strided_tensor q, strided_tensor out, float* partial, int max_splits,
+                             cudaStream_t stream) {
+  SHADOWKV_EXPECTS(supported_head_dim(d.head_dim), "sparse attention supports head_dim 64, 80, 96, 128 or 256, got ",
+                   d.head_dim);
+  SHADOWKV_EXPECTS(d.kv_heads >= 1 && d.kv_heads <= 65535 && d.group >= 1 && d.q_heads == d.kv_heads * d.group,
+                   "sparse attention: need 1 <= kv_heads <= 65535, group >= 1 and q_heads == kv_heads * group, got "
+                   "q_heads ",
+                   d.q_heads, ", kv_heads ", d.kv_heads, ", group ", d.group);
+  SHADOWKV_EXPECTS(d.chunk >= 1 && d.budget >= 0 && d.max_outliers >= 0 && d.local_capacity >= 0 && d.window >= 0,
+                   "sparse attention: invalid dims: chunk ", d.chunk, ", budget ", d.budget, ", max_outliers ",
+                   d.max_outliers, ", local_capacity ", d.local_capacity, ", window ", d.window);
+  SHADOWKV_EXPECTS(layer >= 0 && layer < d.num_layers, "sparse attention: layer ", layer, " not in [0, ",
+                   d.num_layers, ")");
+  SHADOWKV_EXPECTS(valid_element_type(kv_type) && valid_element_type(q.type) && valid_element_type(out.type),
+                   "sparse attention: unknown element type code (kv ", kv_type, ", q ", q.type, ", out ", out.type,
+                   ")");
+  SHADOWKV_EXPECTS(batch >= 0 && batch <= 65535, "sparse attention: batch ", batch, " not in [0, 65535]");
+  SHADOWKV_EXPECTS(max_splits >= 1, "sparse attention: max_splits must be >= 1, got ", max_splits);
+  if (batch == 0) return;
+  SHADOWKV_EXPECTS(views != nullptr && batch_slots != nullptr && partial != nullptr && q.data != nullptr &&
+                       out.data != nullptr,
+                   "sparse attention: null views, batch_slots, partial, q or out");
+
+  const int splits = choose_splits(d, batch, max_splits);
+  const split_launch launch{d, views, batch_slots, layer, batch, q, partial, splits, max_splits, stream};
+  shadowkv_dispatch_element(kv_type, [&](auto* tag) {
+    launch_split_for_head_dim<std::remove_pointer_t<decltype(tag)>>(launch);
+  });
+  sparse_attention_combine_kernel<<<dim3(static_cast<unsigned>(d.q_heads), static_cast<unsigned>(batch)),
+                                    kCombineThreads, 0, stream>>>(d.head_dim, d.q_heads, partial, splits, max_splits,
+                                                                  out);
+  SHADOWKV_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace shadowkv::cuda

@@ -1,0 +1,764 @@
+// launch_select_chunks against a CPU model that follows cpu_backend::select_chunks (float64 scores, ties to the
+// smaller chunk id) and its temporal-cache rules. Random configurations with printed seeds; each runs two decode
+// steps in a row (different queries, the context possibly grown) so that hits, frees and misses all occur.
+//
+// What is compared:
+//   * scores (workspace.scores) against float64 within a relative tolerance;
+//   * the selection exactly against the top-k of the GPU's own float scores (radix select, tie order, compaction);
+//   * the selection against the float64 top-k: any difference must be a near-tie at the k-th score;
+//   * planted exact ties (copied landmarks): equal scores bit for bit, and the smaller id wins;
+//   * cache_chunks, slot_of_chunk, miss_slots, miss_counts exactly against the cache rules applied to the GPU's
+//     selection, plus the invariants (slot_of_chunk inverse of cache_chunks, cached set == selected set);
+//   * counters (hits, misses, selections; the bytes counter untouched).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <iterator>
+#include <numeric>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "chunk_selection.cuh"
+#include "device_layout.cuh"
+#include "shadowkv/errors.hpp"
+
+namespace {
+
+using shadowkv::cuda::dims;
+using shadowkv::cuda::layer_view;
+using shadowkv::cuda::step_workspace;
+using shadowkv::cuda::strided_tensor;
+
+#define CUDA_OK(expression) ASSERT_EQ((expression), cudaSuccess) << #expression
+
+bool device_present() {
+  int count = 0;
+  return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
+}
+
+/// A cudaMalloc'ed buffer freed on scope exit (test code only: kernels never allocate).
+class device_buffer {
+ public:
+  device_buffer() = default;
+  explicit device_buffer(std::size_t bytes) : bytes_(bytes) {
+    if (bytes > 0 && cudaMalloc(&data_, bytes) != cudaSuccess) data_ = nullptr;
+  }
+  device_buffer(const device_buffer&) = delete;
+  device_buffer& operator=(const device_buffer&) = delete;
+  device_buffer(device_buffer&& other) noexcept : data_(other.data_), bytes_(other.bytes_) { other.data_ = nullptr; }
+  device_buffer& operator=(device_buffer&& other) noexcept {
+    std::swap(data_, other.data_);
+    std::swap(bytes_, other.bytes_);
+    return *this;
+  }
+  ~device_buffer() {
+    if (data_ != nullptr) cudaFree(data_);
+  }
+  template <typename T = void>
+  T* get() const {
+    return static_cast<T*>(data_);
+  }
+  [[nodiscard]] bool ok() const { return bytes_ == 0 || data_ != nullptr; }
+
+ private:
+  void* data_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+template <typename T>
+cudaError_t upload(const device_buffer& target, const std::vector<T>& source) {
+  return cudaMemcpy(target.get(), source.data(), source.size() * sizeof(T), cudaMemcpyHostToDevice);
+}
+
+template <typename T>
+cudaError_t download(std::vector<T>& target, const T* source, std::size_t count) {
+  target.resize(count);
+  return cudaMemcpy(target.data(), source, count * sizeof(T), cudaMemcpyDeviceToHost);
+}
+
+std::size_t element_bytes(int type) { return type == shadowkv::cuda::element_f32 ? 4 : 2; }
+
+float round_through(int type, float value) {
+  switch (type) {
+    case shadowkv::cuda::element_f16: return __half2float(__float2half_rn(value));
+    case shadowkv::cuda::element_bf16: return __bfloat162float(__float2bfloat16_rn(value));
+    default: return value;
+  }
+}
+
+void store_element(int type, std::vector<unsigned char>& bytes, std::size_t index, float value) {
+  if (type == shadowkv::cuda::element_f16) {
+    const __half h = __float2half_rn(value);
+    std::memcpy(bytes.data() + index * 2, &h, 2);
+  } else if (type == shadowkv::cuda::element_bf16) {
+    const __nv_bfloat16 h = __float2bfloat16_rn(value);
+    std::memcpy(bytes.data() + index * 2, &h, 2);
+  } else {
+    std::memcpy(bytes.data() + index * 4, &value, 4);
+  }
+}
+
+const char* type_name(int type) {
+  return type == shadowkv::cuda::element_f16 ? "f16" : (type == shadowkv::cuda::element_bf16 ? "bf16" : "f32");
+}
+
+struct case_config {
+  std::uint64_t seed = 0;
+  int batch = 1;
+  int kv_heads = 1;
+  int group = 1;
+  int head_dim = 64;
+  int max_chunks = 64;
+  int budget = 8;
+  int tokens = 1;
+  int kv_type = shadowkv::cuda::element_bf16;
+  int q_type = shadowkv::cuda::element_f32;
+  int max_context = 64;       ///< first-step contexts drawn in [0, max_context]
+  int max_outliers = 8;       ///< per head, drawn in [0, max_outliers]
+  float query_scale = 2.0F;   ///< logits have about this standard deviation
+  double tie_fraction = 0.1;  ///< chunks whose landmark copies an earlier chunk's (planted exact ties)
+  bool equal_landmarks = false;
+  bool warm_cache = false;       ///< first step starts from a random consistent cache
+  bool fresh_second = false;     ///< second step's queries unrelated to the first's (else a small perturbation)
+  bool graph = false;            ///< capture the launch once in a CUDA graph and replay it for both steps
+
+  [[nodiscard]] std::string describe() const {
+    std::ostringstream s;
+    s << "seed=" << seed << " B=" << batch << " Hkv=" << kv_heads << " G=" << group << " D=" << head_dim
+      << " max_chunks=" << max_chunks << " k=" << budget << " Tq=" << tokens << " kv=" << type_name(kv_type)
+      << " q=" << type_name(q_type) << " max_context=" << max_context << " outliers<=" << max_outliers
+      << " qscale=" << query_scale << " ties=" << tie_fraction << (equal_landmarks ? " equal_landmarks" : "")
+      << (warm_cache ? " warm" : "") << (fresh_second ? " fresh_second" : "") << (graph ? " graph" : "");
+    return s.str();
+  }
+};
+
+/// Host mirror of one (slot, layer) entry.
+struct host_entry {
+  int slot = 0;
+  int context[2] = {0, 0};           // context_chunks at step 0 and step 1
+  std::vector<float> landmarks;      // [Hkv, max_chunks, D], rounded through kv_type
+  std::vector<std::uint8_t> outlier; // [Hkv, max_chunks]
+  std::vector<int> cache;            // [Hkv, k] model state
+  std::vector<int> slot_of;          // [Hkv, max_chunks] model state
+  struct tie { int head, first, second; };
+  std::vector<tie> ties;
+  device_buffer landmarks_device, outlier_device, cache_device, slot_of_device;
+};
+
+/// float64 scores as cpu_backend::select_chunks computes them; -1 for chunks that are not candidates.
+std::vector<double> reference_scores(const case_config& cfg, const host_entry& e, int h, int n, int b,
+                                     const std::vector<float>& q /* [Tq, B, Hq, D] */, double scale) {
+  const int D = cfg.head_dim;
+  const int Hq = cfg.kv_heads * cfg.group;
+  std::vector<double> score(static_cast<std::size_t>(n), -1.0);
+  std::vector<int> candidates;
+  for (int c = 0; c < n; ++c) {
+    if (e.outlier[static_cast<std::size_t>(h) * cfg.max_chunks + c] == 0) candidates.push_back(c);
+  }
+  if (candidates.empty()) return score;
+  for (int c : candidates) score[static_cast<std::size_t>(c)] = 0.0;
+  std::vector<double> logits(candidates.size());
+  std::vector<double> probability(candidates.size());
+  for (int g = 0; g < cfg.group; ++g) {
+    const int j = h * cfg.group + g;
+    std::fill(probability.begin(), probability.end(), 0.0);
+    for (int t = 0; t < cfg.tokens; ++t) {
+      const float* query = q.data() + ((static_cast<std::size_t>(t) * cfg.batch + b) * Hq + j) * D;
+      double largest = -INFINITY;
+      for (std::size_t i = 0; i < candidates.size(); ++i) {
+        const float* landmark = e.landmarks.data() + (static_cast<std::size_t>(h) * cfg.max_chunks + candidates[i]) * D;
+        double dot = 0.0;
+        for (int x = 0; x < D; ++x) dot += static_cast<double>(query[x]) * static_cast<double>(landmark[x]);
+        logits[i] = scale * dot;
+        largest = std::max(largest, logits[i]);
+      }
+      double total = 0.0;
+      for (double& logit : logits) {
+        logit = std::exp(logit - largest);
+        total += logit;
+      }
+      for (std::size_t i = 0; i < candidates.size(); ++i) probability[i] += logits[i] / total;
+    }
+    for (std::size_t i = 0; i < candidates.size(); ++i) {
+      double& s = score[static_cast<std::size_t>(candidates[i])];
+      s = std::max(s, probability[i]);
+    }
+  }
+  return score;
+}
+
+/// Top `take` chunk ids by descending score (ties to the smaller id), returned ascending.
+template <typename Score>
+std::vector<int> top_k(const std::vector<Score>& score, const std::vector<int>& candidates, int take) {
+  std::vector<int> order = candidates;
+  std::stable_sort(order.begin(), order.end(), [&](int x, int y) {
+    return score[static_cast<std::size_t>(x)] > score[static_cast<std::size_t>(y)];
+  });
+  order.resize(static_cast<std::size_t>(take));
+  std::sort(order.begin(), order.end());
+  return order;
+}
+
+double tolerance(double value) { return 1e-4 * std::fabs(value) + 1e-30; }
+
+void run_case(const case_config& cfg) {
+  SCOPED_TRACE(cfg.describe());
+  std::printf("[ chunk_selection ] %s\n", cfg.describe().c_str());
+  std::mt19937_64 rng(cfg.seed);
+  std::normal_distribution<float> normal(0.0F, 1.0F);
+  auto uniform = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+
+  const int B = cfg.batch;
+  const int Hkv = cfg.kv_heads;
+  const int G = cfg.group;
+  const int Hq = Hkv * G;
+  const int D = cfg.head_dim;
+  const int mc = cfg.max_chunks;
+  const int k = cfg.budget;
+  const int Tq = cfg.tokens;
+  const int num_layers = 2;
+  const int layer = 1;
+  const int slots = B + 1;
+  const int max_batch = B + 1;
+
+  dims d{};
+  d.num_layers = num_layers;
+  d.q_heads = Hq;
+  d.kv_heads = Hkv;
+  d.head_dim = D;
+  d.group = G;
+  d.chunk = 8;
+  d.budget = k;
+  d.max_outliers = std::max(1, cfg.max_outliers);
+  d.rank = 1;
+  d.window = 8;
+  d.local_capacity = 0;
+  d.max_chunks = mc;
+  d.rotary_dim = D;
+  d.rope_interleaved = 0;
+  d.attention_scaling = 1.0F;
+  d.softmax_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+
+  // Entries on a shuffled subset of the slots (exercises slot * num_layers + layer indexing).
+  std::vector<int> slot_order(static_cast<std::size_t>(slots));
+  std::iota(slot_order.begin(), slot_order.end(), 0);
+  std::shuffle(slot_order.begin(), slot_order.end(), rng);
+  std::vector<int> batch_slots(slot_order.begin(), slot_order.begin() + B);
+
+  std::vector<host_entry> entries(static_cast<std::size_t>(B));
+  std::vector<layer_view> views(static_cast<std::size_t>(slots) * num_layers);
+  std::memset(views.data(), 0, views.size() * sizeof(layer_view));
+  for (int b = 0; b < B; ++b) {
+    host_entry& e = entries[static_cast<std::size_t>(b)];
+    e.slot = batch_slots[static_cast<std::size_t>(b)];
+    e.context[0] = std::min(mc, uniform(0, cfg.max_context));
+    if (B > 1 && b == B - 1 && cfg.seed % 3 == 0) e.context[0] = 0;  // an empty entry beside full ones
+    e.context[1] = std::min(mc, e.context[0] + uniform(0, 3));
+    const int n = e.context[1];
+
+    e.landmarks.assign(static_cast<std::size_t>(Hkv) * mc * D, 0.0F);
+    std::vector<unsigned char> bytes(e.landmarks.size() * element_bytes(cfg.kv_type), 0);
+    e.outlier.assign(static_cast<std::size_t>(Hkv) * mc, 0);
+    for (int h = 0; h < Hkv; ++h) {
+      float* head = e.landmarks.data() + static_cast<std::size_t>(h) * mc * D;
+      std::vector<float> common(static_cast<std::size_t>(D));
+      for (float& x : common) x = normal(rng);
+      for (int c = 0; c < n; ++c) {
+        float* row = head + static_cast<std::size_t>(c) * D;
+        if (cfg.equal_landmarks) {
+          std::copy(common.begin(), common.end(), row);
+        } else if (c > 0 && std::uniform_real_distribution<double>(0.0, 1.0)(rng) < cfg.tie_fraction) {
+          const int source = uniform(0, c - 1);
+          std::copy(head + static_cast<std::size_t>(source) * D, head + static_cast<std::size_t>(source + 1) * D, row);
+          e.ties.push_back({h, source, c});
+        } else {
+          for (int x = 0; x < D; ++x) row[x] = normal(rng);
+        }
+        for (int x = 0; x < D; ++x) row[x] = round_through(cfg.kv_type, row[x]);
+      }
+      // Outliers: distinct random chunks of the final context.
+      const int outliers = std::min(n, uniform(0, cfg.max_outliers));
+      std::vector<int> ids(static_cast<std::size_t>(n));
+      std::iota(ids.begin(), ids.end(), 0);
+      std::shuffle(ids.begin(), ids.end(), rng);
+      for (int i = 0; i < outliers; ++i) e.outlier[static_cast<std::size_t>(h) * mc + ids[static_cast<std::size_t>(i)]] = 1;
+    }
+    for (std::size_t i = 0; i < e.landmarks.size(); ++i) store_element(cfg.kv_type, bytes, i, e.landmarks[i]);
+
+    // Cache: empty, or a random consistent state over the first step's context.
+    e.cache.assign(static_cast<std::size_t>(Hkv) * k, -1);
+    e.slot_of.assign(static_cast<std::size_t>(Hkv) * mc, -1);
+    if (cfg.warm_cache) {
+      for (int h = 0; h < Hkv; ++h) {
+        // Chunks past a short context too (slots the kernel must free as not selectable).
+        const int range = std::max(e.context[0], std::min(mc, 16));
+        std::vector<int> ids(static_cast<std::size_t>(range));
+        std::iota(ids.begin(), ids.end(), 0);
+        std::shuffle(ids.begin(), ids.end(), rng);
+        std::vector<int> slot_ids(static_cast<std::size_t>(k));
+        std::iota(slot_ids.begin(), slot_ids.end(), 0);
+        std::shuffle(slot_ids.begin(), slot_ids.end(), rng);
+        const int count = uniform(std::min(k, range) / 2, std::min(k, range));
+        for (int i = 0; i < count; ++i) {
+          const int c = ids[static_cast<std::size_t>(i)];
+          const int s = slot_ids[static_cast<std::size_t>(i)];
+          e.cache[static_cast<std::size_t>(h) * k + s] = c;
+          e.slot_of[static_cast<std::size_t>(h) * mc + c] = s;
+        }
+      }
+    }
+
+    e.landmarks_device = device_buffer(bytes.size());
+    e.outlier_device = device_buffer(e.outlier.size());
+    e.cache_device = device_buffer(e.cache.size() * sizeof(int));
+    e.slot_of_device = device_buffer(e.slot_of.size() * sizeof(int));
+    ASSERT_TRUE(e.landmarks_device.ok() && e.outlier_device.ok() && e.cache_device.ok() && e.slot_of_device.ok());
+    CUDA_OK(upload(e.landmarks_device, bytes));
+    CUDA_OK(upload(e.outlier_device, e.outlier));
+    CUDA_OK(upload(e.cache_device, e.cache));
+    CUDA_OK(upload(e.slot_of_device, e.slot_of));
+
+    layer_view& view = views[static_cast<std::size_t>(e.slot) * num_layers + layer];
+    view.context_chunks = e.context[0];
+    view.landmarks = e.landmarks_device.get();
+    view.is_outlier = e.outlier_device.get<std::uint8_t>();
+    view.cache_chunks = e.cache_device.get<int>();
+    view.slot_of_chunk = e.slot_of_device.get<int>();
+  }
+
+  device_buffer views_device(views.size() * sizeof(layer_view));
+  device_buffer slots_device(batch_slots.size() * sizeof(int));
+  ASSERT_TRUE(views_device.ok() && slots_device.ok());
+  CUDA_OK(upload(views_device, views));
+  CUDA_OK(upload(slots_device, batch_slots));
+
+  // Workspace, reserved for max_batch > B and poisoned so that stale contents cannot pass for results.
+  device_buffer logits(static_cast<std::size_t>(max_batch) * Hq * std::max(mc, 1) * sizeof(float));
+  device_buffer scores(static_cast<std::size_t>(max_batch) * Hkv * std::max(mc, 1) * sizeof(float));
+  device_buffer selected(static_cast<std::size_t>(max_batch) * Hkv * k * sizeof(int));
+  device_buffer miss_slots(static_cast<std::size_t>(max_batch) * Hkv * k * sizeof(int));
+  device_buffer miss_counts(static_cast<std::size_t>(max_batch) * Hkv * sizeof(int));
+  device_buffer counters(4 * sizeof(unsigned long long));
+  ASSERT_TRUE(logits.ok() && scores.ok() && selected.ok() && miss_slots.ok() && miss_counts.ok() && counters.ok());
+  CUDA_OK(cudaMemset(logits.get(), 0x7f, static_cast<std::size_t>(max_batch) * Hq * std::max(mc, 1) * sizeof(float)));
+  CUDA_OK(cudaMemset(scores.get(), 0x7f, static_cast<std::size_t>(max_batch) * Hkv * std::max(mc, 1) * sizeof(float)));
+  CUDA_OK(cudaMemset(selected.get(), 0x55, static_cast<std::size_t>(max_batch) * Hkv * k * sizeof(int)));
+  CUDA_OK(cudaMemset(miss_slots.get(), 0x55, static_cast<std::size_t>(max_batch) * Hkv * k * sizeof(int)));
+  CUDA_OK(cudaMemset(miss_counts.get(), 0x55, static_cast<std::size_t>(max_batch) * Hkv * sizeof(int)));
+  const std::vector<unsigned long long> counters_start = {0, 0, 0, 777};
+  CUDA_OK(upload(counters, counters_start));
+  step_workspace ws{};
+  ws.logits = logits.get<float>();
+  ws.scores = scores.get<float>();
+  ws.selected = selected.get<int>();
+  ws.miss_slots = miss_slots.get<int>();
+  ws.miss_counts = miss_counts.get<int>();
+  ws.counters = counters.get<unsigned long long>();
+
+  // Queries: buffer [Tq, B, Hq, D + pad] so that the strides are not those of a dense [B, Tq, Hq, D].
+  const int padded_dim = D + 3;
+  const std::size_t query_elements = static_cast<std::size_t>(Tq) * B * Hq * padded_dim;
+  device_buffer queries_device(query_elements * element_bytes(cfg.q_type));
+  ASSERT_TRUE(queries_device.ok());
+  std::vector<float> q_first(static_cast<std::size_t>(Tq) * B * Hq * D);
+  for (float& x : q_first) x = normal(rng) * cfg.query_scale;
+
+  cudaStream_t stream = nullptr;
+  CUDA_OK(cudaStreamCreate(&stream));
+  cudaGraphExec_t graph_exec = nullptr;
+  unsigned long long expected_hits = 0;
+  unsigned long long expected_misses = 0;
+  std::size_t ambiguous = 0;
+  std::size_t hits_seen = 0;
+
+  for (int step = 0; step < 2; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    std::vector<float> q(q_first.size());
+    for (std::size_t i = 0; i < q.size(); ++i) {
+      float x = q_first[i];
+      if (step == 1) x = cfg.fresh_second ? normal(rng) * cfg.query_scale : x + 0.1F * cfg.query_scale * normal(rng);
+      q[i] = round_through(cfg.q_type, x);
+    }
+    std::vector<unsigned char> q_bytes(query_elements * element_bytes(cfg.q_type), 0);
+    for (int t = 0; t < Tq; ++t) {
+      for (int b = 0; b < B; ++b) {
+        for (int j = 0; j < Hq; ++j) {
+          for (int x = 0; x < D; ++x) {
+            const std::size_t dense = ((static_cast<std::size_t>(t) * B + b) * Hq + j) * D + x;
+            const std::size_t strided = ((static_cast<std::size_t>(t) * B + b) * Hq + j) * padded_dim + x;
+            store_element(cfg.q_type, q_bytes, strided, q[dense]);
+          }
+        }
+      }
+    }
+    CUDA_OK(upload(queries_device, q_bytes));
+    if (step == 1) {
+      for (const host_entry& e : entries) {
+        const std::size_t index = static_cast<std::size_t>(e.slot) * num_layers + layer;
+        CUDA_OK(cudaMemcpy(views_device.get<unsigned char>() + index * sizeof(layer_view) + offsetof(layer_view, context_chunks),
+                           &e.context[1], sizeof(int), cudaMemcpyHostToDevice));
+      }
+    }
+
+    strided_tensor queries{};
+    queries.data = queries_device.get();
+    queries.type = cfg.q_type;
+    queries.stride[0] = static_cast<long long>(Hq) * padded_dim;
+    queries.stride[1] = static_cast<long long>(B) * Hq * padded_dim;
+    queries.stride[2] = padded_dim;
+    queries.stride[3] = 1;
+    if (!cfg.graph) {
+      ASSERT_NO_THROW(shadowkv::cuda::launch_select_chunks(d, cfg.kv_type, views_device.get<layer_view>(),
+                                                            slots_device.get<int>(), layer, B, queries, Tq, ws, stream));
+    } else {
+      // One graph for both steps: the context length changes on the device only.
+      if (step == 0) {
+        CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+        ASSERT_NO_THROW(shadowkv::cuda::launch_select_chunks(d, cfg.kv_type, views_device.get<layer_view>(),
+                                                              slots_device.get<int>(), layer, B, queries, Tq, ws,
+                                                              stream));
+        cudaGraph_t graph = nullptr;
+        CUDA_OK(cudaStreamEndCapture(stream, &graph));
+        CUDA_OK(cudaGraphInstantiate(&graph_exec, graph, 0));
+        CUDA_OK(cudaGraphDestroy(graph));
+      }
+      CUDA_OK(cudaGraphLaunch(graph_exec, stream));
+    }
+    CUDA_OK(cudaStreamSynchronize(stream));
+
+    std::vector<float> gpu_scores_all;
+    std::vector<int> gpu_selected_all;
+    std::vector<int> gpu_miss_slots_all;
+    std::vector<int> gpu_miss_counts;
+    CUDA_OK(download(gpu_scores_all, ws.scores, static_cast<std::size_t>(B) * Hkv * mc));
+    CUDA_OK(download(gpu_selected_all, ws.selected, static_cast<std::size_t>(B) * Hkv * k));
+    CUDA_OK(download(gpu_miss_slots_all, ws.miss_slots, static_cast<std::size_t>(B) * Hkv * k));
+    CUDA_OK(download(gpu_miss_counts, ws.miss_counts, static_cast<std::size_t>(B) * Hkv));
+
+    for (int b = 0; b < B; ++b) {
+      host_entry& e = entries[static_cast<std::size_t>(b)];
+      const int n = e.context[step];
+      std::vector<int> gpu_cache;
+      std::vector<int> gpu_slot_of;
+      CUDA_OK(download(gpu_cache, e.cache_device.get<int>(), e.cache.size()));
+      CUDA_OK(download(gpu_slot_of, e.slot_of_device.get<int>(), e.slot_of.size()));
+      for (int h = 0; h < Hkv; ++h) {
+        SCOPED_TRACE("entry " + std::to_string(b) + " (slot " + std::to_string(e.slot) + ") head " +
+                     std::to_string(h) + " context " + std::to_string(n));
+        const std::size_t row = static_cast<std::size_t>(b) * Hkv + h;
+        const std::vector<double> cpu = reference_scores(cfg, e, h, n, b, q, static_cast<double>(d.softmax_scale));
+        std::vector<int> candidates;
+        for (int c = 0; c < n; ++c) {
+          if (cpu[static_cast<std::size_t>(c)] >= 0.0) candidates.push_back(c);
+        }
+        const int take = std::min(k, static_cast<int>(candidates.size()));
+        std::vector<float> gpu(gpu_scores_all.begin() + static_cast<std::ptrdiff_t>(row * mc),
+                               gpu_scores_all.begin() + static_cast<std::ptrdiff_t>(row * mc + n));
+
+        // Scores.
+        int score_errors = 0;
+        for (int c : candidates) {
+          const double expected = cpu[static_cast<std::size_t>(c)];
+          const double got = gpu[static_cast<std::size_t>(c)];
+          if (!(std::fabs(got - expected) <= tolerance(expected)) && ++score_errors <= 5) {
+            ADD_FAILURE() << "score of chunk " << c << ": gpu " << got << " cpu " << expected;
+          }
+        }
+
+        // Selection: ascending ids, -1 padding.
+        const int* sel_begin = gpu_selected_all.data() + row * k;
+        std::vector<int> sel(sel_begin, sel_begin + take);
+        for (int i = take; i < k; ++i) ASSERT_EQ(sel_begin[i], -1) << "padding at " << i << " (take " << take << ")";
+        ASSERT_TRUE(std::is_sorted(sel.begin(), sel.end()) &&
+                    std::adjacent_find(sel.begin(), sel.end()) == sel.end())
+            << "selection not strictly ascending";
+        // Exactly the top-k of the GPU's own scores (radix select, tie order, compaction).
+        ASSERT_EQ(sel, top_k(gpu, candidates, take));
+        // Against float64: differences only at near-ties with the k-th score.
+        const std::vector<int> expected_sel = top_k(cpu, candidates, take);
+        if (sel != expected_sel) {
+          std::vector<int> order = candidates;
+          std::stable_sort(order.begin(), order.end(), [&](int x, int y) { return cpu[static_cast<std::size_t>(x)] > cpu[static_cast<std::size_t>(y)]; });
+          const double boundary = cpu[static_cast<std::size_t>(order[static_cast<std::size_t>(take - 1)])];
+          std::vector<int> difference;
+          std::set_symmetric_difference(sel.begin(), sel.end(), expected_sel.begin(), expected_sel.end(),
+                                        std::back_inserter(difference));
+          for (int c : difference) {
+            EXPECT_LE(std::fabs(cpu[static_cast<std::size_t>(c)] - boundary), 2.0 * tolerance(boundary))
+                << "chunk " << c << " selected differently and is no near-tie: score " << cpu[static_cast<std::size_t>(c)]
+                << ", k-th score " << boundary;
+          }
+          ambiguous += difference.size();
+        }
+        // Planted exact ties.
+        std::vector<char> is_selected(static_cast<std::size_t>(std::max(n, 1)), 0);
+        for (int c : sel) is_selected[static_cast<std::size_t>(c)] = 1;
+        for (const host_entry::tie& tie : e.ties) {
+          if (tie.head != h || tie.second >= n) continue;
+          if (cpu[static_cast<std::size_t>(tie.first)] < 0.0 || cpu[static_cast<std::size_t>(tie.second)] < 0.0) continue;
+          EXPECT_EQ(gpu[static_cast<std::size_t>(tie.first)], gpu[static_cast<std::size_t>(tie.second)])
+              << "copied landmark " << tie.second << " of " << tie.first << " scored differently";
+          if (is_selected[static_cast<std::size_t>(tie.second)] != 0) {
+            EXPECT_TRUE(is_selected[static_cast<std::size_t>(tie.first)] != 0)
+                << "tie " << tie.first << " = " << tie.second << " broken towards the larger id";
+          }
+        }
+        if (cfg.equal_landmarks) {
+          EXPECT_EQ(sel, std::vector<int>(candidates.begin(), candidates.begin() + take));
+        }
+
+        // Cache rules applied to the GPU's selection.
+        int* cache = e.cache.data() + static_cast<std::size_t>(h) * k;
+        int* slot_of = e.slot_of.data() + static_cast<std::size_t>(h) * mc;
+        int hits = 0;
+        for (int s = 0; s < k; ++s) {
+          const int old = cache[s];
+          if (old < 0) continue;
+          if (old < n && is_selected[static_cast<std::size_t>(old)] != 0) {
+            ++hits;
+          } else {
+            slot_of[old] = -1;
+            cache[s] = -1;
+          }
+        }
+        std::vector<int> expected_misses_list;
+        int free_slot = 0;
+        for (int c : sel) {
+          if (slot_of[c] >= 0) continue;
+          while (cache[free_slot] >= 0) ++free_slot;
+          cache[free_slot] = c;
+          slot_of[c] = free_slot;
+          expected_misses_list.push_back(free_slot);
+        }
+        expected_hits += static_cast<unsigned long long>(hits);
+        expected_misses += expected_misses_list.size();
+        hits_seen += static_cast<std::size_t>(hits);
+        ASSERT_EQ(hits + static_cast<int>(expected_misses_list.size()), take);
+        ASSERT_EQ(gpu_miss_counts[row], static_cast<int>(expected_misses_list.size()));
+        const std::vector<int> got_misses(gpu_miss_slots_all.begin() + static_cast<std::ptrdiff_t>(row * k),
+                                          gpu_miss_slots_all.begin() + static_cast<std::ptrdiff_t>(row * k) +
+                                              static_cast<std::ptrdiff_t>(expected_misses_list.size()));
+        ASSERT_EQ(got_misses, expected_misses_list);
+        const std::vector<int> got_cache(gpu_cache.begin() + static_cast<std::ptrdiff_t>(h) * k,
+                                         gpu_cache.begin() + static_cast<std::ptrdiff_t>(h + 1) * k);
+        ASSERT_EQ(got_cache, std::vector<int>(cache, cache + k));
+        const std::vector<int> got_slot_of(gpu_slot_of.begin() + static_cast<std::ptrdiff_t>(h) * mc,
+                                           gpu_slot_of.begin() + static_cast<std::ptrdiff_t>(h + 1) * mc);
+        ASSERT_EQ(got_slot_of, std::vector<int>(slot_of, slot_of + mc));
+
+        // Invariants, on the device's state.
+        std::vector<int> cached;
+        for (int s = 0; s < k; ++s) {
+          const int c = got_cache[static_cast<std::size_t>(s)];
+          if (c < 0) continue;
+          cached.push_back(c);
+          ASSERT_TRUE(c < mc && got_slot_of[static_cast<std::size_t>(c)] == s) << "slot " << s << " holds " << c;
+        }
+        for (int c = 0; c < mc; ++c) {
+          const int s = got_slot_of[static_cast<std::size_t>(c)];
+          if (s >= 0) ASSERT_TRUE(s < k && got_cache[static_cast<std::size_t>(s)] == c) << "chunk " << c;
+        }
+        std::sort(cached.begin(), cached.end());
+        ASSERT_EQ(cached, sel) << "cached chunks differ from the selected ones";
+      }
+    }
+  }
+
+  std::vector<unsigned long long> counters_end;
+  CUDA_OK(download(counters_end, ws.counters, 4));
+  EXPECT_EQ(counters_end[0], expected_hits);
+  EXPECT_EQ(counters_end[1], expected_misses);
+  EXPECT_EQ(counters_end[2], 2ULL * static_cast<unsigned long long>(B));
+  EXPECT_EQ(counters_end[3], 777ULL);
+  std::printf("[ chunk_selection ]   hits %llu misses %llu, %zu selections differ from float64 at near-ties\n",
+              expected_hits, expected_misses, ambiguous);
+  (void)hits_seen;
+  if (graph_exec != nullptr) CUDA_OK(cudaGraphExecDestroy(graph_exec));
+  CUDA_OK(cudaStreamDestroy(stream));
+}
+
+case_config random_case(std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  auto pick = [&](std::initializer_list<int> values) {
+    std::vector<int> v(values);
+    return v[std::uniform_int_distribution<std::size_t>(0, v.size() - 1)(rng)];
+  };
+  case_config cfg;
+  cfg.seed = seed;
+  cfg.batch = pick({1, 2, 3, 4});
+  cfg.kv_heads = pick({1, 2, 3, 5, 8});
+  cfg.group = pick({1, 4});
+  cfg.head_dim = pick({64, 128});
+  cfg.kv_type = pick({0, 1, 2});
+  cfg.q_type = pick({0, 1, 2});
+  cfg.tokens = pick({1, 1, 1, 3});
+  cfg.max_context = pick({0, 40, 300, 1500, 3000});
+  cfg.max_chunks = cfg.max_context + pick({3, 17, 250});
+  cfg.budget = pick({1, 5, 64, 256, 1024, 2048});
+  cfg.max_outliers = pick({0, 4, 48});
+  cfg.query_scale = static_cast<float>(pick({1, 2, 4, 8})) * 0.75F;
+  cfg.tie_fraction = pick({0, 1, 3}) * 0.1;
+  cfg.warm_cache = pick({0, 1}) != 0;
+  cfg.fresh_second = pick({0, 0, 1}) != 0;
+  return cfg;
+}
+
+class ChunkSelection : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!device_present()) GTEST_SKIP() << "no CUDA device: launch_select_chunks is not exercised";
+  }
+};
+
+TEST_F(ChunkSelection, RandomConfigurations) {
+  for (std::uint64_t i = 0; i < 24; ++i) {
+    run_case(random_case(0x5e1ec7ULL + 7919ULL * i));
+    if (HasFatalFailure()) return;
+  }
+}
+
+TEST_F(ChunkSelection, EqualLandmarksTieToSmallerIds) {
+  case_config cfg = random_case(11);
+  cfg.equal_landmarks = true;
+  cfg.max_context = 900;
+  cfg.max_chunks = 1000;
+  cfg.budget = 100;
+  run_case(cfg);
+  cfg.tokens = 3;
+  cfg.seed = 12;
+  run_case(cfg);
+}
+
+TEST_F(ChunkSelection, EmptyContextFreesEverySlot) {
+  case_config cfg;
+  cfg.seed = 21;
+  cfg.batch = 3;
+  cfg.kv_heads = 2;
+  cfg.group = 4;
+  cfg.max_context = 0;
+  cfg.max_chunks = 32;
+  cfg.budget = 16;
+  cfg.warm_cache = true;  // slots hold chunks that the empty context cannot select: all are freed
+  run_case(cfg);
+}
+
+TEST_F(ChunkSelection, GroupsAndHeadDims) {
+  // Head blocks of the logits kernel (G = 3 masked, G = 12 two blocks, G = 16 with one KV head), odd row sizes
+  // (D = 80, D = 36 in f16: rows that are no multiple of 16 bytes), wide rows (D = 256 f32: 32 rows a tile, 4 threads
+  // a row; D = 512 f32: 16 rows, more than 48 KiB of shared memory).
+  const int shapes[][4] = {{3, 64, 2, 1}, {12, 128, 2, 2}, {16, 64, 1, 2}, {4, 80, 3, 2},
+                           {4, 36, 2, 1}, {2, 256, 2, 0}, {8, 512, 1, 0}, {4, 96, 2, 0}};
+  std::uint64_t seed = 31;
+  for (const auto& shape : shapes) {
+    for (int tokens : {1, 3}) {
+      case_config cfg = random_case(seed);
+      cfg.seed = seed++;
+      cfg.group = shape[0];
+      cfg.head_dim = shape[1];
+      cfg.kv_heads = shape[2];
+      cfg.kv_type = shape[3];
+      cfg.tokens = tokens;
+      cfg.batch = 2;
+      cfg.max_context = 700;
+      cfg.max_chunks = 777;
+      cfg.budget = 64;
+      run_case(cfg);
+      if (HasFatalFailure()) return;
+    }
+  }
+}
+
+TEST_F(ChunkSelection, SmallAndLargeChunkCapacity) {
+  // max_chunks = 6 with G = 4: the tile partials do not fit in the scores row (one token: kernel 2 normalises from
+  // the logits; three tokens: kernel 2 computes everything itself).
+  for (int tokens : {1, 3}) {
+    case_config small = random_case(40 + tokens);
+    small.group = 4;
+    small.max_chunks = 6;
+    small.max_context = 6;
+    small.budget = 3;
+    small.tokens = tokens;
+    run_case(small);
+  }
+  // max_chunks = 70000: the per-chunk keys do not fit in shared memory and live in the logits workspace.
+  for (int tokens : {1, 3}) {
+    case_config large = random_case(42 + tokens);
+    large.batch = 2;
+    large.kv_heads = 2;
+    large.group = 4;
+    large.head_dim = 64;
+    large.max_chunks = 70000;
+    large.max_context = 2500;
+    large.budget = 300;
+    large.tokens = tokens;
+    run_case(large);
+  }
+}
+
+TEST_F(ChunkSelection, BudgetBeyondCandidates) {
+  case_config cfg = random_case(51);
+  cfg.max_context = 200;
+  cfg.max_chunks = 260;
+  cfg.budget = 1024;  // more slots than candidates: every candidate is selected
+  cfg.warm_cache = true;
+  run_case(cfg);
+}
+
+TEST_F(ChunkSelection, CapturedInGraph) {
+  // max_chunks = 16384: the select kernel needs > 48 KiB of dynamic shared memory, raised while capturing.
+  for (int tokens : {1, 3}) {
+    case_config cfg = random_case(61 + tokens);
+    cfg.batch = 2;
+    cfg.kv_heads = 2;
+    cfg.group = 4;
+    cfg.head_dim = 128;
+    cfg.max_chunks = 16384;
+    cfg.max_context = 3000;
+    cfg.budget = 256;
+    cfg.tokens = tokens;
+    cfg.graph = true;
+    run_case(cfg);
+    if (HasFatalFailure()) return;
+  }
+}
+
+// Argument checks happen before any CUDA call, so they run without a device too.
+TEST(ChunkSelectionArguments, RejectsInvalidArguments) {
+  dims d{};
+  d.num_layers = 1;
+  d.q_heads = 4;
+  d.kv_heads = 2;
+  d.group = 2;
+  d.head_dim = 64;
+  d.budget = 8;
+  d.max_chunks = 16;
+  strided_tensor q{};
+  q.type = shadowkv::cuda::element_f32;
+  const step_workspace ws{};
+  EXPECT_NO_THROW(shadowkv::cuda::launch_select_chunks(d, 0, nullptr, nullptr, 0, 0, q, 1, ws, nullptr));
+  EXPECT_THROW(shadowkv::cuda::launch_select_chunks(d, 0, nullptr, nullptr, 0, 1, q, 0, ws, nullptr),
+               shadowkv::invalid_argument);
+  dims bad = d;
+  bad.q_heads = 5;
+  EXPECT_THROW(shadowkv::cuda::launch_select_chunks(bad, 0, nullptr, nullptr, 0, 1, q, 1, ws, nullptr),
+               shadowkv::invalid_argument);
+  q.type = 7;
+  EXPECT_THROW(shadowkv::cuda::launch_select_chunks(d, 0, nullptr, nullptr, 0, 1, q, 1, ws, nullptr),
+               shadowkv::invalid_argument);
+  q.type = shadowkv::cuda::element_f32;
+  EXPECT_THROW(shadowkv::cuda::launch_select_chunks(d, 9, nullptr, nullptr, 0, 1, q, 1, ws, nullptr),
+               shadowkv::invalid_argument);
+}
+
+}  // namespace

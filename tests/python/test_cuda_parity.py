@@ -1,0 +1,169 @@
+"""CUDA backend == CPU backend (the oracle) on the same inputs: selected chunks, outliers and outputs, over decode
+steps with folding, for random configurations (MHA/GQA/MQA, head_dim 64/128/256, ragged batches, budgets, bf16 and
+float32 storage). Skipped where this build has no CUDA backend or no GPU is visible.
+
+The whole rest of the suite also runs on the GPU with SHADOWKV_TEST_DEVICES=cpu,cuda (against the float64 reference).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import helpers as H
+from shadowkv_core import KVStore, build_info
+
+INFO = build_info()
+pytestmark = pytest.mark.skipif(
+    "cuda" not in INFO["backends"] or not torch.cuda.is_available(),
+    reason=f"needs the CUDA backend and a GPU (backends {INFO['backends']}, torch.cuda {torch.cuda.is_available()})",
+)
+
+CASES = [
+    # (seed, Hq, Hkv, D, rank, budget chunks, lengths, dtype, rope_style, rotary_dim)
+    (1, 8, 2, 64, 48, 12, [700, 333], "bfloat16", "half", None),
+    (2, 4, 4, 128, 96, 20, [1100], "bfloat16", "interleaved", None),
+    (3, 8, 1, 128, 64, 16, [517, 900, 260], "float32", "half", 64),
+    (4, 16, 2, 64, 128, 300, [640, 400], "float32", "half", None),  # budget covers everything
+    (5, 4, 1, 256, 80, 8, [450], "bfloat16", "half", None),
+]
+STEPS = 24
+WINDOW = 16
+
+
+def _make(kw, device):
+    return KVStore(**{**kw, "device": device})
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"seed{c[0]}-{c[1]}x{c[2]}-d{c[3]}-{c[7]}")
+def test_cuda_matches_cpu(case):
+    seed, hq, hkv, d, rank, budget, lengths, dtype, style, rotary = case
+    g = H.generator(seed)
+    kw = dict(num_layers=2, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, max_batch=4, max_seq_len=2048,
+              rope_theta=10000.0, rope_style=style, rotary_dim=rotary, rank=rank, chunk_size=8, budget=budget * 8,
+              outlier_chunks=3, local_chunks=2, generation_window=WINDOW, dtype=dtype)
+    stores = {dev: _make(kw, dev) for dev in ("cpu", "cuda:0")}
+    slots = {dev: s.add_sequences(len(lengths)) for dev, s in stores.items()}
+    batch, longest = len(lengths), max(lengths)
+    keys = torch.zeros(batch, longest, hkv, d)
+    values = torch.zeros(batch, longest, hkv, d)
+    for b, n in enumerate(lengths):
+        keys[b, :n] = H.structured_keys(g, n, hkv, d)
+        values[b, :n] = H.randn(g, n, hkv, d)
+    q_last = H.randn(g, batch, hq, d, scale=2.0)
+    for layer in range(2):
+        for dev, store in stores.items():
+            store.prefill(layer, slots[dev], keys.to(dev), values.to(dev), lengths=lengths, q_last=q_last.to(dev))
+        for b in range(batch):
+            cpu_out = stores["cpu"].outlier_chunks(layer, slots["cpu"][b])
+            gpu_out = stores["cuda:0"].outlier_chunks(layer, slots["cuda:0"][b])
+            assert cpu_out == gpu_out, f"outliers differ (seed={seed}, layer={layer}, row={b})"
+    tolerance = 2e-2 if dtype == "bfloat16" else 2e-4
+    worst = 0.0
+    for step in range(STEPS):
+        q = H.randn(g, batch, hq, d, scale=2.0)
+        k_new = H.randn(g, batch, hkv, d)
+        v_new = H.randn(g, batch, hkv, d)
+        for layer in range(2):
+            outs = {dev: s.decode(layer, slots[dev], q.to(dev), k_new.to(dev), v_new.to(dev)).float().cpu()
+                    for dev, s in stores.items()}
+            H.assert_nontrivial(outs["cuda:0"], "cuda output", seed)
+            for b in range(batch):
+                cpu_sel = stores["cpu"].selected_chunks(layer, slots["cpu"][b])
+                gpu_sel = stores["cuda:0"].selected_chunks(layer, slots["cuda:0"][b])
+                for h in range(hkv):
+                    same = len(set(cpu_sel[h]) & set(gpu_sel[h]))
+                    # Up to ties: at most one boundary exchange per head (float64 vs float32 scores).
+                    assert same >= len(cpu_sel[h]) - 1 and len(cpu_sel[h]) == len(gpu_sel[h]), (
+                        f"selection differs (seed={seed}, step={step}, layer={layer}, row={b}, head={h}): "
+                        f"cpu {cpu_sel[h]} cuda {gpu_sel[h]}")
+            err = H.rel_err(outs["cuda:0"], outs["cpu"])
+            worst = max(worst, err)
+            assert err < tolerance, f"output differs by {err:.2e} (seed={seed}, step={step}, layer={layer})"
+    cpu_stats, gpu_stats = stores["cpu"].stats(), stores["cuda:0"].stats()
+    for key in ("selections", "folds", "decode_steps"):
+        assert cpu_stats[key] == gpu_stats[key], f"stats[{key}] differ: {cpu_stats} vs {gpu_stats}"
+    assert abs(cpu_stats["hit_rate"] - gpu_stats["hit_rate"]) < 0.02, f"{cpu_stats} vs {gpu_stats}"
+    cpu_mem, gpu_mem = stores["cpu"].memory_report(), stores["cuda:0"].memory_report()
+    for key in ("low_rank_factors", "landmarks", "outliers", "exact_tokens", "value_store", "selection_cache"):
+        assert cpu_mem[key] == gpu_mem[key], f"memory_report[{key}] differs: {cpu_mem} vs {gpu_mem}"
+    print(f"seed {seed}: worst relative output difference cuda vs cpu {worst:.2e}")
+
+
+def test_cuda_full_budget_is_full_attention():
+    """Full rank, budget covering everything: the GPU output is full attention (bf16 storage tolerance)."""
+    seed, hq, hkv, d, n = 11, 8, 2, 128, 900
+    g = H.generator(seed)
+    kw = dict(num_layers=1, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, max_batch=1, max_seq_len=1200,
+              rank=hkv * d, chunk_size=8, budget=1200, outlier_chunks=4, local_chunks=2, generation_window=16,
+              dtype="bfloat16", device="cuda:0")
+    store = KVStore(**kw)
+    (slot,) = store.add_sequences(1)
+    keys = H.structured_keys(g, n, hkv, d)
+    values = H.randn(g, n, hkv, d)
+    store.prefill(0, [slot], keys[None].cuda(), values[None].cuda())
+    cfg = H.ref_config({**kw, "device": "cpu"})
+    post = H.rope(cfg, keys, torch.arange(n))
+    all_k, all_v = post.double(), values.double()
+    for step in range(40):
+        q = H.randn(g, hq, d, scale=2.0)
+        k_new, v_new = H.randn(g, hkv, d), H.randn(g, hkv, d)
+        out = store.decode(0, [slot], q[None].cuda(), k_new[None].cuda(), v_new[None].cuda())[0].float().cpu()
+        all_k = torch.cat([all_k, k_new.double()[None]])
+        all_v = torch.cat([all_v, v_new.double()[None]])
+        full = H.R.full_attention(q.double(), all_k, all_v)
+        assert H.rel_err(out, full) < 2e-2, f"step {step}: {H.rel_err(out, full):.2e} (seed={seed})"
+    assert store.stats()["folds"] > 0
+
+
+def test_cuda_errors_leave_store_usable():
+    store = KVStore(1, 4, 2, 64, max_batch=2, max_seq_len=256, rank=32, budget=64, outlier_chunks=1,
+                    local_chunks=1, generation_window=16, device="cuda:0")
+    slots = store.add_sequences(1)
+    k = torch.randn(1, 100, 2, 64, device="cuda")
+    with pytest.raises(ValueError, match="cpu"):
+        store.prefill(0, slots, k.cpu(), k.cpu())
+    store.prefill(0, slots, k, k)
+    out = store.decode(0, slots, torch.randn(1, 4, 64, device="cuda"), k[:, 0], k[:, 0])
+    H.assert_nontrivial(out.float(), "decode after a rejected call", 0)
+    with pytest.raises(MemoryError):
+        KVStore(1, 4, 2, 64, max_batch=1 << 16, max_seq_len=1 << 22, device="cuda:0")
+
+
+def test_cuda_graph_replay_matches_eager():
+    """One decode step captured in a CUDA graph and replayed equals eager decode step by step (folds included), and
+    account_replayed_steps brings the host counters to the same state."""
+    seed, hq, hkv, d, n, steps = 21, 8, 2, 64, 600, 40
+    g = H.generator(seed)
+    kw = dict(num_layers=1, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, max_batch=2, max_seq_len=1024, rank=64,
+              chunk_size=8, budget=128, outlier_chunks=2, local_chunks=2, generation_window=16, dtype="bfloat16",
+              device="cuda:0")
+    eager, graphed = KVStore(**kw), KVStore(**kw)
+    keys = torch.stack([H.structured_keys(g, n, hkv, d) for _ in range(2)]).cuda()
+    values = H.randn(g, 2, n, hkv, d).cuda()
+    inputs = [(H.randn(g, 2, hq, d, scale=2.0), H.randn(g, 2, hkv, d), H.randn(g, 2, hkv, d))
+              for _ in range(steps + 1)]
+    slots = {}
+    for name, store in (("eager", eager), ("graphed", graphed)):
+        slots[name] = store.add_sequences(2)
+        store.prefill(0, slots[name], keys, values)
+    q_s, k_s, v_s = (t.cuda() for t in inputs[0])
+    first_eager = eager.decode(0, slots["eager"], q_s, k_s, v_s)
+    first_graphed = graphed.decode(0, slots["graphed"], q_s, k_s, v_s)  # eager step puts the slot list on the GPU
+    assert torch.equal(first_eager, first_graphed)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_s = graphed.decode(0, slots["graphed"], q_s, k_s, v_s)
+    for step in range(1, steps + 1):
+        q, k, v = (t.cuda() for t in inputs[step])
+        expected = eager.decode(0, slots["eager"], q, k, v)
+        q_s.copy_(q)
+        k_s.copy_(k)
+        v_s.copy_(v)
+        graph.replay()
+        assert torch.equal(out_s, expected), f"replay {step} differs from eager (seed={seed})"
+    graphed.account_replayed_steps(0, slots["graphed"], steps)
+    for a, b in zip(slots["eager"], slots["graphed"]):
+        assert eager.sequence_info(0, a) == graphed.sequence_info(0, b)
+    e, r = eager.stats(), graphed.stats()
+    assert (e["hits"], e["misses"], e["folds"], e["decode_steps"]) == (r["hits"], r["misses"], r["folds"], r["decode_steps"])
