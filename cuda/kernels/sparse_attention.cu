@@ -10,8 +10,9 @@
 //    the budget, and masking keeps the row -> address map a few integer ops with no shared-memory slot list. The
 //    split's share is a contiguous range of ceil(N / splits) rows of the N actual rows, so a short sequence in a
 //    ragged batch costs what it holds.
-//    Rows stream through a multi-stage shared-memory pipeline (cp.async, 16 bytes per copy, 32-40 KiB in flight per
-//    CTA independent of registers): a stage holds the K and V rows of one compute step. A row is read from shared
+//    Rows stream through a multi-stage shared-memory pipeline (cp.async, 16 bytes per copy, 2-8 stages in <= 40 KiB
+//    per CTA, so the bytes in flight do not cost registers): a stage holds the K and V rows of one compute step and
+//    the producing threads note which of its rows are tokens. A row is read from shared
 //    memory by a *row slot* of L lanes (L = the row's 16-byte vectors rounded up to a power of two, at most 32),
 //    each lane holding one or two 16-byte vectors of it and, in registers, the matching slice of its query heads
 //    (pre-scaled by softmax_scale * log2 e) and their online-softmax state (max, sum, acc) in float32. A query tile
