@@ -38,11 +38,17 @@ export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
 (cd /tmp && python3 -c "import shadowkv_core; print(shadowkv_core.build_info())")
 
 step "pytest: CUDA vs CPU parity, then the whole suite on the CUDA backend (the CPU run is CI's)"
-(cd tests/python && python3 -m pytest -q -p no:cacheprovider test_cuda_parity.py >"$out_dir/pytest.log" 2>&1)
-pytest_rc=$?
-(cd tests/python && SHADOWKV_TEST_DEVICES=cuda timeout 300 python3 -m pytest -q -p no:cacheprovider \
-  --deselect test_hf_adapter.py . >>"$out_dir/pytest.log" 2>&1) || pytest_rc=1
-grep -E "passed|failed|FAILED|Error" "$out_dir/pytest.log" | tail -25
+# One process per test file: a crash in one file cannot hide the results of the others.
+pytest_rc=0
+for file in tests/python/test_cuda_parity.py tests/python/test_*.py; do
+  case "$file" in */test_hf_adapter.py) continue ;; esac
+  [ "$file" = tests/python/test_cuda_parity.py ] && [ -n "${seen_parity:-}" ] && continue
+  seen_parity=1
+  echo "--- $file" >>"$out_dir/pytest.log"
+  (cd tests/python && SHADOWKV_TEST_DEVICES=cuda timeout 300 python3 -X faulthandler -m pytest -q -rf \
+    -p no:cacheprovider "$(basename "$file")" >>"$out_dir/pytest.log" 2>&1) || { pytest_rc=1; echo "FAILED: $file"; }
+done
+grep -E "^--- |passed|failed|FAILED|Error|Segmentation" "$out_dir/pytest.log" | tail -40
 [ $pytest_rc -eq 0 ] || status=1
 
 if [ "${1:-}" != "--quick" ]; then
