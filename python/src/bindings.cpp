@@ -5,6 +5,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <exception>
 #include <optional>
 #include <string>
 #include <vector>
@@ -58,6 +59,22 @@ shadowkv::tensor_view to_view(const Array& array, const char* name) {
         name, " lives on an unsupported device (DLPack device type ", array.device_type(), "); expected cpu or cuda"));
   }
   return view;
+}
+
+// Runs `call` without the GIL. An exception is captured and rethrown once the GIL is held again, so that no C++
+// unwinding passes through the GIL re-acquisition (nanobind then translates it to ValueError/MemoryError/...).
+template <typename Call>
+void without_gil(Call&& call) {
+  std::exception_ptr error;
+  {
+    nb::gil_scoped_release release;
+    try {
+      call();
+    } catch (...) {
+      error = std::current_exception();
+    }
+  }
+  if (error) std::rethrow_exception(error);
 }
 
 shadowkv::tensor_view optional_view(const std::optional<input_array>& array, const char* name) {
@@ -173,8 +190,7 @@ NB_MODULE(_core, m) {
             options.keys_post_rope = keys_post_rope;
             const shadowkv::tensor_view key_view = to_view(keys, "keys");
             const shadowkv::tensor_view value_view = to_view(values, "values");
-            nb::gil_scoped_release release;
-            s.prefill(layer, slots, key_view, value_view, options);
+            without_gil([&] { s.prefill(layer, slots, key_view, value_view, options); });
           },
           "layer"_a, "slots"_a, "keys"_a, "values"_a, "lengths"_a, "positions"_a.none(), "q_last"_a.none(),
           "keys_post_rope"_a, "stream"_a.none() = nb::none())
@@ -192,8 +208,7 @@ NB_MODULE(_core, m) {
             const shadowkv::tensor_view q_view = to_view(q, "q");
             const shadowkv::tensor_view k_view = to_view(k_new, "k_new");
             const shadowkv::tensor_view v_view = to_view(v_new, "v_new");
-            nb::gil_scoped_release release;
-            s.decode(layer, slots, q_view, k_view, v_view, out_view, options);
+            without_gil([&] { s.decode(layer, slots, q_view, k_view, v_view, out_view, options); });
           },
           "layer"_a, "slots"_a, "q"_a, "k_new"_a, "v_new"_a, "out"_a, "positions"_a.none(), "k_new_post_rope"_a,
           "stream"_a.none() = nb::none())
