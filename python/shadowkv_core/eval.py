@@ -484,7 +484,7 @@ def plot(results: dict, out_dir: os.PathLike) -> List[str]:
     out = Path(out_dir)
     s = results.get("summary") or summarize(results)
     written: List[str] = []
-    title = f"{results['model']}, rank {results['config']['rank']}"
+    title = f"{results['model']}, rank {results['config']['rank']}, {len(results['records'])} prompts"
 
     # depth x length heatmaps (full | store), one figure per depth task and budget
     for task in DEPTH_TASKS:
@@ -537,6 +537,9 @@ def plot(results: dict, out_dir: os.PathLike) -> List[str]:
                 ax.axhline(_mean(v for b in xs for v in pts[b][2]), color=color, ls="--",
                            label=f"full attention, {length} tokens")
             ax.set_xscale("log")
+            ticks = sorted({round(100 * r["budget_tokens"] / r["prompt_tokens"], 2) for r in rows})
+            ax.set_xticks(ticks, [f"{t:.3g}" for t in ticks])
+            ax.minorticks_off()
             ax.set_xlabel("budget (% of the prompt's tokens)")
             ax.set_ylabel("accuracy")
             ax.set_ylim(-0.05, 1.05)

