@@ -123,6 +123,8 @@ def run_case(args, device, batch, seq_len, budget, target_hit, bandwidths):
     _sync(device)
     ours = (time.perf_counter() - started) / args.steps
     hit = store.stats()["hit_rate"]
+    ours_graph = _graph_step_time(store, slots, queries, k_new, v_new) if device.startswith("cuda") else None
+    kernels = _kernel_profile(store, slots, queries, k_new, v_new) if args.profile and device.startswith("cuda") else None
 
     q_full = queries[-1][:, :, None, :]
     full = _time(lambda: torch.nn.functional.scaled_dot_product_attention(
@@ -132,9 +134,55 @@ def run_case(args, device, batch, seq_len, budget, target_hit, bandwidths):
     landmark_bytes = batch * (seq_len // chunk) * hkv * dim * 2
     missed_bytes = batch * (1.0 - hit) * (budget // chunk) * chunk * hkv * dim * 2
     floor = landmark_bytes / memory_bw + missed_bytes / link_bw
-    return {"batch": batch, "seq_len": seq_len, "budget": budget, "target_hit": target_hit, "hit": hit,
-            "query_correlation": a, "ours_ms": ours * 1e3, "full_ms": full * 1e3, "floor_ms": floor * 1e3,
-            "ours_over_full": ours / full, "ours_over_floor": ours / floor}
+    row = {"batch": batch, "seq_len": seq_len, "budget": budget, "target_hit": target_hit, "hit": hit,
+           "query_correlation": a, "ours_ms": ours * 1e3, "full_ms": full * 1e3, "floor_ms": floor * 1e3,
+           "ours_over_full": ours / full, "ours_over_floor": ours / floor}
+    if ours_graph is not None:
+        row.update(ours_graph_ms=ours_graph * 1e3, graph_over_full=ours_graph / full, graph_over_floor=ours_graph / floor)
+    if kernels is not None:
+        row["kernels_us"] = kernels
+    return row
+
+
+def _graph_step_time(store, slots, queries, k_new, v_new) -> float:
+    """GPU time of one decode step without the host: the step captured once in a CUDA graph, replayed with each
+    query copied into the captured input (the copy is part of the time; it is ~1 µs)."""
+    q_static = queries[0].clone()
+    store.decode(0, slots, q_static, k_new, v_new)  # eager step first: the slot list is on the GPU
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        store.decode(0, slots, q_static, k_new, v_new)
+    for q in queries[:2]:  # warm-up replays
+        q_static.copy_(q)
+        graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for q in queries:
+        q_static.copy_(q)
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    store.account_replayed_steps(0, slots, len(queries) + 2)
+    return start.elapsed_time(end) / 1e3 / len(queries)
+
+
+def _kernel_profile(store, slots, queries, k_new, v_new) -> dict:
+    """Mean device time per step of each CUDA kernel / copy the eager decode launches (torch.profiler, CUPTI)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for q in queries:
+            store.decode(0, slots, q, k_new, v_new)
+        torch.cuda.synchronize()
+    totals: dict = {}
+    for event in prof.events():
+        if event.device_type.name != "CUDA":
+            continue
+        name = event.name.split("(")[0].split("<")[0].replace("void ", "").replace("shadowkv::cuda::", "")[:48]
+        totals[name] = totals.get(name, 0.0) + event.device_time / len(queries)
+    return dict(sorted(totals.items(), key=lambda item: -item[1]))
 
 
 def main(argv=None) -> int:
@@ -150,6 +198,7 @@ def main(argv=None) -> int:
     p.add_argument("--calibration-rounds", type=int, default=6)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--profile", action="store_true", help="also print the device time of each kernel per step")
     args = p.parse_args(argv)
 
     info = build_info()
@@ -173,11 +222,22 @@ def main(argv=None) -> int:
             rows.append(run_case(args, device, batch, seq_len, budget, target, bandwidths))
             r = rows[-1]
             print(f"B={batch:<3} S={seq_len:<7} budget={budget:<5} hit {r['hit']:.2f}: ours {r['ours_ms']:.3f} ms")
-    print("\n| B | S | budget | hit | ours (ms) | full attn (ms) | floor (ms) | ours/full | ours/floor |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        print(f"| {r['batch']} | {r['seq_len']} | {r['budget']} | {r['hit']:.2f} | {r['ours_ms']:.3f} | "
-              f"{r['full_ms']:.3f} | {r['floor_ms']:.3f} | {r['ours_over_full']:.2f} | {r['ours_over_floor']:.1f} |")
+        if "kernels_us" in r:
+            print(f"\nkernels per step, B={r['batch']} S={r['seq_len']} budget={r['budget']} hit {r['hit']:.2f} (µs):")
+            for name, us in r["kernels_us"].items():
+                print(f"  {us:9.1f}  {name}")
+    graph = any("ours_graph_ms" in r for r in rows)
+    print("\n| B | S | budget | hit | ours (ms) | ours, graph (ms) | full attn (ms) | floor (ms) | ours/full | ours/floor |"
+          if graph else "\n| B | S | budget | hit | ours (ms) | full attn (ms) | floor (ms) | ours/full | ours/floor |")
+    print("| --- " * (10 if graph else 9) + "|")
+    for r in rows:
+        g = f" {r['ours_graph_ms']:.3f} |" if graph else ""
+        best = min(r["ours_ms"], r.get("ours_graph_ms", r["ours_ms"]))
+        print(f"| {r['batch']} | {r['seq_len']} | {r['budget']} | {r['hit']:.2f} | {r['ours_ms']:.3f} |{g} "
+              f"{r['full_ms']:.3f} | {r['floor_ms']:.3f} | {best / r['full_ms']:.2f} | {best * 1e3 / (r['floor_ms'] * 1e3):.1f} |")
+    if graph:
+        print("ratios use the faster of eager and graph-replayed steps")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": device, "build": info, "bandwidths": bandwidths, "results": rows,
