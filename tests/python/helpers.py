@@ -60,7 +60,9 @@ def structured_keys(g: torch.Generator, T: int, hkv: int, d: int, latent: int = 
     """Pre-RoPE keys ``[T, Hkv, D]`` float32 like real ones: a per-channel mean, a decaying low-rank part, noise.
 
     The spectrum decays geometrically (ratio ``decay`` per latent direction) so that the leading singular subspace
-    of any rank is well separated from the rest (stable across float32/float64 factorisations).
+    of any rank up to ``latent`` is well separated from the rest (stable across float32/float64 factorisations);
+    beyond that the cut falls in the noise bulk, where eigenvalues are nearly equal and the subspace is
+    ill-conditioned (two correct factorisations may differ by ~1e-4 relative).
     """
     z = torch.randn(T, latent, generator=g, dtype=torch.float64)
     basis = torch.linalg.qr(torch.randn(hkv * d, latent, generator=g, dtype=torch.float64)).Q.T   # [latent, HD]

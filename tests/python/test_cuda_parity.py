@@ -23,7 +23,11 @@ CASES = [
     # (seed, Hq, Hkv, D, rank, budget chunks, lengths, dtype, rope_style, rotary_dim)
     (1, 8, 2, 64, 48, 12, [700, 333], "bfloat16", "half", None),
     (2, 4, 4, 128, 96, 20, [1100], "bfloat16", "interleaved", None),
-    (3, 8, 1, 128, 64, 16, [517, 900, 260], "float32", "half", 64),
+    # float32 storage is compared at 2e-4, so its rank stays inside the keys' latent rank (structured_keys: 24 + the
+    # mean): a rank cut inside the noise bulk has nearly equal eigenvalues on both sides, and the two backends' Gram
+    # matrices (same maths, different summation order) then pick measurably different subspaces (seen: 4e-4 at
+    # rank 64 on the H200), which is conditioning, not a defect. bf16 cases cut in the bulk on purpose.
+    (3, 8, 1, 128, 20, 16, [517, 900, 260], "float32", "half", 64),
     (4, 16, 2, 64, 128, 300, [640, 400], "float32", "half", None),  # budget covers everything
     (5, 4, 1, 256, 80, 8, [450], "bfloat16", "half", None),
 ]
