@@ -1,6 +1,5 @@
 #include "tensor_checks.hpp"
 
-#include <sstream>
 
 #include "shadowkv/errors.hpp"
 
@@ -8,20 +7,14 @@ namespace shadowkv::detail {
 namespace {
 
 std::string shape_text(std::initializer_list<std::int64_t> shape) {
-  std::ostringstream out;
-  out << '[';
+  std::string text = "[";
   bool first = true;
   for (const std::int64_t extent : shape) {
-    out << (first ? "" : ", ");
-    if (extent == any_extent) {
-      out << '*';
-    } else {
-      out << extent;
-    }
+    text += first ? "" : ", ";
+    text += extent == any_extent ? std::string("*") : format_message(extent);
     first = false;
   }
-  out << ']';
-  return out.str();
+  return text + "]";
 }
 
 void expect_shape_and_device(const tensor_view& view, std::string_view name, device where,

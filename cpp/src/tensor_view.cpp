@@ -1,6 +1,5 @@
 #include "shadowkv/tensor_view.hpp"
 
-#include <sstream>
 
 #include "shadowkv/errors.hpp"
 
@@ -40,17 +39,11 @@ device parse_device(const std::string& name) {
 }
 
 std::string tensor_view::describe() const {
-  std::ostringstream out;
-  out << '[';
-  for (int dim = 0; dim < rank; ++dim) out << (dim ? ", " : "") << shape[dim];
-  out << "] ";
-  if (is_integer) {
-    out << (int_type == index_type::int32 ? "int32" : "int64");
-  } else {
-    out << dtype_name(float_type);
-  }
-  out << " on " << to_string(where);
-  return out.str();
+  std::string text = "[";
+  for (int dim = 0; dim < rank; ++dim) text += detail::format_message(dim ? ", " : "", shape[dim]);
+  text += "] ";
+  text += is_integer ? (int_type == index_type::int32 ? "int32" : "int64") : std::string(dtype_name(float_type));
+  return detail::format_message(text, " on ", to_string(where));
 }
 
 namespace {

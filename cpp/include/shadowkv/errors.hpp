@@ -8,11 +8,13 @@
 //   cuda_error       -> std::runtime_error    (Python RuntimeError)
 #pragma once
 
+#include <charconv>
 #include <cstddef>
 #include <new>
-#include <sstream>
 #include <stdexcept>
 #include <string>
+#include <string_view>
+#include <type_traits>
 
 namespace shadowkv {
 
@@ -52,12 +54,28 @@ class out_of_memory : public std::bad_alloc {
 
 namespace detail {
 
-/// Streams any number of values into one string: format_message("rank ", r, " > ", n).
+// Message text without iostreams: an ostream operator<< compiled into this library (e.g. instantiated by nvcc's
+// front end, which does not keep libstdc++'s extern templates) crashed the Python module on the H200 image while
+// formatting a number, because two copies of the stream machinery then disagree about the locale's facets.
+inline void append_to(std::string& out, std::string_view text) { out.append(text); }
+inline void append_to(std::string& out, const char* text) { out.append(text != nullptr ? text : "(null)"); }
+inline void append_to(std::string& out, const std::string& text) { out.append(text); }
+inline void append_to(std::string& out, char character) { out.push_back(character); }
+inline void append_to(std::string& out, bool value) { out.append(value ? "true" : "false"); }
+template <typename Number, std::enable_if_t<std::is_arithmetic_v<Number>, int> = 0>
+void append_to(std::string& out, Number value) {
+  char buffer[64];
+  const auto result = std::to_chars(buffer, buffer + sizeof(buffer), value);
+  out.append(buffer, result.ptr);
+}
+
+/// Joins any number of values into one string: format_message("rank ", r, " > ", n). Numbers are written with
+/// std::to_chars (shortest round-trip form for floating point).
 template <typename... Parts>
 std::string format_message(const Parts&... parts) {
-  std::ostringstream stream;
-  (stream << ... << parts);
-  return stream.str();
+  std::string message;
+  (append_to(message, parts), ...);
+  return message;
 }
 
 }  // namespace detail
