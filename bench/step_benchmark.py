@@ -70,6 +70,8 @@ def run_case(args, device, batch, seq_len, budget, target_hit, bandwidths):
     dtype = torch.bfloat16
     hq, hkv, dim, chunk = args.q_heads, args.kv_heads, args.head_dim, 8
     gen = torch.Generator(device="cpu").manual_seed(args.seed)
+    # The long random contexts are made on the device itself (host randn of B x 122880 x 1024 takes minutes).
+    data_gen = torch.Generator(device=device).manual_seed(args.seed) if device.startswith("cuda") else gen
     capacity = seq_len + 4 * args.steps + 64
     store = KVStore(1, hq, hkv, dim, max_batch=batch, max_seq_len=capacity, rank=args.rank, chunk_size=chunk,
                     budget=budget, outlier_chunks=48, local_chunks=4, generation_window=256, dtype="bfloat16",
@@ -77,10 +79,13 @@ def run_case(args, device, batch, seq_len, budget, target_hit, bandwidths):
     slots = store.add_sequences(batch)
     keys_full, values_full = [], []
     for b in range(batch):  # one sequence at a time bounds host memory for the random data
-        basis = torch.randn(32, hkv * dim, generator=gen)
-        keys = (torch.randn(seq_len, 32, generator=gen) @ basis + 0.3 * torch.randn(seq_len, hkv * dim, generator=gen))
+        def randn(*shape):
+            return torch.randn(*shape, generator=data_gen, device=data_gen.device)
+
+        basis = randn(32, hkv * dim)
+        keys = randn(seq_len, 32) @ basis + 0.3 * randn(seq_len, hkv * dim)
         keys = keys.reshape(1, seq_len, hkv, dim).to(device, dtype)
-        values = torch.randn(1, seq_len, hkv, dim, generator=gen).to(device, dtype)
+        values = randn(1, seq_len, hkv, dim).to(device, dtype)
         store.prefill(0, [slots[b]], keys, values, keys_post_rope=True)
         keys_full.append(keys[0].transpose(0, 1))
         values_full.append(values[0].transpose(0, 1))
