@@ -110,13 +110,13 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   dims_.attention_scaling = cfg.attention_scaling;
   dims_.softmax_scale = cfg.effective_softmax_scale();
 
-  SHADOWKV_CUDA_TRY(cudaStreamCreateWithFlags(&own_stream_, cudaStreamNonBlocking));
-  SHADOWKV_CUDA_TRY(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking));
-  SHADOWKV_CUDA_TRY(cudaEventCreateWithFlags(&selected_event_, cudaEventDisableTiming));
-  SHADOWKV_CUDA_TRY(cudaEventCreateWithFlags(&fetched_event_, cudaEventDisableTiming));
-  SHADOWKV_CUDA_TRY(cudaEventCreateWithFlags(&values_ready_event_, cudaEventDisableTiming));
-  SHADOWKV_CUBLAS_TRY(cublasCreate(&cublas_));
-  SHADOWKV_CUSOLVER_TRY(cusolverDnCreate(&cusolver_));
+  own_stream_ = make_stream();
+  copy_stream_ = make_stream();
+  selected_event_ = make_event();
+  fetched_event_ = make_event();
+  values_ready_event_ = make_event();
+  cublas_ = make_cublas();
+  cusolver_ = make_cusolver();
   stream_ = own_stream_;
 
   // Reserve everything up front.
@@ -199,13 +199,7 @@ cuda_backend::~cuda_backend() {
   inv_freq_.release(own_stream_);
   batch_slots_.release(own_stream_);
   (void)cudaStreamSynchronize(own_stream_);
-  if (cusolver_ != nullptr) (void)cusolverDnDestroy(cusolver_);
-  if (cublas_ != nullptr) (void)cublasDestroy(cublas_);
-  (void)cudaEventDestroy(selected_event_);
-  (void)cudaEventDestroy(fetched_event_);
-  (void)cudaEventDestroy(values_ready_event_);
-  (void)cudaStreamDestroy(copy_stream_);
-  (void)cudaStreamDestroy(own_stream_);
+  // The handles destroy themselves (members declared before the buffers, so destroyed after them).
 }
 
 void cuda_backend::use_stream(std::optional<std::uintptr_t> stream) {

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "cuda_handles.hpp"
 #include "device_layout.cuh"
 #include "memory_resources.hpp"
 #include "shadowkv/backend.hpp"
@@ -63,14 +64,15 @@ class cuda_backend final : public backend {
   dims dims_{};
   int kv_type_;
   cudaStream_t stream_ = nullptr;       ///< the current call's compute stream (caller's or own_stream_)
-  cudaStream_t own_stream_ = nullptr;
-  cudaStream_t copy_stream_ = nullptr;
   bool caller_stream_ = false;
-  cudaEvent_t selected_event_ = nullptr;
-  cudaEvent_t fetched_event_ = nullptr;
-  cudaEvent_t values_ready_event_ = nullptr;
-  cublasHandle_t cublas_ = nullptr;
-  cusolverDnHandle_t cusolver_ = nullptr;
+  // Handles before buffers: members are destroyed in reverse order, so the buffers (freed on own_stream_) go first.
+  stream_handle own_stream_;
+  stream_handle copy_stream_;
+  event_handle selected_event_;
+  event_handle fetched_event_;
+  event_handle values_ready_event_;
+  cublas_handle cublas_;
+  cusolver_handle cusolver_;
 
   device_memory_resource device_memory_;
   pinned_host_resource host_memory_;
