@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # On a GPU machine: build everything with CUDA, run the C++ and Python tests on CPU and GPU (parity), run the step
-# benchmark, and write bench/results/<date>-<commit>.json (also to $OUT when set). Prints a short table last.
-#   bash bench/gpu_check.sh [--quick]      (--quick: tests only, no benchmark)
+# benchmark and the micro-benchmarks, and write bench/results/<date>-<commit>.json and <date>-<commit>-micro.json
+# (also to $OUT when set). Prints short tables last.
+#   bash bench/gpu_check.sh [--quick]      (--quick: tests only, no benchmarks)
+# The micro-benchmarks need Google Benchmark: the system's, or a copy in .device/benchmark made by
+# bench/carry_benchmark.sh on a machine that has it (carry that ignored folder along).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out_dir="${OUT:-bench/results}"
@@ -20,7 +23,7 @@ python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.versio
 
 step "build (CMake, CUDA on, tests on)"
 cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DSHADOWKV_CUDA=ON -DSHADOWKV_BUILD_TESTS=ON \
-  -DSHADOWKV_BUILD_PYTHON=ON \
+  -DSHADOWKV_BUILD_PYTHON=ON -DSHADOWKV_BUILD_BENCHMARKS=OFF \
   >"$out_dir/cmake.log" 2>&1 && cmake --build build/gpu -j"$jobs" >>"$out_dir/cmake.log" 2>&1
 build_rc=$?
 tail -30 "$out_dir/cmake.log" | grep -E "error|Error|warning: |FAILED" | head -40
@@ -55,7 +58,34 @@ if [ "${1:-}" != "--quick" ]; then
   step "step benchmark"
   python3 bench/step_benchmark.py --json "$result" 2>&1 | tee "$out_dir/bench.log" | tail -14
   [ -f "$result" ] && cp "$result" "$out_dir/" 2>/dev/null
+
+  step "micro-benchmarks (Google Benchmark, bench/micro: one op at a time, the value-fetch comparison)"
+  micro_result="bench/results/${stamp}-${commit}-micro.json"
+  carried="$PWD/.device/benchmark/usr/lib/x86_64-linux-gnu"
+  benchmark_dir_arg=()
+  if [ -d "$carried/cmake/benchmark" ]; then
+    benchmark_dir_arg=("-Dbenchmark_DIR=$carried/cmake/benchmark")
+    export LD_LIBRARY_PATH="$carried${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  fi
+  # Same build folder: only the benchmark executable is new.
+  cmake -S . -B build/gpu -G Ninja -DSHADOWKV_BUILD_BENCHMARKS=ON ${benchmark_dir_arg[@]+"${benchmark_dir_arg[@]}"} \
+    >"$out_dir/cmake-micro.log" 2>&1 && cmake --build build/gpu -j"$jobs" --target decode_ops_bench \
+    >>"$out_dir/cmake-micro.log" 2>&1
+  micro_rc=$?
+  if [ $micro_rc -ne 0 ]; then
+    echo "MICRO-BENCHMARK BUILD FAILED"; tail -30 "$out_dir/cmake-micro.log"
+  else
+    rm -f "$micro_result"
+    timeout 300 build/gpu/bench/decode_ops_bench --benchmark_out="$micro_result" --benchmark_out_format=json \
+      >"$out_dir/micro.log" 2>&1
+    micro_rc=$?
+    tail -4 "$out_dir/micro.log"
+    [ -f "$micro_result" ] && cp "$micro_result" "$out_dir/" 2>/dev/null
+    [ -f "$micro_result" ] && python3 bench/micro/summarize.py "$micro_result"
+  fi
+  [ $micro_rc -eq 0 ] || { status=1; echo "micro-benchmarks: rc=$micro_rc (log: $out_dir/micro.log)"; }
 fi
 echo
-echo "gpu_check: build ok, ctest rc=$ctest_rc, pytest rc=$pytest_rc, result file: $result"
+echo "gpu_check: build ok, ctest rc=$ctest_rc, pytest rc=$pytest_rc, micro rc=${micro_rc:-skipped}, result files:" \
+  "$result ${micro_result:-}"
 exit $status
