@@ -44,7 +44,9 @@ step "pytest: CUDA vs CPU parity, then the whole suite on the CUDA backend (the 
 # One process per test file: a crash in one file cannot hide the results of the others.
 pytest_rc=0
 for file in tests/python/test_cuda_parity.py tests/python/test_*.py; do
-  case "$file" in */test_hf_adapter.py) continue ;; esac
+  # eval/fidelity run the CPU backend on real-model captures (CI runs them); everything else runs on the GPU,
+  # the transformers adapter included (the H200's transformers is 5.17).
+  case "$file" in */test_eval.py|*/test_fidelity.py) continue ;; esac
   [ "$file" = tests/python/test_cuda_parity.py ] && [ -n "${seen_parity:-}" ] && continue
   seen_parity=1
   echo "--- $file" >>"$out_dir/pytest.log"
@@ -56,7 +58,7 @@ grep -E "^--- |passed|failed|FAILED|Error|Segmentation" "$out_dir/pytest.log" | 
 
 if [ "${1:-}" != "--quick" ]; then
   step "step benchmark"
-  python3 bench/step_benchmark.py --json "$result" 2>&1 | tee "$out_dir/bench.log" | tail -14
+  timeout 300 python3 bench/step_benchmark.py --profile --json "$result" 2>&1 | tee "$out_dir/bench.log" | tail -14
   [ -f "$result" ] && cp "$result" "$out_dir/" 2>/dev/null
 
   step "micro-benchmarks (Google Benchmark, bench/micro: one op at a time, the value-fetch comparison)"
