@@ -1,4 +1,12 @@
+// Decode step 4 (misses only). Keys: a gather-GEMM on tensor cores (CuTe, 3xTF32 for fp32 accuracy) followed by RoPE
+// at each token's own position. Values: a copy of contiguous runs from the pinned value store.
+#include <cute/arch/copy_sm80.hpp>
+#include <cute/atom/mma_atom.hpp>
+#include <cute/tensor.hpp>
+
 #include <algorithm>
+#include <cstdint>
+#include <type_traits>
 
 #include "chunk_rebuild.cuh"
 #include "cuda_check.hpp"
@@ -8,9 +16,6 @@
 namespace shadowkv::cuda {
 namespace {
 
-// Chunks a CTA rebuilds together: each basis element read from L2 is used for kGroupChunks * C rows.
-constexpr int kGroupChunks = 4;
-constexpr int kMaxRows = 64;           // kGroupChunks * C must not exceed this (C <= 16)
 // CTAs per (entry, head): enough to give every SM two CTAs for small batches; each takes every gridDim.z-th group.
 int splits_for(int batch, int kv_heads, int most) {
   static const int multiprocessors = [] {
@@ -25,85 +30,291 @@ int splits_for(int batch, int kv_heads, int most) {
   const int wanted = (2 * multiprocessors + batch * kv_heads - 1) / (batch * kv_heads);
   return std::max(1, std::min(wanted, most));
 }
-constexpr int kRankTile = 32;
 
-// One CTA per (entry, head, split); one thread per output dim. Rows of A for a group of missed chunks are staged in
-// shared memory a rank tile at a time; each thread accumulates its dim for all rows of the group.
-template <typename T>
-__global__ void rebuild_keys_kernel(dims d, layer_view* views, const int* batch_slots, int layer,
-                                    step_workspace workspace, const float* inv_freq) {
-  extern __shared__ float shared[];
-  float* a_tile = shared;                      // [kMaxRows, kRankTile]
-  float* rows_out = shared + kMaxRows * kRankTile;  // [kMaxRows, D]
-  const int b = blockIdx.x;
-  const int h = blockIdx.y;
-  const int split = blockIdx.z;
+// ---------------------------------------------------------------------------------------------------------------------
+// Key rebuild as a gather-GEMM: keys[rows, D] = A[rows, 0:r] · B[0:r, h*D:(h+1)*D], rows = the C tokens of each missed
+// chunk of (entry, head), then RoPE, rounded to T, into the chunks' buffer slots.
+//
+// Tiles (one CTA works on one (entry, head) and one group of missed chunks at a time; M = rows, N = dims, K = rank):
+//  * M = 64 gathered rows = floor(64 / C) whole chunks (8 at C = 8, 4 at C = 16, 64 at C = 1). A group never splits
+//    a chunk, so every row of the tile has one destination row and one position.
+//  * N = D, the whole head: RoPE pairs dim i with i + rotary_dim/2 (or 2i with 2i+1), so the epilogue needs whole
+//    rows. D is a template parameter so that every partition below is static (D/16 MMA columns per warp pair).
+//  * K = 32 rank columns per stage: one 128-byte line of each A row, eight 16-byte cp.async; two stages, so that
+//    the gather of the next K tile overlaps the MMAs of this one. Rank tails are zero-filled (A and B both: a
+//    garbage B row times a zero A column could still be NaN).
+//  * 8 warps as 4 (M) x 2 (N) of the SM80 16x8x8 TF32 atom: a warp owns 16 rows and D/2 columns, D/4 fp32
+//    accumulators per thread (64 at D = 256, 32 at D = 128), twice: the running sum and the current K tile's.
+// Shared memory rows are padded so that the MMA operand loads are free of bank conflicts: an A row is 36 floats
+// (lanes (g, t) read row g, column t: bank 4g + t), a B row (fixed k, all D dims) is D + 8 floats (bank 8t + g, or
+// 24t + g at D = 80). Both pads keep rows 16-byte aligned for cp.async. The epilogue reuses the stage buffers as a
+// [64, D + 8] fp32 tile of the results.
+//
+// Precision: the CPU backend (the oracle) computes this product with fp32 sgemm, and the parity tests compare at
+// fp32 tolerances, so plain TF32 (10-bit mantissa) is not enough. Each operand is split as x = big + small (big = x
+// rounded to tf32, small = the exact fp32 remainder rounded to tf32) and acc += small_a*big_b + big_a*small_b +
+// big_a*big_b: about 22 significant bits per product (what CUTLASS calls OpMultiplyAddFastF32). The tensor cores
+// accumulate each K tile (12 MMAs) from zero; the tiles are summed with ordinary fp32 adds (see the main loop).
+constexpr int kRebuildRows = 64;      // M
+constexpr int kRebuildRankTile = 32;  // K per stage
+constexpr int kRebuildStages = 2;
+constexpr int kRebuildThreads = 256;  // 8 warps, 4 x 2 over (M, N)
+
+template <int D>
+struct rebuild_tile {
+  static_assert(D % 16 == 0, "D must be a multiple of 16 (two warps of n8 MMA atoms)");
+  static constexpr int a_stride = kRebuildRankTile + 4;  // floats per gathered A row in shared memory
+  static constexpr int b_stride = D + 8;                 // floats per B row (one rank index) in shared memory
+  static constexpr int a_stage = kRebuildRows * a_stride;
+  static constexpr int b_stage = kRebuildRankTile * b_stride;
+  static constexpr int c_floats = kRebuildRows * b_stride;  // epilogue tile, aliases the stages
+  static constexpr int floats = std::max(kRebuildStages * (a_stage + b_stage), c_floats);
+  // Then three tables of kRebuildRows long longs: coefficient row, destination offset and position of each row.
+  static constexpr std::size_t shared_bytes = floats * sizeof(float) + 3 * kRebuildRows * sizeof(long long);
+
+  // (row, rank, stage): rows padded to a_stride.
+  using a_layout = decltype(cute::make_layout(
+      cute::make_shape(cute::Int<kRebuildRows>{}, cute::Int<kRebuildRankTile>{}, cute::Int<kRebuildStages>{}),
+      cute::make_stride(cute::Int<a_stride>{}, cute::Int<1>{}, cute::Int<a_stage>{})));
+  // (dim, rank, stage): B[k0 + k, h*D + n] at n + k * b_stride, i.e. row-major B as in global memory.
+  using b_layout = decltype(cute::make_layout(
+      cute::make_shape(cute::Int<D>{}, cute::Int<kRebuildRankTile>{}, cute::Int<kRebuildStages>{}),
+      cute::make_stride(cute::Int<1>{}, cute::Int<b_stride>{}, cute::Int<b_stage>{})));
+  // (row, dim): the results, row-major.
+  using c_layout = decltype(cute::make_layout(cute::make_shape(cute::Int<kRebuildRows>{}, cute::Int<D>{}),
+                                              cute::make_stride(cute::Int<b_stride>{}, cute::Int<1>{})));
+  static_assert(a_stride % 4 == 0 && b_stride % 4 == 0 && a_stage % 4 == 0 && b_stage % 4 == 0,
+                "16-byte cp.async needs 16-byte aligned shared rows");
+  static_assert((floats * sizeof(float)) % alignof(long long) == 0, "row tables follow the float tiles");
+};
+
+/// x = big + small with both parts tf32 (low 13 mantissa bits zero) and x - big exact in fp32. Rounding is to
+/// nearest, ties away from zero (cvt.rna), done on the bits so that the discarded bits are certainly zero.
+__device__ __forceinline__ void split_tf32(float x, cutlass::tfloat32_t& big, cutlass::tfloat32_t& small) {
+  const std::uint32_t big_bits = (__float_as_uint(x) + 0x1000U) & 0xFFFFE000U;
+  const float remainder = x - __uint_as_float(big_bits);
+  big = cutlass::tfloat32_t::bitcast(big_bits);
+  small = cutlass::tfloat32_t::bitcast((__float_as_uint(remainder) + 0x1000U) & 0xFFFFE000U);
+}
+
+// Two CTAs per SM up to D = 128 (the grid of splits_for is sized for two per SM), which caps registers at 128 (at
+// D = 96 and 128 ptxas spills a few index registers, outside the main loop); at D = 256 the 2 x 64 accumulators
+// alone need one CTA per SM.
+template <int D>
+constexpr int rebuild_min_ctas_per_sm() {
+  return D <= 128 ? 2 : 1;
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
+    rebuild_keys_kernel(dims d, layer_view* views, const int* batch_slots, int layer, step_workspace workspace,
+                        const float* inv_freq) {
+  using namespace cute;
+  using tile = rebuild_tile<D>;
+  extern __shared__ __align__(16) unsigned char shared_bytes[];
+  float* shared = reinterpret_cast<float*>(shared_bytes);
+  long long* row_token = reinterpret_cast<long long*>(shared + tile::floats);  // row of A; -1: padding row
+  long long* row_target = row_token + kRebuildRows;    // element offset of the key row in this head's cache_keys
+  long long* row_position = row_target + kRebuildRows;  // RoPE position
+
+  const int b = static_cast<int>(blockIdx.x);
+  const int h = static_cast<int>(blockIdx.y);
   const layer_view* view = views + static_cast<long long>(batch_slots[b]) * d.num_layers + layer;
   const int misses = workspace.miss_counts[b * d.kv_heads + h];
   const int* miss_slots = workspace.miss_slots + static_cast<long long>(b * d.kv_heads + h) * d.budget;
   const int* cache_chunks = view->cache_chunks + static_cast<long long>(h) * d.budget;
-  const int width = d.kv_heads * d.head_dim;
-  T* cache_keys = static_cast<T*>(view->cache_keys) + static_cast<long long>(h) * d.budget * d.chunk * d.head_dim;
-  const int dim = threadIdx.x;
-  const bool active = dim < d.head_dim;
-  const int group_chunks = kMaxRows / d.chunk < kGroupChunks ? kMaxRows / d.chunk : kGroupChunks;
+  T* cache_keys = static_cast<T*>(view->cache_keys) + static_cast<long long>(h) * d.budget * d.chunk * D;
+  const float* coefficients = view->coefficients;  // A [max_chunks*C, r]
+  const float* basis = view->basis + h * D;        // B[:, h*D:(h+1)*D], row stride `width`
+  const long long width = static_cast<long long>(d.kv_heads) * D;
+  const int rank = d.rank;
+  const int group_chunks = kRebuildRows / d.chunk;
+  const int k_tiles = (rank + kRebuildRankTile - 1) / kRebuildRankTile;
+  // 16-byte copies need 16-byte aligned sources: A rows are `rank` floats apart, B rows `width` (a multiple of 16).
+  const bool a_vectors = rank % 4 == 0 && reinterpret_cast<std::uintptr_t>(coefficients) % 16 == 0;
+  const bool b_vectors = reinterpret_cast<std::uintptr_t>(basis) % 16 == 0;
 
-  for (int first = split * group_chunks; first < misses; first += static_cast<int>(gridDim.z) * group_chunks) {
-    const int chunks_here = min(group_chunks, misses - first);
-    const int rows = chunks_here * d.chunk;
-    float accumulator[kMaxRows];
-#pragma unroll
-    for (int row = 0; row < kMaxRows; ++row) accumulator[row] = 0.0F;
-    for (int r0 = 0; r0 < d.rank; r0 += kRankTile) {
-      const int tile = min(kRankTile, d.rank - r0);
-      __syncthreads();
-      for (int index = threadIdx.x; index < rows * kRankTile; index += blockDim.x) {
-        const int row = index / kRankTile;
-        const int r = index % kRankTile;
-        const int chunk = cache_chunks[miss_slots[first + row / d.chunk]];
-        const long long token = static_cast<long long>(chunk) * d.chunk + row % d.chunk;
-        a_tile[index] = r < tile ? view->coefficients[token * d.rank + r0 + r] : 0.0F;
+  float* const b_stages = shared + kRebuildStages * tile::a_stage;
+  Tensor sA = make_tensor(make_smem_ptr(shared), typename tile::a_layout{});    // (64, 32, 2)
+  Tensor sB = make_tensor(make_smem_ptr(b_stages), typename tile::b_layout{});  // (D, 32, 2)
+  Tensor sC = make_tensor(make_smem_ptr(shared), typename tile::c_layout{});    // (64, D), aliases the stages
+
+  TiledMMA mma = make_tiled_mma(SM80_16x8x8_F32TF32TF32F32_TN{}, Layout<Shape<_4, _2, _1>>{});
+  static_assert(decltype(size(mma))::value == kRebuildThreads);
+  ThrMMA thread_mma = mma.get_slice(threadIdx.x);
+  Tensor tCsA = thread_mma.partition_A(sA);  // (MMA, MMA_M = 1, MMA_K = 4, stage)
+  Tensor tCsB = thread_mma.partition_B(sB);  // (MMA, MMA_N = D/16, MMA_K = 4, stage)
+  Tensor tCsC = thread_mma.partition_C(sC);  // (MMA, MMA_M, MMA_N)
+  Tensor accumulators = thread_mma.partition_fragment_C(sC);  // (MMA, MMA_M, MMA_N) fp32
+  Tensor tile_sums = make_fragment_like(accumulators);         // this K tile's products, added in with fp32 adds
+  // Operands of one k-block (8 rank columns), split into tf32 big and small parts: A for the warp's 16 rows, B for
+  // one n8 column block at a time (fewer live registers than splitting all D/16 blocks first).
+  Tensor a_big = make_fragment_like<cutlass::tfloat32_t>(tCsA(_, _, 0, 0));  // (MMA, MMA_M = 1)
+  Tensor a_small = make_fragment_like<cutlass::tfloat32_t>(tCsA(_, _, 0, 0));
+  Tensor b_big = make_fragment_like<cutlass::tfloat32_t>(tCsB(_, 0, 0, 0));  // (MMA)
+  Tensor b_small = make_fragment_like<cutlass::tfloat32_t>(tCsB(_, 0, 0, 0));
+  static_assert(decltype(size<1>(tCsA))::value == 1, "one MMA row block per warp");
+
+  // Issues the cp.async of K tile `k_tile` (rank columns [32 k_tile, 32 k_tile + 32)) into `stage`: the gathered A
+  // rows and B[k0:k0+32, head]. Out-of-range elements are zero-filled (src-size 0; the source address stays valid).
+  auto load_stage = [&](int k_tile, int stage) {
+    const int k0 = k_tile * kRebuildRankTile;
+    if (a_vectors) {
+      constexpr int per_row = kRebuildRankTile / 4;
+      for (int v = static_cast<int>(threadIdx.x); v < kRebuildRows * per_row; v += kRebuildThreads) {
+        const int row = v / per_row;
+        const int k = (v % per_row) * 4;
+        const long long token = row_token[row];
+        const bool valid = token >= 0 && k0 + k < rank;
+        const float* source = valid ? coefficients + token * rank + k0 + k : coefficients;
+        SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint128_t>::copy(*reinterpret_cast<const uint128_t*>(source),
+                                                         *reinterpret_cast<uint128_t*>(&sA(row, k, stage)), valid);
       }
-      __syncthreads();
-      if (active) {
-        for (int r = 0; r < tile; ++r) {
-          const float basis = view->basis[static_cast<long long>(r0 + r) * width + h * d.head_dim + dim];
-#pragma unroll
-          for (int row = 0; row < kMaxRows; ++row) {
-            if (row < rows) accumulator[row] += a_tile[row * kRankTile + r] * basis;
-          }
-        }
+    } else {
+      for (int e = static_cast<int>(threadIdx.x); e < kRebuildRows * kRebuildRankTile; e += kRebuildThreads) {
+        const int row = e / kRebuildRankTile;
+        const int k = e % kRebuildRankTile;
+        const long long token = row_token[row];
+        const bool valid = token >= 0 && k0 + k < rank;
+        const float* source = valid ? coefficients + token * rank + k0 + k : coefficients;
+        SM80_CP_ASYNC_CACHEALWAYS_ZFILL<std::uint32_t>::copy(*reinterpret_cast<const std::uint32_t*>(source),
+                                                             *reinterpret_cast<std::uint32_t*>(&sA(row, k, stage)),
+                                                             valid);
       }
     }
-    if (active) {
-#pragma unroll
-      for (int row = 0; row < kMaxRows; ++row) {
-        if (row < rows) rows_out[row * d.head_dim + dim] = accumulator[row];
+    if (b_vectors) {
+      constexpr int per_row = D / 4;
+      for (int v = static_cast<int>(threadIdx.x); v < kRebuildRankTile * per_row; v += kRebuildThreads) {
+        const int k = v / per_row;
+        const int n = (v % per_row) * 4;
+        const bool valid = k0 + k < rank;
+        const float* source = valid ? basis + (k0 + k) * width + n : basis;
+        SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint128_t>::copy(*reinterpret_cast<const uint128_t*>(source),
+                                                         *reinterpret_cast<uint128_t*>(&sB(n, k, stage)), valid);
       }
+    } else {
+      for (int e = static_cast<int>(threadIdx.x); e < kRebuildRankTile * D; e += kRebuildThreads) {
+        const int k = e / D;
+        const int n = e % D;
+        const bool valid = k0 + k < rank;
+        const float* source = valid ? basis + (k0 + k) * width + n : basis;
+        SM80_CP_ASYNC_CACHEALWAYS_ZFILL<std::uint32_t>::copy(*reinterpret_cast<const std::uint32_t*>(source),
+                                                             *reinterpret_cast<std::uint32_t*>(&sB(n, k, stage)),
+                                                             valid);
+      }
+    }
+  };
+
+  for (int first = static_cast<int>(blockIdx.z) * group_chunks; first < misses;
+       first += static_cast<int>(gridDim.z) * group_chunks) {
+    const int rows = min(group_chunks, misses - first) * d.chunk;
+    __syncthreads();  // the previous group's epilogue has finished with sC (the stages) and the row tables
+    if (threadIdx.x < kRebuildRows) {
+      const int row = static_cast<int>(threadIdx.x);
+      long long token = -1;
+      long long target = 0;
+      long long position = 0;
+      if (row < rows) {
+        const int slot = miss_slots[first + row / d.chunk];
+        const int j = row % d.chunk;
+        token = static_cast<long long>(cache_chunks[slot]) * d.chunk + j;
+        target = (static_cast<long long>(slot) * d.chunk + j) * D;
+        position = view->context_positions[token];
+      }
+      row_token[row] = token;
+      row_target[row] = target;
+      row_position[row] = position;
     }
     __syncthreads();
-    // RoPE at each token's own position, then store into the buffer slot.
-    if (active) {
-      for (int row = 0; row < rows; ++row) {
-        const int slot = miss_slots[first + row / d.chunk];
-        const int chunk = cache_chunks[slot];
-        const long long position = view->context_positions[static_cast<long long>(chunk) * d.chunk + row % d.chunk];
-        float value = rows_out[row * d.head_dim + dim];
-        if (dim < d.rotary_dim) {
-          const int half = d.rotary_dim / 2;
-          const int pair = d.rope_interleaved ? dim / 2 : dim % half;
-          int first_dim;
-          int second_dim;
-          rope_dims(d, pair, first_dim, second_dim);
-          float x1 = rows_out[row * d.head_dim + first_dim];
-          float x2 = rows_out[row * d.head_dim + second_dim];
-          rope_pair(x1, x2, inv_freq[pair], position, d.attention_scaling, false);
-          value = dim == first_dim ? x1 : x2;
-        }
-        cache_keys[(static_cast<long long>(slot) * d.chunk + row % d.chunk) * d.head_dim + dim] = from_float<T>(value);
+
+    // Main loop: two stages; stage kt % 2 is computed while tile kt + 1 lands in the other one.
+    load_stage(0, 0);
+    cp_async_fence();
+    clear(accumulators);
+    for (int kt = 0; kt < k_tiles; ++kt) {
+      if (kt + 1 < k_tiles) {
+        load_stage(kt + 1, (kt + 1) % kRebuildStages);
+        cp_async_fence();
+        cp_async_wait<1>();  // tile kt has landed (this thread's copies) ...
+      } else {
+        cp_async_wait<0>();
       }
+      __syncthreads();  // ... and every thread's
+      const int stage = kt % kRebuildStages;
+      clear(tile_sums);
+      CUTE_UNROLL
+      for (int kb = 0; kb < size<2>(tCsA); ++kb) {
+        CUTE_UNROLL
+        for (int i = 0; i < size(a_big); ++i) split_tf32(tCsA(_, _, kb, stage)(i), a_big(i), a_small(i));
+        CUTE_UNROLL
+        for (int n = 0; n < size<1>(tCsB); ++n) {
+          CUTE_UNROLL
+          for (int i = 0; i < size(b_big); ++i) split_tf32(tCsB(_, n, kb, stage)(i), b_big(i), b_small(i));
+          // Small products first: they are added while the sum is still small.
+          gemm(mma, tile_sums(_, 0, n), a_small(_, 0), b_big, tile_sums(_, 0, n));
+          gemm(mma, tile_sums(_, 0, n), a_big(_, 0), b_small, tile_sums(_, 0, n));
+          gemm(mma, tile_sums(_, 0, n), a_big(_, 0), b_big, tile_sums(_, 0, n));
+        }
+      }
+      // Tensor cores round their fp32 sums toward zero, so one accumulator chained through all 3 * r / 8 MMAs drifts
+      // (a host model that truncates every MMA result: 1.3e-5 of sum |a*b| at r = 2048, near the parity tests'
+      // tolerance). Chains of 12 MMAs per K tile, summed with round-to-nearest fp32 adds: 2e-7 in the same model.
+      CUTE_UNROLL
+      for (int i = 0; i < size(accumulators); ++i) accumulators(i) += tile_sums(i);
+      __syncthreads();  // everyone is done with this stage before it is refilled (or reused as sC)
+    }
+
+    // Epilogue: results to shared memory, RoPE in place (a thread per pair), then 16-byte stores of whole rows.
+    CUTE_UNROLL
+    for (int i = 0; i < size(accumulators); ++i) tCsC(i) = accumulators(i);
+    __syncthreads();
+    const int half = d.rotary_dim / 2;
+    for (int item = static_cast<int>(threadIdx.x); item < rows * half; item += kRebuildThreads) {
+      const int row = item / half;
+      const int pair = item % half;
+      int first_dim;
+      int second_dim;
+      rope_dims(d, pair, first_dim, second_dim);
+      float x1 = sC(row, first_dim);
+      float x2 = sC(row, second_dim);
+      rope_pair(x1, x2, inv_freq[pair], row_position[row], d.attention_scaling, false);
+      sC(row, first_dim) = x1;
+      sC(row, second_dim) = x2;
+    }
+    __syncthreads();
+    constexpr int kVector = 16 / static_cast<int>(sizeof(T));  // D * sizeof(T) is a multiple of 16 for every D
+    constexpr int kVectorsPerRow = D / kVector;
+    for (int item = static_cast<int>(threadIdx.x); item < rows * kVectorsPerRow; item += kRebuildThreads) {
+      const int row = item / kVectorsPerRow;
+      const int column = (item % kVectorsPerRow) * kVector;
+      union {
+        uint4 vector;
+        T elements[kVector];
+      } packed;
+#pragma unroll
+      for (int i = 0; i < kVector; ++i) packed.elements[i] = from_float<T>(sC(row, column + i));
+      *reinterpret_cast<uint4*>(cache_keys + row_target[row] + column) = packed.vector;
     }
   }
+}
+
+bool supported_head_dim(int head_dim) {
+  return head_dim == 64 || head_dim == 80 || head_dim == 96 || head_dim == 128 || head_dim == 256;
+}
+
+template <typename T, int D>
+void launch_rebuild_for(const dims& d, layer_view* views, const int* batch_slots, int layer, int batch,
+                        const step_workspace& workspace, const float* inv_freq, cudaStream_t stream) {
+  using tile = rebuild_tile<D>;
+  // Above 48 KiB (D >= 128) the kernel needs the opt-in limit; set once per instantiation, not per launch.
+  static const bool large_shared_memory_allowed = shadowkv_allow_max_shared_memory(rebuild_keys_kernel<T, D>);
+  (void)large_shared_memory_allowed;
+  const int group_chunks = kRebuildRows / d.chunk;
+  const int groups = (d.budget + group_chunks - 1) / group_chunks;
+  const dim3 grid(static_cast<unsigned>(batch), static_cast<unsigned>(d.kv_heads),
+                  static_cast<unsigned>(splits_for(batch, d.kv_heads, groups)));
+  rebuild_keys_kernel<T, D><<<grid, kRebuildThreads, tile::shared_bytes, stream>>>(d, views, batch_slots, layer,
+                                                                                    workspace, inv_freq);
 }
 
 // One CTA per (entry, head); one warp per missed chunk at a time, 16-byte reads of the contiguous run.
@@ -146,17 +357,27 @@ __global__ void fetch_values_kernel(dims d, layer_view* views, const int* batch_
 
 void launch_rebuild_keys(const dims& d, int kv_type, layer_view* views, const int* batch_slots, int layer, int batch,
                          const step_workspace& workspace, const float* inv_freq, cudaStream_t stream) {
-  SHADOWKV_EXPECTS(d.chunk <= kMaxRows, "chunk_size ", d.chunk, " is larger than the CUDA key rebuild supports (",
-                   kMaxRows, ")");
-  const int threads = ((d.head_dim + 31) / 32) * 32;
-  const std::size_t shared = (kMaxRows * kRankTile + static_cast<std::size_t>(kMaxRows) * d.head_dim) * sizeof(float);
+  SHADOWKV_EXPECTS(supported_head_dim(d.head_dim), "key rebuild supports head_dim 64, 80, 96, 128 or 256, got ",
+                   d.head_dim);
+  SHADOWKV_EXPECTS(d.chunk >= 1 && d.chunk <= kRebuildRows, "chunk_size ", d.chunk,
+                   " is not supported by the CUDA key rebuild (1 to ", kRebuildRows, ")");
+  SHADOWKV_EXPECTS(d.rank >= 1, "key rebuild: rank must be >= 1, got ", d.rank);
+  SHADOWKV_EXPECTS(d.rotary_dim >= 0 && d.rotary_dim <= d.head_dim && d.rotary_dim % 2 == 0,
+                   "key rebuild: rotary_dim must be even and in [0, head_dim = ", d.head_dim, "], got ", d.rotary_dim);
+  SHADOWKV_EXPECTS(d.kv_heads >= 1 && d.kv_heads <= 65535 && d.budget >= 1,
+                   "key rebuild: need 1 <= kv_heads <= 65535 and budget >= 1, got kv_heads ", d.kv_heads, ", budget ",
+                   d.budget);
+  SHADOWKV_EXPECTS(batch >= 0, "key rebuild: batch must be >= 0, got ", batch);
+  if (batch == 0) return;
   shadowkv_dispatch_element(kv_type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    static const bool large_shared_memory_allowed = shadowkv_allow_max_shared_memory(rebuild_keys_kernel<T>);
-    (void)large_shared_memory_allowed;
-    const int groups = (d.budget + kGroupChunks - 1) / kGroupChunks;
-    rebuild_keys_kernel<T><<<dim3(batch, d.kv_heads, splits_for(batch, d.kv_heads, groups)), threads, shared, stream>>>(
-        d, views, batch_slots, layer, workspace, inv_freq);
+    switch (d.head_dim) {
+      case 64: launch_rebuild_for<T, 64>(d, views, batch_slots, layer, batch, workspace, inv_freq, stream); break;
+      case 80: launch_rebuild_for<T, 80>(d, views, batch_slots, layer, batch, workspace, inv_freq, stream); break;
+      case 96: launch_rebuild_for<T, 96>(d, views, batch_slots, layer, batch, workspace, inv_freq, stream); break;
+      case 128: launch_rebuild_for<T, 128>(d, views, batch_slots, layer, batch, workspace, inv_freq, stream); break;
+      default: launch_rebuild_for<T, 256>(d, views, batch_slots, layer, batch, workspace, inv_freq, stream); break;
+    }
   });
   SHADOWKV_CUDA_CHECK_LAUNCH();
 }

@@ -9,7 +9,11 @@
 
 namespace shadowkv::cuda {
 
-/// Keys of every missed (entry, head, chunk) into its buffer slot of cache_keys, rounded to T.
+/// Keys of every missed (entry, head, chunk) into its buffer slot of cache_keys, rounded to T: a tensor-core
+/// gather-GEMM A[rows of the chunk] · B[:, head] (3xTF32, fp32-accurate), then RoPE at each token's position.
+/// The miss lists are read on the device (the grid depends only on batch and dims: graph-capturable); runs on
+/// `stream`, allocates nothing. Throws shadowkv::invalid_argument for head_dim not in {64, 80, 96, 128, 256} or
+/// chunk_size above 64.
 void launch_rebuild_keys(const dims& d, int kv_type, layer_view* views, const int* batch_slots, int layer, int batch,
                          const step_workspace& workspace, const float* inv_freq, cudaStream_t stream);
 

@@ -1,0 +1,747 @@
+// launch_rebuild_keys against a float64 host reference of decode step 4 (keys of the missed chunks):
+//   key[t, :] = A[t, 0:r] · B[0:r, h*D:(h+1)*D], then RoPE at context_positions[t], rounded to the store's type,
+// for every token t of every missed chunk, written to the chunk's buffer slot of cache_keys.
+//
+// What is compared:
+//   * every rebuilt key element against float64 within a bound of the GEMM error, 1e-5 * sum_k |A[t,k] B[k,j]| (the
+//     error of an fp32 dot product; rotated pairs add both elements' bounds times attention_scaling), plus the
+//     rounding to bf16/fp16 when the store has that type;
+//   * every slot not in the (entry, head) miss list, byte for byte against the sentinel it was filled with;
+//   * that the rebuilt keys are non-trivial (a norm above zero where there were misses).
+// Random data with printed seeds; the configuration of a failing case is printed with it.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "chunk_rebuild.cuh"
+#include "device_layout.cuh"
+#include "shadowkv/errors.hpp"
+
+namespace {
+
+using shadowkv::cuda::dims;
+using shadowkv::cuda::layer_view;
+using shadowkv::cuda::step_workspace;
+
+#define CUDA_OK(expression) ASSERT_EQ((expression), cudaSuccess) << #expression
+
+bool device_present() {
+  int count = 0;
+  return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
+}
+
+/// A cudaMalloc'ed buffer freed on scope exit (test code only: kernels never allocate).
+class device_buffer {
+ public:
+  device_buffer() = default;
+  explicit device_buffer(std::size_t bytes) : bytes_(bytes) {
+    if (bytes > 0 && cudaMalloc(&data_, bytes) != cudaSuccess) data_ = nullptr;
+  }
+  device_buffer(const device_buffer&) = delete;
+  device_buffer& operator=(const device_buffer&) = delete;
+  device_buffer(device_buffer&& other) noexcept : data_(other.data_), bytes_(other.bytes_) { other.data_ = nullptr; }
+  device_buffer& operator=(device_buffer&& other) noexcept {
+    std::swap(data_, other.data_);
+    std::swap(bytes_, other.bytes_);
+    return *this;
+  }
+  ~device_buffer() {
+    if (data_ != nullptr) cudaFree(data_);
+  }
+  template <typename T = void>
+  T* get() const {
+    return static_cast<T*>(data_);
+  }
+  [[nodiscard]] bool ok() const { return bytes_ == 0 || data_ != nullptr; }
+
+ private:
+  void* data_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+std::size_t element_bytes(int type) { return type == shadowkv::cuda::element_f32 ? 4 : 2; }
+
+const char* type_name(int type) {
+  return type == shadowkv::cuda::element_f16 ? "f16" : (type == shadowkv::cuda::element_bf16 ? "bf16" : "f32");
+}
+
+float load_element(int type, const unsigned char* bytes, std::size_t index) {
+  if (type == shadowkv::cuda::element_f16) {
+    __half h;
+    std::memcpy(&h, bytes + index * 2, 2);
+    return __half2float(h);
+  }
+  if (type == shadowkv::cuda::element_bf16) {
+    __nv_bfloat16 h;
+    std::memcpy(&h, bytes + index * 2, 2);
+    return __bfloat162float(h);
+  }
+  float value;
+  std::memcpy(&value, bytes + index * 4, 4);
+  return value;
+}
+
+/// Allowed |rebuilt - reference| for one element: the fp32 GEMM/RoPE error bound `gemm_bound` (1e-5 of the absolute
+/// products' sum), plus the rounding of the fp32 result to the store's type (half an ulp of the rebuilt value).
+double tolerance(int type, double reference, double gemm_bound) {
+  const double fp32 = 1e-5 * gemm_bound + 1e-30;
+  switch (type) {
+    case shadowkv::cuda::element_bf16: return 1.01 * fp32 + std::ldexp(std::fabs(reference), -8);
+    case shadowkv::cuda::element_f16: return 1.01 * fp32 + std::ldexp(std::fabs(reference), -11) + std::ldexp(1.0, -25);
+    default: return fp32;
+  }
+}
+
+enum class miss_pattern { none, one, all, ragged };
+
+const char* pattern_name(miss_pattern p) {
+  switch (p) {
+    case miss_pattern::none: return "none";
+    case miss_pattern::one: return "one";
+    case miss_pattern::all: return "all";
+    default: return "ragged";
+  }
+}
+
+struct case_config {
+  std::uint64_t seed = 0;
+  int batch = 1;
+  int kv_heads = 1;
+  int head_dim = 64;
+  int chunk = 8;
+  int rank = 48;         ///< 0: full rank, kv_heads * head_dim
+  int rotary_dim = 0;    ///< 0: head_dim
+  bool interleaved = false;
+  float attention_scaling = 1.0F;
+  double rope_theta = 10000.0;
+  int kv_type = shadowkv::cuda::element_f32;
+  int budget = 16;       ///< chunks per head
+  miss_pattern pattern = miss_pattern::ragged;
+  bool misaligned = false;  ///< A and B start 4 bytes past a 16-byte boundary (the kernel's 4-byte copy path)
+  bool graph = false;       ///< capture once, replay with a second set of miss lists
+
+  [[nodiscard]] int full_rank() const { return rank > 0 ? rank : kv_heads * head_dim; }
+  [[nodiscard]] int rotary() const { return rotary_dim > 0 ? rotary_dim : head_dim; }
+  [[nodiscard]] std::string describe() const {
+    std::ostringstream s;
+    s << "seed=" << seed << " B=" << batch << " Hkv=" << kv_heads << " D=" << head_dim << " C=" << chunk
+      << " r=" << full_rank() << (rank > 0 ? "" : "(full)") << " rotary=" << rotary()
+      << (interleaved ? " interleaved" : " half-split") << " scaling=" << attention_scaling << " theta=" << rope_theta
+      << " kv=" << type_name(kv_type) << " k=" << budget << " misses=" << pattern_name(pattern)
+      << (misaligned ? " misaligned" : "") << (graph ? " graph" : "");
+    return s.str();
+  }
+};
+
+/// Host mirror of one (slot, layer) entry and its device buffers.
+struct host_entry {
+  int slot = 0;
+  std::vector<float> coefficients;         // A [max_chunks*C, r]
+  std::vector<float> basis;                // B [r, Hkv*D]
+  std::vector<long long> positions;        // [max_chunks*C]
+  std::vector<int> cache_chunks;           // [Hkv, k]
+  device_buffer coefficients_device, basis_device, positions_device, cache_chunks_device, cache_keys_device;
+};
+
+/// Miss lists [B, Hkv]: distinct slots in random order.
+std::vector<std::vector<int>> draw_misses(const case_config& cfg, std::mt19937_64& rng) {
+  std::vector<std::vector<int>> lists(static_cast<std::size_t>(cfg.batch) * cfg.kv_heads);
+  for (std::size_t i = 0; i < lists.size(); ++i) {
+    int count = 0;
+    switch (cfg.pattern) {
+      case miss_pattern::none: count = 0; break;
+      case miss_pattern::one: count = 1; break;
+      case miss_pattern::all: count = cfg.budget; break;
+      case miss_pattern::ragged:
+        // The ends (0, k) often, anything between otherwise: neighbouring (entry, head) pairs differ.
+        switch (std::uniform_int_distribution<int>(0, 5)(rng)) {
+          case 0: count = 0; break;
+          case 1: count = cfg.budget; break;
+          default: count = std::uniform_int_distribution<int>(1, cfg.budget)(rng); break;
+        }
+        break;
+    }
+    std::vector<int> slots(static_cast<std::size_t>(cfg.budget));
+    std::iota(slots.begin(), slots.end(), 0);
+    std::shuffle(slots.begin(), slots.end(), rng);
+    slots.resize(static_cast<std::size_t>(count));
+    lists[i] = slots;
+  }
+  return lists;
+}
+
+std::vector<float> inv_freq_for(const case_config& cfg) {
+  const int rotary = cfg.rotary();
+  std::vector<float> inv_freq(static_cast<std::size_t>(rotary / 2));
+  for (int i = 0; i < rotary / 2; ++i) {
+    inv_freq[static_cast<std::size_t>(i)] =
+        static_cast<float>(1.0 / std::pow(cfg.rope_theta, static_cast<double>(2 * i) / rotary));
+  }
+  return inv_freq;
+}
+
+/// Reference key row (float64) and its error bounds, for token `token` of head h of entry e.
+void reference_row(const case_config& cfg, const host_entry& e, const std::vector<float>& inv_freq, int h,
+                   long long token, std::vector<double>& key, std::vector<double>& bound) {
+  const int D = cfg.head_dim;
+  const int r = cfg.full_rank();
+  const std::size_t width = static_cast<std::size_t>(cfg.kv_heads) * D;
+  std::vector<double> sum(static_cast<std::size_t>(D), 0.0);
+  std::vector<double> magnitude(static_cast<std::size_t>(D), 0.0);
+  const float* a = e.coefficients.data() + static_cast<std::size_t>(token) * r;
+  for (int k = 0; k < r; ++k) {
+    const double ak = a[k];
+    const float* brow = e.basis.data() + static_cast<std::size_t>(k) * width + static_cast<std::size_t>(h) * D;
+    for (int x = 0; x < D; ++x) {
+      const double p = ak * static_cast<double>(brow[x]);
+      sum[static_cast<std::size_t>(x)] += p;
+      magnitude[static_cast<std::size_t>(x)] += std::fabs(p);
+    }
+  }
+  key = sum;
+  bound = magnitude;
+  // RoPE as the CPU backend defines it: float32 angle, cos/sin of it, attention_scaling on both.
+  const int half = cfg.rotary() / 2;
+  const float position = static_cast<float>(e.positions[static_cast<std::size_t>(token)]);
+  for (int i = 0; i < half; ++i) {
+    const float angle = position * inv_freq[static_cast<std::size_t>(i)];
+    const double c = std::cos(static_cast<double>(angle)) * cfg.attention_scaling;
+    const double s = std::sin(static_cast<double>(angle)) * cfg.attention_scaling;
+    const int first = cfg.interleaved ? 2 * i : i;
+    const int second = cfg.interleaved ? 2 * i + 1 : i + half;
+    const double x1 = sum[static_cast<std::size_t>(first)];
+    const double x2 = sum[static_cast<std::size_t>(second)];
+    key[static_cast<std::size_t>(first)] = x1 * c - x2 * s;
+    key[static_cast<std::size_t>(second)] = x2 * c + x1 * s;
+    const double pair_bound = static_cast<double>(cfg.attention_scaling) *
+                              (magnitude[static_cast<std::size_t>(first)] +
+                               magnitude[static_cast<std::size_t>(second)]);
+    bound[static_cast<std::size_t>(first)] = pair_bound;
+    bound[static_cast<std::size_t>(second)] = pair_bound;
+  }
+}
+
+constexpr unsigned char kSentinel = 0xA5;
+
+void run_case(const case_config& cfg) {
+  SCOPED_TRACE(cfg.describe());
+  std::printf("[ chunk_rebuild ] %s\n", cfg.describe().c_str());
+  std::mt19937_64 rng(cfg.seed);
+  std::normal_distribution<float> normal(0.0F, 1.0F);
+
+  const int B = cfg.batch;
+  const int Hkv = cfg.kv_heads;
+  const int D = cfg.head_dim;
+  const int C = cfg.chunk;
+  const int k = cfg.budget;
+  const int r = cfg.full_rank();
+  const int width = Hkv * D;
+  const int max_chunks = k + 13;  // more chunks than slots: cache_chunks is a proper subset, in random order
+  const std::size_t tokens = static_cast<std::size_t>(max_chunks) * C;
+  const int num_layers = 3;
+  const int layer = 2;
+  const int slots = B + 2;
+  const int max_batch = B + 1;
+  ASSERT_LE(r, width);
+
+  dims d{};
+  d.num_layers = num_layers;
+  d.q_heads = Hkv;
+  d.kv_heads = Hkv;
+  d.head_dim = D;
+  d.group = 1;
+  d.chunk = C;
+  d.budget = k;
+  d.max_outliers = 0;
+  d.rank = r;
+  d.window = C;
+  d.local_capacity = 0;
+  d.max_chunks = max_chunks;
+  d.rotary_dim = cfg.rotary();
+  d.rope_interleaved = cfg.interleaved ? 1 : 0;
+  d.attention_scaling = cfg.attention_scaling;
+  d.softmax_scale = 1.0F;
+
+  // Entries on a shuffled subset of the slots, never the identity order (exercises slot * num_layers + layer).
+  std::vector<int> slot_order(static_cast<std::size_t>(slots));
+  std::iota(slot_order.begin(), slot_order.end(), 0);
+  do {
+    std::shuffle(slot_order.begin(), slot_order.end(), rng);
+  } while (slot_order[0] == 0);
+  const std::vector<int> batch_slots(slot_order.begin(), slot_order.begin() + B);
+
+  const std::size_t key_elements = static_cast<std::size_t>(Hkv) * k * C * D;
+  const std::size_t key_bytes = key_elements * element_bytes(cfg.kv_type);
+  const std::size_t pad = cfg.misaligned ? 1 : 0;  // floats
+  std::vector<host_entry> entries(static_cast<std::size_t>(B));
+  std::vector<layer_view> views(static_cast<std::size_t>(slots) * num_layers);
+  std::memset(views.data(), 0, views.size() * sizeof(layer_view));
+  // Column scales of A decay like singular values; B has unit-variance rows spread over the width.
+  std::vector<float> column_scale(static_cast<std::size_t>(r));
+  for (int c = 0; c < r; ++c) column_scale[static_cast<std::size_t>(c)] = 4.0F / (1.0F + static_cast<float>(c) / 16.0F);
+  const float basis_scale = 1.0F / std::sqrt(static_cast<float>(std::min(width, 256)));
+  for (int b = 0; b < B; ++b) {
+    host_entry& e = entries[static_cast<std::size_t>(b)];
+    e.slot = batch_slots[static_cast<std::size_t>(b)];
+    e.coefficients.resize(tokens * r);
+    for (std::size_t i = 0; i < e.coefficients.size(); ++i) {
+      e.coefficients[i] = normal(rng) * column_scale[i % static_cast<std::size_t>(r)];
+    }
+    e.basis.resize(static_cast<std::size_t>(r) * width);
+    for (float& x : e.basis) x = normal(rng) * basis_scale;
+    e.positions.resize(tokens);
+    const long long offset = std::uniform_int_distribution<long long>(0, 200000)(rng);
+    for (std::size_t t = 0; t < tokens; ++t) {
+      // Mostly increasing positions, some far apart (large angles).
+      e.positions[t] = offset + static_cast<long long>(t) +
+                       (t % 7 == 3 ? std::uniform_int_distribution<long long>(0, 1000000)(rng) : 0);
+    }
+    e.cache_chunks.resize(static_cast<std::size_t>(Hkv) * k);
+    for (int h = 0; h < Hkv; ++h) {
+      std::vector<int> ids(static_cast<std::size_t>(max_chunks));
+      std::iota(ids.begin(), ids.end(), 0);
+      std::shuffle(ids.begin(), ids.end(), rng);
+      std::copy_n(ids.begin(), k, e.cache_chunks.begin() + static_cast<std::ptrdiff_t>(h) * k);
+    }
+
+    e.coefficients_device = device_buffer((e.coefficients.size() + pad) * sizeof(float));
+    e.basis_device = device_buffer((e.basis.size() + pad) * sizeof(float));
+    e.positions_device = device_buffer(e.positions.size() * sizeof(long long));
+    e.cache_chunks_device = device_buffer(e.cache_chunks.size() * sizeof(int));
+    e.cache_keys_device = device_buffer(key_bytes);
+    ASSERT_TRUE(e.coefficients_device.ok() && e.basis_device.ok() && e.positions_device.ok() &&
+                e.cache_chunks_device.ok() && e.cache_keys_device.ok());
+    float* coefficients = e.coefficients_device.get<float>() + pad;
+    float* basis = e.basis_device.get<float>() + pad;
+    CUDA_OK(cudaMemcpy(coefficients, e.coefficients.data(), e.coefficients.size() * sizeof(float),
+                       cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(basis, e.basis.data(), e.basis.size() * sizeof(float), cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(e.positions_device.get(), e.positions.data(), e.positions.size() * sizeof(long long),
+                       cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(e.cache_chunks_device.get(), e.cache_chunks.data(), e.cache_chunks.size() * sizeof(int),
+                       cudaMemcpyHostToDevice));
+
+    layer_view& view = views[static_cast<std::size_t>(e.slot) * num_layers + layer];
+    view.context_chunks = max_chunks;
+    view.basis = basis;
+    view.coefficients = coefficients;
+    view.context_positions = e.positions_device.get<long long>();
+    view.cache_chunks = e.cache_chunks_device.get<int>();
+    view.cache_keys = e.cache_keys_device.get();
+  }
+
+  const std::vector<float> inv_freq = inv_freq_for(cfg);
+  device_buffer views_device(views.size() * sizeof(layer_view));
+  device_buffer slots_device(batch_slots.size() * sizeof(int));
+  device_buffer inv_freq_device(std::max<std::size_t>(inv_freq.size(), 1) * sizeof(float));
+  device_buffer miss_slots_device(static_cast<std::size_t>(max_batch) * Hkv * k * sizeof(int));
+  device_buffer miss_counts_device(static_cast<std::size_t>(max_batch) * Hkv * sizeof(int));
+  ASSERT_TRUE(views_device.ok() && slots_device.ok() && inv_freq_device.ok() && miss_slots_device.ok() &&
+              miss_counts_device.ok());
+  CUDA_OK(cudaMemcpy(views_device.get(), views.data(), views.size() * sizeof(layer_view), cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(slots_device.get(), batch_slots.data(), batch_slots.size() * sizeof(int),
+                     cudaMemcpyHostToDevice));
+  if (!inv_freq.empty()) {
+    CUDA_OK(cudaMemcpy(inv_freq_device.get(), inv_freq.data(), inv_freq.size() * sizeof(float),
+                       cudaMemcpyHostToDevice));
+  }
+  step_workspace ws{};
+  ws.miss_slots = miss_slots_device.get<int>();
+  ws.miss_counts = miss_counts_device.get<int>();
+
+  cudaStream_t stream = nullptr;
+  CUDA_OK(cudaStreamCreate(&stream));
+  cudaGraphExec_t graph_exec = nullptr;
+
+  const int rounds = cfg.graph ? 2 : 1;
+  for (int round = 0; round < rounds; ++round) {
+    SCOPED_TRACE("round " + std::to_string(round));
+    // Miss lists; the unused tail of each list and the rows of the unused batch entry hold garbage slot ids.
+    const std::vector<std::vector<int>> misses = draw_misses(cfg, rng);
+    std::vector<int> miss_slots(static_cast<std::size_t>(max_batch) * Hkv * k, 0x55555555);
+    std::vector<int> miss_counts(static_cast<std::size_t>(max_batch) * Hkv, 0x55555555);
+    for (int i = 0; i < B * Hkv; ++i) {
+      const std::vector<int>& list = misses[static_cast<std::size_t>(i)];
+      miss_counts[static_cast<std::size_t>(i)] = static_cast<int>(list.size());
+      std::copy(list.begin(), list.end(), miss_slots.begin() + static_cast<std::ptrdiff_t>(i) * k);
+    }
+    CUDA_OK(cudaMemcpy(miss_slots_device.get(), miss_slots.data(), miss_slots.size() * sizeof(int),
+                       cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(miss_counts_device.get(), miss_counts.data(), miss_counts.size() * sizeof(int),
+                       cudaMemcpyHostToDevice));
+    for (const host_entry& e : entries) CUDA_OK(cudaMemset(e.cache_keys_device.get(), kSentinel, key_bytes));
+
+    if (!cfg.graph) {
+      ASSERT_NO_THROW(shadowkv::cuda::launch_rebuild_keys(d, cfg.kv_type, views_device.get<layer_view>(),
+                                                          slots_device.get<int>(), layer, B, ws,
+                                                          inv_freq_device.get<float>(), stream));
+    } else {
+      if (graph_exec == nullptr) {
+        // The launch's one-time attribute setup runs outside the capture (as the backend's first uncaptured step).
+        ASSERT_NO_THROW(shadowkv::cuda::launch_rebuild_keys(d, cfg.kv_type, views_device.get<layer_view>(),
+                                                            slots_device.get<int>(), layer, B, ws,
+                                                            inv_freq_device.get<float>(), stream));
+        CUDA_OK(cudaStreamSynchronize(stream));
+        for (const host_entry& e : entries) CUDA_OK(cudaMemset(e.cache_keys_device.get(), kSentinel, key_bytes));
+        CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+        ASSERT_NO_THROW(shadowkv::cuda::launch_rebuild_keys(d, cfg.kv_type, views_device.get<layer_view>(),
+                                                            slots_device.get<int>(), layer, B, ws,
+                                                            inv_freq_device.get<float>(), stream));
+        cudaGraph_t graph = nullptr;
+        CUDA_OK(cudaStreamEndCapture(stream, &graph));
+        CUDA_OK(cudaGraphInstantiate(&graph_exec, graph, 0));
+        CUDA_OK(cudaGraphDestroy(graph));
+      }
+      CUDA_OK(cudaGraphLaunch(graph_exec, stream));
+    }
+    CUDA_OK(cudaStreamSynchronize(stream));
+    CUDA_OK(cudaGetLastError());
+
+    std::size_t compared = 0;
+    std::size_t failures = 0;
+    std::size_t untouched_failures = 0;
+    double worst_ratio = 0.0;
+    double reference_norm = 0.0;
+    double rebuilt_norm = 0.0;
+    std::vector<double> key;
+    std::vector<double> bound;
+    for (int b = 0; b < B; ++b) {
+      const host_entry& e = entries[static_cast<std::size_t>(b)];
+      std::vector<unsigned char> keys(key_bytes);
+      CUDA_OK(cudaMemcpy(keys.data(), e.cache_keys_device.get(), key_bytes, cudaMemcpyDeviceToHost));
+      for (int h = 0; h < Hkv; ++h) {
+        const std::vector<int>& list = misses[static_cast<std::size_t>(b) * Hkv + h];
+        std::vector<char> missed(static_cast<std::size_t>(k), 0);
+        for (int s : list) missed[static_cast<std::size_t>(s)] = 1;
+        for (int s = 0; s < k; ++s) {
+          const std::size_t row0 = (static_cast<std::size_t>(h) * k + s) * C;  // first key row of the slot
+          if (missed[static_cast<std::size_t>(s)] == 0) {
+            const unsigned char* bytes = keys.data() + row0 * D * element_bytes(cfg.kv_type);
+            const std::size_t count = static_cast<std::size_t>(C) * D * element_bytes(cfg.kv_type);
+            if (std::any_of(bytes, bytes + count, [](unsigned char x) { return x != kSentinel; })) {
+              if (untouched_failures < 5) {
+                ADD_FAILURE() << "slot not in the miss list was written: entry " << b << " (slot " << e.slot
+                              << ") head " << h << " buffer slot " << s;
+              }
+              ++untouched_failures;
+            }
+            continue;
+          }
+          const int chunk = e.cache_chunks[static_cast<std::size_t>(h) * k + s];
+          for (int j = 0; j < C; ++j) {
+            const long long token = static_cast<long long>(chunk) * C + j;
+            reference_row(cfg, e, inv_freq, h, token, key, bound);
+            for (int x = 0; x < D; ++x) {
+              const double want = key[static_cast<std::size_t>(x)];
+              const double got = load_element(cfg.kv_type, keys.data(), (row0 + j) * D + x);
+              const double allowed = tolerance(cfg.kv_type, want, bound[static_cast<std::size_t>(x)]);
+              const double error = std::fabs(got - want);
+              reference_norm += want * want;
+              rebuilt_norm += got * got;
+              ++compared;
+              worst_ratio = std::max(worst_ratio, error / allowed);
+              if (!(error <= allowed)) {
+                if (failures < 5) {
+                  ADD_FAILURE() << "entry " << b << " (slot " << e.slot << ") head " << h << " buffer slot " << s
+                                << " chunk " << chunk << " row " << j << " (position "
+                                << e.positions[static_cast<std::size_t>(token)] << ") dim " << x << ": got " << got
+                                << ", want " << want << " (error " << error << ", allowed " << allowed << ")";
+                }
+                ++failures;
+              }
+            }
+          }
+        }
+      }
+    }
+    EXPECT_EQ(failures, 0U) << failures << " of " << compared << " key elements outside the tolerance";
+    EXPECT_EQ(untouched_failures, 0U) << untouched_failures << " slots outside the miss lists were written";
+    if (compared > 0) {
+      EXPECT_GT(reference_norm, 0.0);
+      EXPECT_GT(rebuilt_norm, 0.0) << "the rebuilt keys are all zero";
+    }
+    std::printf("[ chunk_rebuild ]   round %d: %zu elements compared, worst error / tolerance %.3g\n", round,
+                compared, worst_ratio);
+  }
+  if (graph_exec != nullptr) CUDA_OK(cudaGraphExecDestroy(graph_exec));
+  CUDA_OK(cudaStreamDestroy(stream));
+}
+
+class ChunkRebuild : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!device_present()) GTEST_SKIP() << "no CUDA device: launch_rebuild_keys is not exercised";
+  }
+};
+
+constexpr int kTypes[] = {shadowkv::cuda::element_f32, shadowkv::cuda::element_bf16, shadowkv::cuda::element_f16};
+
+/// Chunks per head giving a few 64-row tiles per (entry, head), so that several groups and splits are exercised.
+int budget_for(int chunk) { return std::max(2, 200 / chunk); }
+
+TEST_F(ChunkRebuild, HeadDimsChunksRanksAndTypes) {
+  // Every D x C x rank x type; the other parameters rotate with the case index so that each value of each occurs
+  // with many of the others.
+  const int kv_heads[] = {1, 2, 8};
+  const miss_pattern patterns[] = {miss_pattern::ragged, miss_pattern::ragged, miss_pattern::all,
+                                   miss_pattern::ragged, miss_pattern::one};
+  const float scalings[] = {1.0F, 0.75F, 1.25F, 1.0F};
+  int index = 0;
+  for (int head_dim : {64, 80, 96, 128, 256}) {
+    for (int chunk : {1, 8, 16}) {
+      for (int rank : {48, 160, 0}) {
+        for (int type : kTypes) {
+          case_config cfg;
+          cfg.seed = 0xC0FFEEULL + 7919ULL * static_cast<std::uint64_t>(index);
+          cfg.head_dim = head_dim;
+          cfg.chunk = chunk;
+          cfg.kv_heads = kv_heads[index % 3];
+          cfg.rank = rank;
+          if (rank > cfg.kv_heads * head_dim) cfg.rank = 0;  // 160 > 1 * 64, 1 * 80, 1 * 96, 1 * 128: full instead
+          cfg.batch = (index / 3) % 2 == 0 ? 1 : 3;
+          cfg.rotary_dim = index % 2 == 0 ? 0 : head_dim / 2;
+          cfg.interleaved = (index / 2) % 2 == 1;
+          cfg.attention_scaling = scalings[index % 4];
+          cfg.rope_theta = index % 3 == 1 ? 500000.0 : 10000.0;
+          cfg.kv_type = type;
+          cfg.budget = budget_for(chunk);
+          cfg.pattern = patterns[index % 5];
+          run_case(cfg);
+          if (HasFatalFailure()) return;
+          ++index;
+        }
+      }
+    }
+  }
+}
+
+TEST_F(ChunkRebuild, MissPatterns) {
+  // Zero misses, one, every slot, ragged counts across (entry, head); one to eight heads, one or three entries.
+  std::uint64_t seed = 101;
+  for (miss_pattern pattern : {miss_pattern::none, miss_pattern::one, miss_pattern::all, miss_pattern::ragged}) {
+    for (int kv_heads : {1, 2, 8}) {
+      for (int batch : {1, 3}) {
+        case_config cfg;
+        cfg.seed = seed++;
+        cfg.batch = batch;
+        cfg.kv_heads = kv_heads;
+        cfg.head_dim = 128;
+        cfg.chunk = 8;
+        cfg.rank = kv_heads == 1 ? 0 : 160;  // one head: full rank 128
+        cfg.kv_type = shadowkv::cuda::element_bf16;
+        cfg.budget = 40;
+        cfg.pattern = pattern;
+        run_case(cfg);
+        if (HasFatalFailure()) return;
+      }
+    }
+  }
+}
+
+TEST_F(ChunkRebuild, RopeVariants) {
+  // Full and partial rotary dims, half-split and interleaved pairs, attention scaling below, at and above one.
+  std::uint64_t seed = 201;
+  for (int head_dim : {80, 256}) {
+    for (bool partial : {false, true}) {
+      for (bool interleaved : {false, true}) {
+        for (float scaling : {1.0F, 0.7F, 1.3F}) {
+          case_config cfg;
+          cfg.seed = seed++;
+          cfg.batch = 2;
+          cfg.kv_heads = 2;
+          cfg.head_dim = head_dim;
+          cfg.chunk = 8;
+          cfg.rank = 160;
+          cfg.rotary_dim = partial ? head_dim / 2 : 0;
+          cfg.interleaved = interleaved;
+          cfg.attention_scaling = scaling;
+          cfg.rope_theta = 500000.0;
+          cfg.kv_type = shadowkv::cuda::element_f32;
+          cfg.budget = 24;
+          cfg.pattern = miss_pattern::ragged;
+          run_case(cfg);
+          if (HasFatalFailure()) return;
+        }
+      }
+    }
+  }
+}
+
+TEST_F(ChunkRebuild, RanksOffTheVectorPath) {
+  // Ranks that are no multiple of 4 (A rows not 16-byte aligned: 4-byte copies) and a rank tail in every K tile.
+  std::uint64_t seed = 301;
+  for (int rank : {1, 3, 33, 97, 130}) {
+    for (int head_dim : {64, 96}) {
+      case_config cfg;
+      cfg.seed = seed++;
+      cfg.batch = 2;
+      cfg.kv_heads = 3;  // width 192 / 288: room for rank 130
+      cfg.head_dim = head_dim;
+      cfg.chunk = 8;
+      cfg.rank = rank;
+      cfg.kv_type = rank % 2 == 0 ? shadowkv::cuda::element_f32 : shadowkv::cuda::element_f16;
+      cfg.budget = 20;
+      cfg.pattern = miss_pattern::ragged;
+      run_case(cfg);
+      if (HasFatalFailure()) return;
+    }
+  }
+}
+
+TEST_F(ChunkRebuild, MisalignedFactors) {
+  // A and B 4 bytes past a 16-byte boundary: both operands take the 4-byte copy path.
+  std::uint64_t seed = 401;
+  for (int type : kTypes) {
+    case_config cfg;
+    cfg.seed = seed++;
+    cfg.batch = 3;
+    cfg.kv_heads = 2;
+    cfg.head_dim = 128;
+    cfg.chunk = 8;
+    cfg.rank = 160;
+    cfg.kv_type = type;
+    cfg.budget = 24;
+    cfg.misaligned = true;
+    run_case(cfg);
+    if (HasFatalFailure()) return;
+  }
+}
+
+TEST_F(ChunkRebuild, OddChunkSizes) {
+  // C = 3 and 5: a tile of 63 / 60 rows; C = 64: one chunk per tile.
+  std::uint64_t seed = 501;
+  for (int chunk : {3, 5, 64}) {
+    case_config cfg;
+    cfg.seed = seed++;
+    cfg.batch = 2;
+    cfg.kv_heads = 2;
+    cfg.head_dim = 64;
+    cfg.chunk = chunk;
+    cfg.rank = 48;
+    cfg.kv_type = shadowkv::cuda::element_bf16;
+    cfg.budget = budget_for(chunk);
+    run_case(cfg);
+    if (HasFatalFailure()) return;
+  }
+}
+
+TEST_F(ChunkRebuild, LargeBudgetsAndFullWidth) {
+  {
+    // 1024 chunks per head, all missed: 128 tiles per (entry, head), more than the splits of the grid.
+    case_config cfg;
+    cfg.seed = 601;
+    cfg.batch = 1;
+    cfg.kv_heads = 2;
+    cfg.head_dim = 128;
+    cfg.chunk = 8;
+    cfg.rank = 160;
+    cfg.kv_type = shadowkv::cuda::element_bf16;
+    cfg.budget = 1024;
+    cfg.pattern = miss_pattern::all;
+    run_case(cfg);
+  }
+  {
+    // C = 1 with 1024 chunks: 64 chunks per tile.
+    case_config cfg;
+    cfg.seed = 602;
+    cfg.batch = 3;
+    cfg.kv_heads = 1;
+    cfg.head_dim = 64;
+    cfg.chunk = 1;
+    cfg.rank = 48;
+    cfg.kv_type = shadowkv::cuda::element_f32;
+    cfg.budget = 1024;
+    cfg.pattern = miss_pattern::ragged;
+    run_case(cfg);
+  }
+  {
+    // Full rank of a 2048-wide layer (Hkv = 8, D = 256): 64 K tiles.
+    case_config cfg;
+    cfg.seed = 603;
+    cfg.batch = 1;
+    cfg.kv_heads = 8;
+    cfg.head_dim = 256;
+    cfg.chunk = 16;
+    cfg.rank = 0;
+    cfg.rotary_dim = 128;
+    cfg.kv_type = shadowkv::cuda::element_f32;
+    cfg.budget = 12;
+    cfg.pattern = miss_pattern::ragged;
+    run_case(cfg);
+  }
+}
+
+TEST_F(ChunkRebuild, CapturedInGraph) {
+  // One graph, replayed with new miss lists: the grid does not depend on the miss counts.
+  std::uint64_t seed = 701;
+  for (int type : kTypes) {
+    case_config cfg;
+    cfg.seed = seed++;
+    cfg.batch = 3;
+    cfg.kv_heads = 2;
+    cfg.head_dim = type == shadowkv::cuda::element_f32 ? 128 : 96;  // 128: more than 48 KiB of shared memory
+    cfg.chunk = 8;
+    cfg.rank = 160;
+    cfg.kv_type = type;
+    cfg.budget = 32;
+    cfg.graph = true;
+    run_case(cfg);
+    if (HasFatalFailure()) return;
+  }
+}
+
+TEST(ChunkRebuildArguments, RejectsUnsupportedShapes) {
+  // Checked before anything touches the device: runs without a GPU too.
+  dims d{};
+  d.num_layers = 1;
+  d.q_heads = 2;
+  d.kv_heads = 2;
+  d.group = 1;
+  d.head_dim = 128;
+  d.chunk = 8;
+  d.budget = 8;
+  d.rank = 16;
+  d.max_chunks = 16;
+  d.rotary_dim = 128;
+  d.attention_scaling = 1.0F;
+  const step_workspace ws{};
+  EXPECT_NO_THROW(shadowkv::cuda::launch_rebuild_keys(d, 0, nullptr, nullptr, 0, 0, ws, nullptr, nullptr));
+  for (int head_dim : {32, 48, 112, 160, 512}) {
+    dims bad = d;
+    bad.head_dim = head_dim;
+    bad.rotary_dim = head_dim;
+    EXPECT_THROW(shadowkv::cuda::launch_rebuild_keys(bad, 0, nullptr, nullptr, 0, 1, ws, nullptr, nullptr),
+                 shadowkv::invalid_argument)
+        << "head_dim " << head_dim;
+  }
+  for (int chunk : {0, 65, 128}) {
+    dims bad = d;
+    bad.chunk = chunk;
+    EXPECT_THROW(shadowkv::cuda::launch_rebuild_keys(bad, 0, nullptr, nullptr, 0, 1, ws, nullptr, nullptr),
+                 shadowkv::invalid_argument)
+        << "chunk " << chunk;
+  }
+  dims bad = d;
+  bad.rank = 0;
+  EXPECT_THROW(shadowkv::cuda::launch_rebuild_keys(bad, 0, nullptr, nullptr, 0, 1, ws, nullptr, nullptr),
+               shadowkv::invalid_argument);
+  EXPECT_THROW(shadowkv::cuda::launch_rebuild_keys(d, 0, nullptr, nullptr, 0, -1, ws, nullptr, nullptr),
+               shadowkv::invalid_argument);
+  EXPECT_THROW(shadowkv::cuda::launch_rebuild_keys(d, 9, nullptr, nullptr, 0, 1, ws, nullptr, nullptr),
+               shadowkv::invalid_argument);
+}
+
+}  // namespace
