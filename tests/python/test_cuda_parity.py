@@ -131,7 +131,7 @@ def test_cuda_errors_leave_store_usable():
     out = store.decode(0, slots, torch.randn(1, 4, 64, device="cuda"), k[:, 0], k[:, 0])
     H.assert_nontrivial(out.float(), "decode after a rejected call", 0)
     with pytest.raises(MemoryError):
-        KVStore(1, 4, 2, 64, max_batch=1 << 16, max_seq_len=1 << 22, device="cuda:0")
+        KVStore(1, 4, 2, 64, max_batch=1 << 16, max_seq_len=1 << 22, rank=32, device="cuda:0")
 
 
 def test_cuda_graph_replay_matches_eager():
