@@ -21,6 +21,11 @@ __global__ void advance_generated_kernel(dims d, layer_view* views, const int* b
   T* exact_values = static_cast<T*>(view->exact_values);
   const int generated = view->generated_exact_len;
   const int ring_head = view->ring_head;
+  // Capacity guard for CUDA-graph replays (eager calls are validated on the host before anything runs): when the
+  // ring is full and the context chunks already fill the arena, there is nowhere to fold, so the step leaves the
+  // sequence as it is instead of writing past its arrays; the host rejects such replays in account_replayed_steps
+  // (they took the sequence past max_seq_len). Every thread reads the same counters before any write: uniform exit.
+  if (generated == d.window && view->context_chunks >= d.max_chunks) return;
 
   // 1. Fold the oldest C generated tokens into context chunk `chunk` when the ring is full.
   if (generated == d.window) {

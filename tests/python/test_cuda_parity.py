@@ -171,3 +171,39 @@ def test_cuda_graph_replay_matches_eager():
         assert eager.sequence_info(0, a) == graphed.sequence_info(0, b)
     e, r = eager.stats(), graphed.stats()
     assert (e["hits"], e["misses"], e["folds"], e["decode_steps"]) == (r["hits"], r["misses"], r["folds"], r["decode_steps"])
+
+
+def test_cuda_graph_replays_past_capacity_stay_contained():
+    """Replays are not validated one by one: past max_seq_len the device stops folding at the arena's end (nothing
+    is written outside the sequence's arrays), account_replayed_steps then raises, and the other sequence of the
+    store is untouched (it still decodes exactly like the same sequence in a twin store)."""
+    seed, n = 31, 120
+    g = H.generator(seed)
+    kw = dict(num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=64, max_batch=2, max_seq_len=160, rank=32,
+              chunk_size=8, budget=64, outlier_chunks=1, local_chunks=1, generation_window=16, dtype="bfloat16",
+              device="cuda:0")
+    store, twin = KVStore(**kw), KVStore(**kw)
+    keys = torch.stack([H.structured_keys(g, n, 2, 64) for _ in range(2)]).cuda()
+    values = H.randn(g, 2, n, 2, 64).cuda()
+    slots = {}
+    for name, s in (("store", store), ("twin", twin)):
+        slots[name] = s.add_sequences(2)
+        s.prefill(0, slots[name], keys, values)
+    q, k, v = (t.cuda() for t in (H.randn(g, 1, 4, 64), H.randn(g, 1, 2, 64), H.randn(g, 1, 2, 64)))
+    first = slots["store"][:1]
+    store.decode(0, first, q, k, v)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        store.decode(0, first, q, k, v)
+    replays = 200  # 121 + 200 tokens > max_seq_len 160; the arena's 20 chunks are full after ~64 steps
+    for _ in range(replays):
+        graph.replay()
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError, match="max_seq_len"):
+        store.account_replayed_steps(0, first, replays)
+    second = {name: slots[name][1:] for name in slots}
+    for step in range(20):
+        q2, k2, v2 = (t.cuda() for t in (H.randn(g, 1, 4, 64), H.randn(g, 1, 2, 64), H.randn(g, 1, 2, 64)))
+        out = store.decode(0, second["store"], q2, k2, v2)
+        expected = twin.decode(0, second["twin"], q2, k2, v2)
+        assert torch.equal(out, expected), f"step {step}: the other sequence changed (seed={seed})"
