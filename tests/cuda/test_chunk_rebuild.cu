@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "chunk_rebuild.cuh"
+#include "cuda_test_support.cuh"
 #include "device_layout.cuh"
 #include "shadowkv/errors.hpp"
 
@@ -36,63 +37,7 @@ using shadowkv::cuda::dims;
 using shadowkv::cuda::layer_view;
 using shadowkv::cuda::step_workspace;
 
-#define CUDA_OK(expression) ASSERT_EQ((expression), cudaSuccess) << #expression
-
-bool device_present() {
-  int count = 0;
-  return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
-}
-
-/// A cudaMalloc'ed buffer freed on scope exit (test code only: kernels never allocate).
-class device_buffer {
- public:
-  device_buffer() = default;
-  explicit device_buffer(std::size_t bytes) : bytes_(bytes) {
-    if (bytes > 0 && cudaMalloc(&data_, bytes) != cudaSuccess) data_ = nullptr;
-  }
-  device_buffer(const device_buffer&) = delete;
-  device_buffer& operator=(const device_buffer&) = delete;
-  device_buffer(device_buffer&& other) noexcept : data_(other.data_), bytes_(other.bytes_) { other.data_ = nullptr; }
-  device_buffer& operator=(device_buffer&& other) noexcept {
-    std::swap(data_, other.data_);
-    std::swap(bytes_, other.bytes_);
-    return *this;
-  }
-  ~device_buffer() {
-    if (data_ != nullptr) cudaFree(data_);
-  }
-  template <typename T = void>
-  T* get() const {
-    return static_cast<T*>(data_);
-  }
-  [[nodiscard]] bool ok() const { return bytes_ == 0 || data_ != nullptr; }
-
- private:
-  void* data_ = nullptr;
-  std::size_t bytes_ = 0;
-};
-
-std::size_t element_bytes(int type) { return type == shadowkv::cuda::element_f32 ? 4 : 2; }
-
-const char* type_name(int type) {
-  return type == shadowkv::cuda::element_f16 ? "f16" : (type == shadowkv::cuda::element_bf16 ? "bf16" : "f32");
-}
-
-float load_element(int type, const unsigned char* bytes, std::size_t index) {
-  if (type == shadowkv::cuda::element_f16) {
-    __half h;
-    std::memcpy(&h, bytes + index * 2, 2);
-    return __half2float(h);
-  }
-  if (type == shadowkv::cuda::element_bf16) {
-    __nv_bfloat16 h;
-    std::memcpy(&h, bytes + index * 2, 2);
-    return __bfloat162float(h);
-  }
-  float value;
-  std::memcpy(&value, bytes + index * 4, 4);
-  return value;
-}
+using namespace shadowkv::cuda::testing;
 
 /// Allowed |rebuilt - reference| for one element: the fp32 GEMM/RoPE error bound `gemm_bound` (1e-5 of the absolute
 /// products' sum), plus the rounding of the fp32 result to the store's type (half an ulp of the rebuilt value).

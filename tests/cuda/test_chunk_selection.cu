@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "chunk_selection.cuh"
+#include "cuda_test_support.cuh"
 #include "device_layout.cuh"
 #include "shadowkv/errors.hpp"
 
@@ -39,78 +40,7 @@ using shadowkv::cuda::layer_view;
 using shadowkv::cuda::step_workspace;
 using shadowkv::cuda::strided_tensor;
 
-#define CUDA_OK(expression) ASSERT_EQ((expression), cudaSuccess) << #expression
-
-bool device_present() {
-  int count = 0;
-  return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
-}
-
-/// A cudaMalloc'ed buffer freed on scope exit (test code only: kernels never allocate).
-class device_buffer {
- public:
-  device_buffer() = default;
-  explicit device_buffer(std::size_t bytes) : bytes_(bytes) {
-    if (bytes > 0 && cudaMalloc(&data_, bytes) != cudaSuccess) data_ = nullptr;
-  }
-  device_buffer(const device_buffer&) = delete;
-  device_buffer& operator=(const device_buffer&) = delete;
-  device_buffer(device_buffer&& other) noexcept : data_(other.data_), bytes_(other.bytes_) { other.data_ = nullptr; }
-  device_buffer& operator=(device_buffer&& other) noexcept {
-    std::swap(data_, other.data_);
-    std::swap(bytes_, other.bytes_);
-    return *this;
-  }
-  ~device_buffer() {
-    if (data_ != nullptr) cudaFree(data_);
-  }
-  template <typename T = void>
-  T* get() const {
-    return static_cast<T*>(data_);
-  }
-  [[nodiscard]] bool ok() const { return bytes_ == 0 || data_ != nullptr; }
-
- private:
-  void* data_ = nullptr;
-  std::size_t bytes_ = 0;
-};
-
-template <typename T>
-cudaError_t upload(const device_buffer& target, const std::vector<T>& source) {
-  return cudaMemcpy(target.get(), source.data(), source.size() * sizeof(T), cudaMemcpyHostToDevice);
-}
-
-template <typename T>
-cudaError_t download(std::vector<T>& target, const T* source, std::size_t count) {
-  target.resize(count);
-  return cudaMemcpy(target.data(), source, count * sizeof(T), cudaMemcpyDeviceToHost);
-}
-
-std::size_t element_bytes(int type) { return type == shadowkv::cuda::element_f32 ? 4 : 2; }
-
-float round_through(int type, float value) {
-  switch (type) {
-    case shadowkv::cuda::element_f16: return __half2float(__float2half_rn(value));
-    case shadowkv::cuda::element_bf16: return __bfloat162float(__float2bfloat16_rn(value));
-    default: return value;
-  }
-}
-
-void store_element(int type, std::vector<unsigned char>& bytes, std::size_t index, float value) {
-  if (type == shadowkv::cuda::element_f16) {
-    const __half h = __float2half_rn(value);
-    std::memcpy(bytes.data() + index * 2, &h, 2);
-  } else if (type == shadowkv::cuda::element_bf16) {
-    const __nv_bfloat16 h = __float2bfloat16_rn(value);
-    std::memcpy(bytes.data() + index * 2, &h, 2);
-  } else {
-    std::memcpy(bytes.data() + index * 4, &value, 4);
-  }
-}
-
-const char* type_name(int type) {
-  return type == shadowkv::cuda::element_f16 ? "f16" : (type == shadowkv::cuda::element_bf16 ? "bf16" : "f32");
-}
+using namespace shadowkv::cuda::testing;
 
 struct case_config {
   std::uint64_t seed = 0;
