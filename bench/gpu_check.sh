@@ -56,10 +56,36 @@ done
 grep -E "^--- |passed|failed|FAILED|Error|Segmentation" "$out_dir/pytest.log" | tail -40
 [ $pytest_rc -eq 0 ] || status=1
 
+# Test counts of this run, recorded in the result files next to the numbers they vouch for.
+tests_json="$(python3 - "$out_dir/ctest.log" "$out_dir/pytest.log" <<'PY'
+import json, re, sys
+ctest = open(sys.argv[1]).read() if sys.argv[1] else ""
+pytest = open(sys.argv[2]).read()
+m = re.search(r"(\d+)% tests passed, (\d+) tests failed out of (\d+)", ctest)
+counts = {"ctest": {"passed": int(m.group(3)) - int(m.group(2)), "failed": int(m.group(2))} if m else None}
+total = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
+for line in pytest.splitlines():  # pytest's closing line of each file, e.g. "12 passed, 1 skipped in 3.2s"
+    if re.search(r"\d+ (passed|failed|skipped|errors?)\b", line) and re.search(r" in [\d.]+s", line):
+        for n, kind in re.findall(r"(\d+) (passed|failed|skipped|errors?)\b", line):
+            total["errors" if kind.startswith("error") else kind] += int(n)
+counts["pytest_cuda"] = total
+print(json.dumps(counts))
+PY
+)"
+echo "tests: $tests_json"
+
 if [ "${1:-}" != "--quick" ]; then
   step "step benchmark"
-  timeout 300 python3 bench/step_benchmark.py --profile --json "$result" 2>&1 | tee "$out_dir/bench.log" | tail -14
-  [ -f "$result" ] && cp "$result" "$out_dir/" 2>/dev/null
+  COMMIT="$commit" timeout 400 python3 bench/step_benchmark.py --profile --json "$result" 2>&1 | tee "$out_dir/bench.log" | tail -16
+  if [ -f "$result" ]; then
+    python3 - "$result" "$tests_json" <<'PY'
+import json, sys
+data = json.load(open(sys.argv[1]))
+data["tests"] = json.loads(sys.argv[2])
+json.dump(data, open(sys.argv[1], "w"), indent=1)
+PY
+    cp "$result" "$out_dir/" 2>/dev/null
+  fi
 
   step "micro-benchmarks (Google Benchmark, bench/micro: one op at a time, the value-fetch comparison)"
   micro_result="bench/results/${stamp}-${commit}-micro.json"

@@ -1,13 +1,17 @@
 """One layer's decode step through the store, next to full attention and the byte floor, measured in one run.
 
     python bench/step_benchmark.py                 # DESIGN.md §7 configurations on CUDA, small ones on the CPU
-    python bench/step_benchmark.py --config 1x122880x2048 --hit 0 0.6 --json out.json
+    python bench/step_benchmark.py --config 1x122880x2048 8x122880x2048:device --hit 0 0.6 --json out.json
+
+A configuration is BATCHxSEQ_LENxBUDGET, optionally followed by :host (values in pinned host memory, the default)
+or :device (values in device memory, value_store="device").
 
 For each configuration (batch B, context S, budget) and target temporal hit rate it reports:
   ours        mean time of store.decode for one layer (selection, rebuild, fetch, attention), B sequences
   full        PyTorch SDPA over the whole KV cache of the same B sequences, same device, same dtype
   floor       landmark bytes at the measured memory bandwidth + missed value bytes at the measured host->device
-              bandwidth (both measured here, now); on the CPU both terms use the host copy bandwidth
+              bandwidth (both measured here, now); with device values both at the memory bandwidth; on the CPU both
+              terms use the host copy bandwidth
 and the ratios ours/full and ours/floor. The hit rate is steered by correlating consecutive queries
 (q_t = a·q_{t-1} + sqrt(1-a²)·noise, `a` found by bisection) and the hit rate actually measured is printed.
 """
@@ -66,7 +70,7 @@ def _time(fn, device: str, reps: int) -> float:
     return (time.perf_counter() - started) / reps
 
 
-def run_case(args, device, batch, seq_len, budget, target_hit, bandwidths):
+def run_case(args, device, batch, seq_len, budget, value_store, target_hit, bandwidths):
     dtype = torch.bfloat16
     hq, hkv, dim, chunk = args.q_heads, args.kv_heads, args.head_dim, 8
     gen = torch.Generator(device="cpu").manual_seed(args.seed)
@@ -75,7 +79,7 @@ def run_case(args, device, batch, seq_len, budget, target_hit, bandwidths):
     capacity = seq_len + 4 * args.steps + 64
     store = KVStore(1, hq, hkv, dim, max_batch=batch, max_seq_len=capacity, rank=args.rank, chunk_size=chunk,
                     budget=budget, outlier_chunks=48, local_chunks=4, generation_window=256, dtype="bfloat16",
-                    device=device, rope_theta=500000.0)
+                    device=device, rope_theta=500000.0, value_store=value_store)
     slots = store.add_sequences(batch)
     keys_full, values_full = [], []
     for b in range(batch):  # one sequence at a time bounds host memory for the random data
@@ -139,8 +143,9 @@ def run_case(args, device, batch, seq_len, budget, target_hit, bandwidths):
     memory_bw, link_bw = bandwidths
     landmark_bytes = batch * (seq_len // chunk) * hkv * dim * 2
     missed_bytes = batch * (1.0 - hit) * (budget // chunk) * chunk * hkv * dim * 2
-    floor = landmark_bytes / memory_bw + missed_bytes / link_bw
-    row = {"batch": batch, "seq_len": seq_len, "budget": budget, "target_hit": target_hit, "hit": hit,
+    floor = landmark_bytes / memory_bw + missed_bytes / (memory_bw if value_store == "device" else link_bw)
+    row = {"batch": batch, "seq_len": seq_len, "budget": budget, "value_store": value_store, "factor_dtype": "float32",
+           "target_hit": target_hit, "hit": hit,
            "query_correlation": a, "ours_ms": ours * 1e3, "full_ms": full * 1e3, "floor_ms": floor * 1e3,
            "ours_over_full": ours / full, "ours_over_floor": ours / floor}
     if ours_graph is not None:
@@ -192,6 +197,29 @@ def _kernel_profile(store, slots, queries, k_new, v_new) -> dict:
     return dict(sorted(totals.items(), key=lambda item: -item[1]))
 
 
+def _parse_config(text: str) -> tuple:
+    """"24x122880x2048" or "8x122880x2048:device" -> (batch, seq_len, budget, value_store)."""
+    shape, _, value_store = text.partition(":")
+    batch, seq_len, budget = (int(x) for x in shape.split("x"))
+    if value_store not in ("", "host", "device"):
+        raise SystemExit(f"--config {text}: the value store must be :host or :device")
+    return batch, seq_len, budget, value_store or "host"
+
+
+def _commit() -> str:
+    """The commit measured: $COMMIT (set by gpu_check.sh, whose tree may be a copy without .git), else git's."""
+    import os
+    import subprocess
+
+    if os.environ.get("COMMIT"):
+        return os.environ["COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="auto")
@@ -213,42 +241,46 @@ def main(argv=None) -> int:
     if device == "auto":
         device = "cuda:0" if "cuda" in info["backends"] and info["cuda_devices"] > 0 else "cpu"
     if args.config:
-        configs = [tuple(int(x) for x in c.split("x")) for c in args.config]
+        configs = [_parse_config(c) for c in args.config]
     elif device.startswith("cuda"):
-        configs = [(1, 122880, 2048), (24, 122880, 2048), (48, 61440, 1024)]
+        configs = [(1, 122880, 2048, "host"), (24, 122880, 2048, "host"), (48, 61440, 1024, "host"),
+                   (1, 122880, 2048, "device"), (8, 122880, 2048, "device")]
     else:
-        configs = [(1, 8192, 512), (2, 4096, 256)]
+        configs = [(1, 8192, 512, "host"), (2, 4096, 256, "host"), (2, 4096, 256, "device")]
         args.steps = min(args.steps, 6)
         args.calibration_rounds = min(args.calibration_rounds, 4)
 
+    gpu = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else "cpu"
     bandwidths = _measure_bandwidths(device)
     print(f"device {device}; memory copy {bandwidths[0] / 1e9:.1f} GB/s, host->device {bandwidths[1] / 1e9:.1f} GB/s")
     rows = []
-    for batch, seq_len, budget in configs:
+    for batch, seq_len, budget, value_store in configs:
         for target in args.hit:
-            rows.append(run_case(args, device, batch, seq_len, budget, target, bandwidths))
+            rows.append(run_case(args, device, batch, seq_len, budget, value_store, target, bandwidths))
             r = rows[-1]
-            print(f"B={batch:<3} S={seq_len:<7} budget={budget:<5} hit {r['hit']:.2f}: ours {r['ours_ms']:.3f} ms")
+            print(f"B={batch:<3} S={seq_len:<7} budget={budget:<5} values {value_store:<6} hit {r['hit']:.2f}: "
+                  f"ours {r['ours_ms']:.3f} ms", flush=True)
     for r in rows:
         if "kernels_us" in r:
             print(f"\nkernels per step, B={r['batch']} S={r['seq_len']} budget={r['budget']} hit {r['hit']:.2f} (µs):")
             for name, us in r["kernels_us"].items():
                 print(f"  {us:9.1f}  {name}")
     graph = any("ours_graph_ms" in r for r in rows)
-    print("\n| B | S | budget | hit | ours (ms) | ours, graph (ms) | full attn (ms) | floor (ms) | ours/full | ours/floor |"
-          if graph else "\n| B | S | budget | hit | ours (ms) | full attn (ms) | floor (ms) | ours/full | ours/floor |")
-    print("| --- " * (10 if graph else 9) + "|")
+    print("\n| B | S | budget | values | hit | ours (ms) | ours, graph (ms) | full attn (ms) | floor (ms) | ours/full | "
+          "ours/floor |" if graph else
+          "\n| B | S | budget | values | hit | ours (ms) | full attn (ms) | floor (ms) | ours/full | ours/floor |")
+    print("| --- " * (11 if graph else 10) + "|")
     for r in rows:
         g = f" {r['ours_graph_ms']:.3f} |" if graph else ""
         best = min(r["ours_ms"], r.get("ours_graph_ms", r["ours_ms"]))
-        print(f"| {r['batch']} | {r['seq_len']} | {r['budget']} | {r['hit']:.2f} | {r['ours_ms']:.3f} |{g} "
+        print(f"| {r['batch']} | {r['seq_len']} | {r['budget']} | {r['value_store']} | {r['hit']:.2f} | {r['ours_ms']:.3f} |{g} "
               f"{r['full_ms']:.3f} | {r['floor_ms']:.3f} | {best / r['full_ms']:.2f} | {best * 1e3 / (r['floor_ms'] * 1e3):.1f} |")
     if graph:
         print("ratios use the faster of eager and graph-replayed steps")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": device, "build": info, "bandwidths": bandwidths, "results": rows,
-                       "date": time.strftime("%Y-%m-%d %H:%M:%S")}, f, indent=1)
+            json.dump({"device": device, "gpu": gpu, "commit": _commit(), "build": info, "bandwidths": bandwidths,
+                       "results": rows, "date": time.strftime("%Y-%m-%d %H:%M:%S")}, f, indent=1)
     return 0
 
 

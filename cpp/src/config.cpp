@@ -41,6 +41,8 @@ void config::validate() const {
   SHADOWKV_EXPECTS(generation_window >= chunk_size && generation_window % chunk_size == 0,
                    "generation_window must be a positive multiple of chunk_size (", chunk_size, "), got ",
                    generation_window);
+  SHADOWKV_EXPECTS(device_value_budget >= -1, "device_value_budget must be >= 0 bytes (or -1: the backend's default), got ",
+                   device_value_budget);
 }
 
 float config::effective_softmax_scale() const noexcept {
@@ -64,7 +66,20 @@ factorization_method parse_factorization(const std::string& name) {
 value_store_policy parse_value_store(const std::string& name) {
   if (name == "host") return value_store_policy::host;
   if (name == "device" || name == "gpu") return value_store_policy::device;
-  throw invalid_argument(detail::format_message("value_store must be 'host' or 'device', got '", name, "'"));
+  if (name == "auto") return value_store_policy::auto_place;
+  throw invalid_argument(
+      detail::format_message("value_store must be 'host', 'device' or 'auto', got '", name, "'"));
 }
+
+std::string value_store_name(value_store_policy policy) {
+  switch (policy) {
+    case value_store_policy::device: return "device";
+    case value_store_policy::auto_place: return "auto";
+    case value_store_policy::host: break;
+  }
+  return "host";
+}
+
+std::string value_place_name(value_place place) { return place == value_place::device ? "device" : "host"; }
 
 }  // namespace shadowkv

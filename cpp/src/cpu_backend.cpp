@@ -30,6 +30,7 @@ double cosine(const float* a, const float* b, std::int64_t n) noexcept {
 
 cpu_backend::cpu_backend(const config& cfg) : config_(cfg), rope_(cfg) {
   layers_.resize(static_cast<std::size_t>(cfg.max_batch));
+  values_on_.resize(static_cast<std::size_t>(cfg.max_batch), value_place::host);
 }
 
 cpu_layer_data& cpu_backend::data(int slot, int layer) {
@@ -40,10 +41,19 @@ const cpu_layer_data& cpu_backend::data(int slot, int layer) const {
   return layers_[static_cast<std::size_t>(slot)][static_cast<std::size_t>(layer)];
 }
 
-void cpu_backend::open_sequence(int slot) {
+void cpu_backend::open_sequence(int slot, value_place values_on) {
   std::vector<cpu_layer_data> fresh(static_cast<std::size_t>(config_.num_layers));
   layers_[static_cast<std::size_t>(slot)] = std::move(fresh);
+  values_on_[static_cast<std::size_t>(slot)] = values_on;
 }
+
+std::int64_t cpu_backend::value_bytes_per_sequence() const {
+  const std::int64_t context_tokens = config_.max_seq_len / config_.chunk_size * config_.chunk_size;
+  return static_cast<std::int64_t>(config_.num_layers) * context_tokens * config_.kv_width() *
+         static_cast<std::int64_t>(dtype_size(config_.kv_dtype));
+}
+
+std::int64_t cpu_backend::default_device_value_budget() const { return std::numeric_limits<std::int64_t>::max(); }
 
 void cpu_backend::close_sequence(int slot) noexcept {
   std::vector<cpu_layer_data>().swap(layers_[static_cast<std::size_t>(slot)]);
@@ -525,14 +535,16 @@ std::int64_t cpu_backend::last_position(int layer, int slot) const { return data
 memory_report cpu_backend::memory(std::span<const layer_state* const> /*states*/) const {
   memory_report report;
   const std::int64_t token_bytes = config_.kv_width() * 2 * static_cast<std::int64_t>(dtype_size(config_.kv_dtype));
-  for (const auto& slot : layers_) {
-    for (const cpu_layer_data& d : slot) {
+  for (std::size_t slot = 0; slot < layers_.size(); ++slot) {
+    for (const cpu_layer_data& d : layers_[slot]) {
       if (d.basis.empty()) continue;
       report.low_rank_factors += static_cast<std::int64_t>((d.basis.size() + d.coefficients.size()) * sizeof(float));
       report.landmarks += d.landmarks.bytes();
       report.outliers += d.outlier_keys.bytes() + d.outlier_values.bytes();
       report.exact_tokens += d.exact_keys.bytes() + d.exact_values.bytes();
       report.value_store += d.value_store.bytes();
+      (values_on_[slot] == value_place::device ? report.value_store_device : report.value_store_host) +=
+          d.value_store.bytes();
       report.selection_cache += d.cache_keys.bytes() + d.cache_values.bytes();
       const auto tokens = static_cast<std::int64_t>(d.context_positions.size() + d.exact_positions.size());
       report.full_attention_equivalent += tokens * token_bytes;

@@ -41,7 +41,10 @@ class cpu_backend final : public backend {
   explicit cpu_backend(const config& cfg);
 
   [[nodiscard]] device where() const noexcept override { return {device_type::cpu, 0}; }
-  void open_sequence(int slot) override;
+  void open_sequence(int slot, value_place values_on) override;
+  [[nodiscard]] std::int64_t value_bytes_per_sequence() const override;
+  /// The CPU's memory is its device: "auto" places every sequence there unless the config sets a budget.
+  [[nodiscard]] std::int64_t default_device_value_budget() const override;
   void close_sequence(int slot) noexcept override;
   void prefill(int layer, std::span<const batch_entry> entries, const prefill_inputs& inputs) override;
   void fold_oldest_generated_chunk(int layer, std::span<const batch_entry> entries) override;
@@ -66,6 +69,7 @@ class cpu_backend final : public backend {
   config config_;
   rope_rotation rope_;
   std::vector<std::vector<cpu_layer_data>> layers_;  ///< [slot][layer]; empty for free slots
+  std::vector<value_place> values_on_;               ///< [slot]: where the slot's values are (a label on the CPU)
   store_stats stats_;
 };
 

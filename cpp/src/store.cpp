@@ -13,6 +13,8 @@ using detail::any_extent;
 kv_store::kv_store(config cfg, device where) : config_(std::move(cfg)) {
   config_.validate();
   backend_ = make_backend(config_, where);
+  device_value_budget_ = config_.device_value_budget >= 0 ? config_.device_value_budget
+                                                           : backend_->default_device_value_budget();
   sequences_.resize(static_cast<std::size_t>(config_.max_batch));
 }
 
@@ -52,18 +54,56 @@ std::vector<int> kv_store::add_sequences(int count) {
   SHADOWKV_EXPECTS_CAPACITY(static_cast<int>(free_slots.size()) == count, "cannot add ", count,
                             " sequences: only ", free_slots.size(), " of max_batch=", config_.max_batch,
                             " slots are free");
+  // Place each sequence's value store: "auto" takes device memory while the budget lasts (and falls back to the
+  // host when the device has no room after all); a sequence's values are never split between the two.
+  const std::int64_t value_bytes = backend_->value_bytes_per_sequence();
+  std::vector<value_place> places;
+  std::int64_t device_bytes = device_value_bytes_;
   std::size_t opened = 0;
   try {
-    for (; opened < free_slots.size(); ++opened) backend_->open_sequence(free_slots[opened]);
+    for (; opened < free_slots.size(); ++opened) {
+      const int slot = free_slots[opened];
+      value_place place = config_.value_store == value_store_policy::device ? value_place::device : value_place::host;
+      if (config_.value_store == value_store_policy::auto_place) {
+        const bool within_budget = device_bytes + value_bytes <= device_value_budget_;
+        bool on_device = false;
+        if (within_budget) {
+          try {
+            backend_->open_sequence(slot, value_place::device);
+            on_device = true;
+          } catch (const out_of_memory&) {
+          }
+        }
+        if (on_device) {
+          place = value_place::device;
+        } else {
+          try {
+            backend_->open_sequence(slot, value_place::host);
+          } catch (const out_of_memory& error) {
+            throw out_of_memory(detail::format_message(
+                "the value store of a new sequence (", value_bytes, " bytes) fits neither on the device (",
+                within_budget ? "no device memory left" : "device_value_budget exhausted", ": ", device_bytes,
+                " of ", device_value_budget_, " bytes in use) nor in host memory (", error.what(), ")"));
+          }
+        }
+      } else {
+        backend_->open_sequence(slot, place);
+      }
+      places.push_back(place);
+      if (place == value_place::device) device_bytes += value_bytes;
+    }
   } catch (...) {
     for (std::size_t i = 0; i < opened; ++i) backend_->close_sequence(free_slots[i]);
     throw;
   }
-  for (const int slot : free_slots) {
-    sequence& seq = sequences_[static_cast<std::size_t>(slot)];
+  for (std::size_t i = 0; i < free_slots.size(); ++i) {
+    sequence& seq = sequences_[static_cast<std::size_t>(free_slots[i])];
     seq.active = true;
+    seq.values_on = places[i];
     seq.layers.assign(static_cast<std::size_t>(config_.num_layers), layer_state{});
+    for (layer_state& state : seq.layers) state.values_on = places[i];
   }
+  device_value_bytes_ = device_bytes;
   return free_slots;
 }
 
@@ -72,6 +112,7 @@ void kv_store::release(std::span<const int> slots) {
   for (const int slot : slots) {
     backend_->close_sequence(slot);
     sequence& seq = sequences_[static_cast<std::size_t>(slot)];
+    if (seq.values_on == value_place::device) device_value_bytes_ -= backend_->value_bytes_per_sequence();
     seq.active = false;
     seq.layers.clear();
   }
@@ -123,6 +164,7 @@ void kv_store::prefill(int layer, std::span<const int> slots, const tensor_view&
     SHADOWKV_EXPECTS(!current.prefilled, "layer ", layer, " of slot ", slot,
                      " is already prefilled; release the slot and add a new sequence to start over");
     layer_state& state = new_states[b];
+    state.values_on = current.values_on;
     state.prefilled = true;
     state.prompt_len = length;
     state.prompt_context_chunks = std::max<std::int64_t>(0, length / config_.chunk_size - config_.local_chunks);
@@ -269,6 +311,7 @@ sequence_info kv_store::info(int layer, int slot) const {
   result.local_len = state.local_len;
   result.generated_exact_len = state.generated_exact_len;
   result.last_position = state.prefilled ? backend_->last_position(layer, slot) : -1;
+  result.values_on = sequences_[static_cast<std::size_t>(slot)].values_on;
   return result;
 }
 

@@ -89,8 +89,6 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   }
   SHADOWKV_EXPECTS(device_index >= 0 && device_index < count, "device cuda:", device_index,
                    " is not available: this machine has ", count, " CUDA device(s)");
-  SHADOWKV_EXPECTS(cfg.value_store == value_store_policy::host,
-                   "value_store='device' is not supported by the CUDA backend yet; use 'host'");
   device_guard guard(device_);
 
   dims_.num_layers = cfg.num_layers;
@@ -124,11 +122,13 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   const layer_sizes sizes(dims_, element);
   const std::size_t layers = static_cast<std::size_t>(cfg.max_batch) * cfg.num_layers;
   arena_ = device_buffer(sizes.device_total() * layers, own_stream_, device_memory_);
-  value_store_ = host_buffer(sizes.value_store * layers, host_memory_);
+  value_layer_bytes_ = sizes.value_store;
+  device_values_.resize(static_cast<std::size_t>(cfg.max_batch));
+  host_values_.resize(static_cast<std::size_t>(cfg.max_batch));
+  values_on_.resize(static_cast<std::size_t>(cfg.max_batch), value_place::host);
   views_ = device_buffer(sizeof(layer_view) * layers, own_stream_, device_memory_);
   host_views_.resize(layers);
   auto* cursor = static_cast<std::uint8_t*>(arena_.data());
-  auto* host_cursor = static_cast<std::uint8_t*>(value_store_.device_pointer());
   auto take = [&cursor](std::size_t bytes) {
     void* pointer = cursor;
     cursor += bytes;
@@ -151,8 +151,7 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
     v.slot_of_chunk = static_cast<int*>(take(sizes.slot_of_chunk));
     v.cache_keys = take(sizes.cache);
     v.cache_values = take(sizes.cache);
-    v.value_store = host_cursor;
-    host_cursor += sizes.value_store;
+    v.value_store = nullptr;  // set when a sequence joins the slot
   }
   SHADOWKV_CUDA_TRY(cudaMemcpyAsync(views_.data(), host_views_.data(), sizeof(layer_view) * layers,
                                     cudaMemcpyHostToDevice, own_stream_));
@@ -187,6 +186,14 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   batch_slots_ = device_buffer(batch * sizeof(int), own_stream_, device_memory_);
   batch_staging_ = host_buffer(batch * sizeof(int), host_memory_);
   SHADOWKV_CUDA_TRY(cudaStreamSynchronize(own_stream_));
+
+  // value_store="auto" without a budget: what is free now, less a margin for the caller's own work (activations,
+  // the model's workspaces): 5% of the device, at least 2 GiB.
+  std::size_t free_bytes = 0;
+  std::size_t total_bytes = 0;
+  SHADOWKV_CUDA_TRY(cudaMemGetInfo(&free_bytes, &total_bytes));
+  const std::size_t margin = std::max<std::size_t>(std::size_t{2} << 30, total_bytes / 20);
+  default_value_budget_ = free_bytes > margin ? static_cast<std::int64_t>(free_bytes - margin) : 0;
 }
 
 cuda_backend::~cuda_backend() {
@@ -198,7 +205,9 @@ cuda_backend::~cuda_backend() {
   workspace_memory_.release(own_stream_);
   inv_freq_.release(own_stream_);
   batch_slots_.release(own_stream_);
+  for (device_buffer& values : device_values_) values.release(own_stream_);
   (void)cudaStreamSynchronize(own_stream_);
+  host_values_.clear();
   // The handles destroy themselves (members declared before the buffers, so destroyed after them).
 }
 
@@ -224,11 +233,51 @@ layer_view* cuda_backend::device_view(int slot, int layer) const {
   return static_cast<layer_view*>(views_.data()) + static_cast<std::ptrdiff_t>(slot) * config_.num_layers + layer;
 }
 
-void cuda_backend::open_sequence(int /*slot*/) {
-  // Arenas are reserved for every slot when the store is built; prefill initialises a layer's arrays.
+std::int64_t cuda_backend::value_bytes_per_sequence() const {
+  return static_cast<std::int64_t>(value_layer_bytes_) * config_.num_layers;
 }
 
-void cuda_backend::close_sequence(int /*slot*/) noexcept {}
+void cuda_backend::open_sequence(int slot, value_place values_on) {
+  // Arenas are reserved for every slot when the store is built (prefill initialises a layer's arrays); the value
+  // store is allocated here, before anything of the slot changes.
+  device_guard guard(device_);
+  const std::size_t bytes = value_layer_bytes_ * static_cast<std::size_t>(config_.num_layers);
+  device_buffer on_device;
+  host_buffer on_host;
+  std::uint8_t* base = nullptr;
+  if (values_on == value_place::device) {
+    on_device = device_buffer(bytes, own_stream_, device_memory_);
+    base = static_cast<std::uint8_t*>(on_device.data());
+  } else {
+    on_host = host_buffer(bytes, host_memory_);
+    base = static_cast<std::uint8_t*>(on_host.device_pointer());
+  }
+  const std::size_t first = static_cast<std::size_t>(slot) * config_.num_layers;
+  std::vector<layer_view> views(host_views_.begin() + static_cast<std::ptrdiff_t>(first),
+                                host_views_.begin() + static_cast<std::ptrdiff_t>(first + config_.num_layers));
+  for (int layer = 0; layer < config_.num_layers; ++layer) {
+    views[static_cast<std::size_t>(layer)].value_store = base + static_cast<std::size_t>(layer) * value_layer_bytes_;
+  }
+  // The slot's views (fresh counters, the new value store) go to the device before any kernel can read them.
+  SHADOWKV_CUDA_TRY(cudaMemcpyAsync(device_view(slot, 0), views.data(), views.size() * sizeof(layer_view),
+                                    cudaMemcpyHostToDevice, own_stream_));
+  SHADOWKV_CUDA_TRY(cudaStreamSynchronize(own_stream_));
+  std::copy(views.begin(), views.end(), host_views_.begin() + static_cast<std::ptrdiff_t>(first));
+  device_values_[static_cast<std::size_t>(slot)] = std::move(on_device);
+  host_values_[static_cast<std::size_t>(slot)] = std::move(on_host);
+  values_on_[static_cast<std::size_t>(slot)] = values_on;
+}
+
+void cuda_backend::close_sequence(int slot) noexcept {
+  // Kernels of earlier calls may still read the value store: wait for both streams before freeing it.
+  (void)cudaSetDevice(device_);
+  (void)cudaStreamSynchronize(stream_);
+  (void)cudaStreamSynchronize(copy_stream_);
+  device_values_[static_cast<std::size_t>(slot)].release(own_stream_);
+  (void)cudaStreamSynchronize(own_stream_);
+  host_values_[static_cast<std::size_t>(slot)] = host_buffer();
+  for (int layer = 0; layer < config_.num_layers; ++layer) host_view(slot, layer).value_store = nullptr;
+}
 
 void cuda_backend::upload_batch(std::span<const batch_entry> entries) {
   std::vector<int> slots(entries.size());
@@ -325,7 +374,11 @@ void cuda_backend::prefill_one(int layer, const batch_entry& entry, const prefil
   device_buffer outlier_ids(std::max<std::size_t>(1, static_cast<std::size_t>(config_.num_kv_heads) * config_.outlier_chunks) *
                                 sizeof(int), stream_, device_memory_);
   const std::size_t value_bytes = static_cast<std::size_t>(chunks) * config_.chunk_size * width * element;
-  device_buffer value_staging(std::max<std::size_t>(1, value_bytes), stream_, device_memory_);
+  // Device value stores take the values directly; host ones through a device staging copy (one large transfer).
+  const bool values_on_device = values_on_[static_cast<std::size_t>(entry.slot)] == value_place::device;
+  device_buffer value_staging;
+  if (!values_on_device) value_staging = device_buffer(std::max<std::size_t>(1, value_bytes), stream_, device_memory_);
+  void* value_target = values_on_device ? view.value_store : value_staging.data();
 
   launch_prepare_prompt_keys(dims_, kv_type_, as_strided(inputs.keys),
                              inputs.positions.empty() ? strided_tensor{nullptr, 0, {0, 0, 0, 0}}
@@ -353,7 +406,7 @@ void cuda_backend::prefill_one(int layer, const batch_entry& entry, const prefil
                        static_cast<int*>(outlier_ids.data()), stream_);
   launch_scatter_prompt(dims_, kv_type_, keys_post.data(), as_strided(inputs.values), static_cast<int>(entry.row), len,
                         chunks, outliers, static_cast<const int*>(outlier_ids.data()),
-                        static_cast<const long long*>(positions.data()), view, value_staging.data(), stream_);
+                        static_cast<const long long*>(positions.data()), view, value_target, stream_);
   SHADOWKV_CUDA_TRY(cudaMemsetAsync(view.cache_chunks, 0xff,
                                     static_cast<std::size_t>(config_.num_kv_heads) * config_.budget_chunks * sizeof(int),
                                     stream_));
@@ -364,12 +417,13 @@ void cuda_backend::prefill_one(int layer, const batch_entry& entry, const prefil
                               static_cast<int>(state.local_len), static_cast<const long long*>(positions.data()), len,
                               stream_);
   // Values to the pinned value store on the copy stream, overlapping whatever the caller does next.
-  if (value_bytes > 0) {
+  if (!values_on_device && value_bytes > 0) {
     SHADOWKV_CUDA_TRY(cudaEventRecord(values_ready_event_, stream_));
     SHADOWKV_CUDA_TRY(cudaStreamWaitEvent(copy_stream_, values_ready_event_, 0));
-    void* host_target = static_cast<std::uint8_t*>(value_store_.data()) +
+    const host_buffer& store = host_values_[static_cast<std::size_t>(entry.slot)];
+    void* host_target = static_cast<std::uint8_t*>(store.data()) +
                         (static_cast<std::uint8_t*>(view.value_store) -
-                         static_cast<std::uint8_t*>(value_store_.device_pointer()));
+                         static_cast<std::uint8_t*>(store.device_pointer()));
     SHADOWKV_CUDA_TRY(cudaMemcpyAsync(host_target, value_staging.data(), value_bytes, cudaMemcpyDeviceToHost,
                                       copy_stream_));
     value_staging.release(copy_stream_);
@@ -489,11 +543,14 @@ memory_report cuda_backend::memory(std::span<const layer_state* const> states) c
     report.outliers += state->outlier_chunks * chunk * width * 2 * e;
     report.exact_tokens += (state->local_len + state->generated_exact_len) * width * 2 * e;
     report.value_store += context_tokens * width * e;
+    (state->values_on == value_place::device ? report.value_store_device : report.value_store_host) +=
+        context_tokens * width * e;
     report.selection_cache += static_cast<std::int64_t>(config_.budget_chunks) * chunk * width * 2 * e;
     report.full_attention_equivalent += state->total_len() * width * 2 * e;
   }
   report.device_reserved = static_cast<std::int64_t>(arena_.size() + views_.size() + workspace_memory_.size());
-  report.host_reserved = static_cast<std::int64_t>(value_store_.size());
+  for (const device_buffer& values : device_values_) report.device_reserved += static_cast<std::int64_t>(values.size());
+  for (const host_buffer& values : host_values_) report.host_reserved += static_cast<std::int64_t>(values.size());
   return report;
 }
 

@@ -1,8 +1,9 @@
 // The CUDA backend: the backend seam on one GPU (DESIGN.md §2–4).
 //
-// Everything a sequence can need is reserved when the store is built: per (slot, layer) device arenas sized from
-// max_seq_len, the pinned value store, and the decode workspace for max_batch sequences, so a decode step allocates
-// nothing. A decode step runs on the caller's stream (compute) and a copy stream of the backend's own:
+// Everything a sequence can need on the device is reserved when the store is built: per (slot, layer) device arenas
+// sized from max_seq_len and the decode workspace for max_batch sequences, so a decode step allocates nothing. A
+// sequence's value store (all layers, at max_seq_len) is allocated when it joins (open_sequence), in device memory
+// or pinned, mapped host memory, and freed when it leaves. A decode step runs on the caller's stream (compute) and a copy stream of the backend's own:
 //   compute: advance_generated (fold + append) -> select_chunks -> [event selected] -> rebuild_keys -> [wait fetched]
 //            -> sparse attention
 //   copy:    [wait selected] -> fetch_values -> [event fetched]
@@ -33,7 +34,9 @@ class cuda_backend final : public backend {
   void use_stream(std::optional<std::uintptr_t> stream) override;
   void finish_call() override;
   [[nodiscard]] bool capturing() const override;
-  void open_sequence(int slot) override;
+  void open_sequence(int slot, value_place values_on) override;
+  [[nodiscard]] std::int64_t value_bytes_per_sequence() const override;
+  [[nodiscard]] std::int64_t default_device_value_budget() const override { return default_value_budget_; }
   void close_sequence(int slot) noexcept override;
   void prefill(int layer, std::span<const batch_entry> entries, const prefill_inputs& inputs) override;
   void fold_oldest_generated_chunk(int layer, std::span<const batch_entry> entries) override;
@@ -77,7 +80,12 @@ class cuda_backend final : public backend {
   device_memory_resource device_memory_;
   pinned_host_resource host_memory_;
   device_buffer arena_;          ///< all (slot, layer) arrays
-  host_buffer value_store_;      ///< all (slot, layer) value stores
+  // Value stores, one allocation per live sequence (all its layers), on the device or in pinned host memory.
+  std::vector<device_buffer> device_values_;  ///< [slot]
+  std::vector<host_buffer> host_values_;      ///< [slot]
+  std::vector<value_place> values_on_;        ///< [slot]
+  std::size_t value_layer_bytes_ = 0;         ///< one (slot, layer) value store, aligned
+  std::int64_t default_value_budget_ = 0;     ///< free device memory after the reservations, less a margin
   device_buffer views_;          ///< layer_view [max_batch * num_layers]
   device_buffer workspace_memory_;
   device_buffer inv_freq_;

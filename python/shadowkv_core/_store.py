@@ -87,7 +87,14 @@ class KVStore:
             oldest chunk is folded into the compressed store (a multiple of chunk_size).
         factorization: "gram" (eigenvectors of KᵀK, default) or "svd".
         dtype: storage precision of keys/values ("bfloat16", "float16", "float32" or a torch dtype).
-        device: "cpu" or "cuda:N". value_store: "host" or "device".
+        device: "cpu" or "cuda:N".
+        value_store: where each sequence's values live: "host" (pinned host memory on GPUs; the default),
+            "device" (GPU memory: no PCIe traffic), or "auto" (GPU memory while `device_value_budget` lasts, then
+            host; decided per sequence when it joins, never split). `sequence_info(...)["values_on"]` tells where.
+        device_value_budget: bytes of device memory the values of "auto" sequences may take together. Default:
+            on CUDA, the device memory free after the store's own reservations less a margin (5%, at least 2 GiB),
+            measured when the store is built — pass a budget when the model still needs memory after that; on the
+            CPU, no limit.
     """
 
     def __init__(
@@ -115,6 +122,7 @@ class KVStore:
         dtype: Any = "bfloat16",
         device: Any = "cpu",
         value_store: str = "host",
+        device_value_budget: Optional[int] = None,
     ) -> None:
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
@@ -149,6 +157,12 @@ class KVStore:
         cfg.factorization = factorization
         cfg.dtype = dtype_name
         cfg.value_store = value_store
+        if device_value_budget is not None:
+            if isinstance(device_value_budget, bool) or int(device_value_budget) != device_value_budget:
+                raise ValueError(f"device_value_budget must be a whole number of bytes, got {device_value_budget!r}")
+            if device_value_budget < 0:
+                raise ValueError(f"device_value_budget must be >= 0 bytes, got {device_value_budget}")
+            cfg.device_value_budget = int(device_value_budget)
         self._config = cfg
         self._store = _core.Store(cfg, str(device))
 
@@ -164,8 +178,15 @@ class KVStore:
         return {n: getattr(self._config, n) for n in names}
 
     def add_sequences(self, count: int = 1) -> list:
-        """Takes `count` free slots and returns their ids (ValueError when fewer are free)."""
+        """Takes `count` free slots and returns their ids (ValueError when fewer are free). Each new sequence's
+        value store is reserved here, where `value_store` says (MemoryError, naming the bytes, when it fits nowhere;
+        then no slot is taken)."""
         return self._store.add_sequences(count)
+
+    @property
+    def device_value_budget(self) -> int:
+        """Device bytes the values of value_store="auto" sequences may take (the given budget or the default)."""
+        return self._store.device_value_budget
 
     def release(self, slots: Union[int, Iterable[int]]) -> None:
         """Frees the slots' memory; their ids can be reused by add_sequences."""
@@ -260,7 +281,8 @@ class KVStore:
         return self._store.outlier_chunks(layer, slot)
 
     def sequence_info(self, layer: int, slot: int) -> dict:
-        """prompt_len, total_len, context_chunks, outlier_chunks, local_len, generated_exact_len, last_position."""
+        """prompt_len, total_len, context_chunks, outlier_chunks, local_len, generated_exact_len, last_position,
+        values_on ("device" or "host": where the sequence's value store is)."""
         return self._store.sequence_info(layer, slot)
 
     def memory_report(self) -> dict:

@@ -91,6 +91,7 @@ nb::dict info_dict(const shadowkv::sequence_info& info) {
   d["local_len"] = info.local_len;
   d["generated_exact_len"] = info.generated_exact_len;
   d["last_position"] = info.last_position;
+  d["values_on"] = shadowkv::value_place_name(info.values_on);
   return d;
 }
 
@@ -101,9 +102,13 @@ nb::dict memory_dict(const shadowkv::memory_report& report) {
   d["outliers"] = report.outliers;
   d["exact_tokens"] = report.exact_tokens;
   d["value_store"] = report.value_store;
+  d["value_store_device"] = report.value_store_device;
+  d["value_store_host"] = report.value_store_host;
   d["selection_cache"] = report.selection_cache;
   d["total"] = report.total();
   d["full_attention_equivalent"] = report.full_attention_equivalent;
+  d["device_reserved"] = report.device_reserved;
+  d["host_reserved"] = report.host_reserved;
   return d;
 }
 
@@ -158,10 +163,9 @@ NB_MODULE(_core, m) {
           [](shadowkv::config& c, const std::string& name) { c.kv_dtype = shadowkv::parse_dtype(name); })
       .def_prop_rw(
           "value_store",
-          [](const shadowkv::config& c) {
-            return std::string(c.value_store == shadowkv::value_store_policy::host ? "host" : "device");
-          },
+          [](const shadowkv::config& c) { return shadowkv::value_store_name(c.value_store); },
           [](shadowkv::config& c, const std::string& name) { c.value_store = shadowkv::parse_value_store(name); })
+      .def_rw("device_value_budget", &shadowkv::config::device_value_budget)
       .def("validate", &shadowkv::config::validate);
 
   nb::class_<shadowkv::kv_store>(m, "Store")
@@ -224,6 +228,7 @@ NB_MODULE(_core, m) {
           "sequence_info", [](const shadowkv::kv_store& s, int layer, int slot) { return info_dict(s.info(layer, slot)); },
           "layer"_a, "slot"_a)
       .def("memory_report", [](const shadowkv::kv_store& s) { return memory_dict(s.memory()); })
+      .def_prop_ro("device_value_budget", &shadowkv::kv_store::device_value_budget)
       .def("stats", [](const shadowkv::kv_store& s) { return stats_dict(s.stats()); })
       .def("reset_stats", &shadowkv::kv_store::reset_stats);
 

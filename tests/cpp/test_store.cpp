@@ -1192,3 +1192,130 @@ TEST(StoreMemory, MatchesDocumentedFormulasAfterPrefillAndFolds) {
 }
 
 }  // namespace
+
+// ---------------------------------------------------------------------------------------------------------------
+// value placement: value_store = host | device | auto (device memory while device_value_budget lasts, then host)
+// ---------------------------------------------------------------------------------------------------------------
+
+namespace placement {
+
+config small_config(shadowkv::value_store_policy policy, std::int64_t budget) {
+  config cfg;
+  cfg.num_layers = 2;
+  cfg.num_q_heads = 4;
+  cfg.num_kv_heads = 2;
+  cfg.head_dim = 64;
+  cfg.max_batch = 4;
+  cfg.max_seq_len = 100;  // 12 chunks of 8: the value store holds 96 tokens per layer
+  cfg.rank = 32;
+  cfg.chunk_size = 8;
+  cfg.budget_chunks = 2;
+  cfg.outlier_chunks = 1;
+  cfg.local_chunks = 1;
+  cfg.generation_window = 16;
+  cfg.kv_dtype = dtype::float32;
+  cfg.value_store = policy;
+  cfg.device_value_budget = budget;
+  return cfg;
+}
+
+// Value-store bytes of one sequence at capacity: layers x 96 tokens x Hkv*D x 4 bytes.
+constexpr std::int64_t kSequenceValueBytes = 2 * 96 * 128 * 4;
+
+std::vector<shadowkv::value_place> places(const kv_store& store, const std::vector<int>& slots) {
+  std::vector<shadowkv::value_place> result;
+  for (const int slot : slots) result.push_back(store.info(0, slot).values_on);
+  return result;
+}
+
+}  // namespace placement
+
+TEST(StorePlacement, AutoFillsTheDeviceBudgetThenTheHostAndReusesFreedBudget) {
+  using shadowkv::value_place;
+  const config cfg = placement::small_config(shadowkv::value_store_policy::auto_place,
+                                             2 * placement::kSequenceValueBytes + 5);
+  kv_store store(cfg);
+  EXPECT_EQ(store.device_value_budget(), 2 * placement::kSequenceValueBytes + 5);
+  const std::vector<int> first = store.add_sequences(3);
+  EXPECT_EQ(placement::places(store, first),
+            (std::vector<value_place>{value_place::device, value_place::device, value_place::host}));
+  // Every layer of a sequence is in one place; the report splits the value store by place.
+  random_source rng(701);
+  const std::vector<float> keys = rng.normals(static_cast<std::size_t>(60 * cfg.kv_width()));
+  for (const int slot : first) {
+    for (int layer = 0; layer < cfg.num_layers; ++layer) {
+      store.prefill(layer, slot_list({slot}), view_of(keys, {1, 60, 2, 64}), view_of(keys, {1, 60, 2, 64}));
+      EXPECT_EQ(store.info(layer, slot).values_on, store.info(0, slot).values_on);
+    }
+  }
+  const std::int64_t per_sequence = 2 * (60 / 8 - 1) * 8 * 128 * 4;  // 2 layers x 6 context chunks
+  memory_report report = store.memory();
+  EXPECT_EQ(report.value_store_device, 2 * per_sequence);
+  EXPECT_EQ(report.value_store_host, per_sequence);
+  EXPECT_EQ(report.value_store, report.value_store_device + report.value_store_host);
+
+  store.release(slot_list({0}));
+  EXPECT_EQ(store.add_sequences(1), slot_list({0}));
+  EXPECT_EQ(store.info(0, 0).values_on, value_place::device) << "a released sequence's device budget is reused";
+  EXPECT_EQ(store.add_sequences(1), slot_list({3}));
+  EXPECT_EQ(store.info(0, 3).values_on, value_place::host) << "the budget holds two sequences";
+  report = store.memory();
+  EXPECT_EQ(report.value_store_device, per_sequence) << "slot 0 is new and not prefilled yet";
+  EXPECT_EQ(report.value_store_host, per_sequence);
+}
+
+TEST(StorePlacement, FixedPoliciesAndTheCpuDefaultBudget) {
+  using shadowkv::value_place;
+  {
+    kv_store store(placement::small_config(shadowkv::value_store_policy::host, -1));
+    EXPECT_EQ(placement::places(store, store.add_sequences(4)), std::vector<value_place>(4, value_place::host));
+  }
+  {
+    kv_store store(placement::small_config(shadowkv::value_store_policy::device, 0));
+    EXPECT_EQ(placement::places(store, store.add_sequences(4)), std::vector<value_place>(4, value_place::device))
+        << "the budget limits only value_store=auto";
+  }
+  {
+    // On the CPU the device is the host's own memory: without a budget, "auto" puts every sequence there.
+    kv_store store(placement::small_config(shadowkv::value_store_policy::auto_place, -1));
+    EXPECT_EQ(placement::places(store, store.add_sequences(4)), std::vector<value_place>(4, value_place::device));
+  }
+  {
+    kv_store store(placement::small_config(shadowkv::value_store_policy::auto_place, 0));
+    EXPECT_EQ(placement::places(store, store.add_sequences(2)), std::vector<value_place>(2, value_place::host));
+  }
+  EXPECT_THROW(kv_store(placement::small_config(shadowkv::value_store_policy::auto_place, -2)),
+               shadowkv::invalid_argument);
+  EXPECT_EQ(shadowkv::parse_value_store("auto"), shadowkv::value_store_policy::auto_place);
+  EXPECT_EQ(shadowkv::value_store_name(shadowkv::value_store_policy::auto_place), "auto");
+  EXPECT_THROW((void)shadowkv::parse_value_store("disk"), shadowkv::invalid_argument);
+}
+
+TEST(StorePlacement, OutputsDoNotDependOnWhereValuesLive) {
+  const std::uint64_t seed = 702;
+  SCOPED_TRACE("seed=" + std::to_string(seed));
+  kv_store on_host(placement::small_config(shadowkv::value_store_policy::host, -1));
+  kv_store on_device(placement::small_config(shadowkv::value_store_policy::device, -1));
+  random_source rng(seed);
+  const config& cfg = on_host.get_config();
+  const std::vector<int> slots_host = on_host.add_sequences(2);
+  const std::vector<int> slots_device = on_device.add_sequences(2);
+  const std::vector<float> keys = rng.normals(static_cast<std::size_t>(2 * 70 * cfg.kv_width()));
+  const std::vector<float> values = rng.normals(keys.size());
+  on_host.prefill(0, slots_host, view_of(keys, {2, 70, 2, 64}), view_of(values, {2, 70, 2, 64}));
+  on_device.prefill(0, slots_device, view_of(keys, {2, 70, 2, 64}), view_of(values, {2, 70, 2, 64}));
+  double norm = 0.0;
+  for (int step = 0; step < 20; ++step) {
+    const std::vector<float> q = rng.normals(static_cast<std::size_t>(2 * 4 * 64));
+    const std::vector<float> kv = rng.normals(static_cast<std::size_t>(2 * 2 * 64));
+    std::vector<float> out_host(q.size());
+    std::vector<float> out_device(q.size());
+    on_host.decode(0, slots_host, view_of(q, {2, 4, 64}), view_of(kv, {2, 2, 64}), view_of(kv, {2, 2, 64}),
+                   mutable_view_of(out_host, {2, 4, 64}));
+    on_device.decode(0, slots_device, view_of(q, {2, 4, 64}), view_of(kv, {2, 2, 64}), view_of(kv, {2, 2, 64}),
+                     mutable_view_of(out_device, {2, 4, 64}));
+    ASSERT_EQ(out_host, out_device) << "step " << step;
+    for (const float x : out_host) norm += static_cast<double>(x) * x;
+  }
+  EXPECT_GT(norm, 0.0);
+}

@@ -33,6 +33,9 @@ CASES = [
 ]
 STEPS = 24
 WINDOW = 16
+# Where the values live, per case (same on both backends): "auto" gets a budget of one sequence, so the first
+# sequence's values are in device memory and the others' in pinned host memory.
+PLACEMENT = {1: "host", 2: "device", 3: "auto", 4: "device", 5: "auto"}
 
 
 def _make(kw, device):
@@ -45,9 +48,15 @@ def test_cuda_matches_cpu(case):
     g = H.generator(seed)
     kw = dict(num_layers=2, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, max_batch=4, max_seq_len=2048,
               rope_theta=10000.0, rope_style=style, rotary_dim=rotary, rank=rank, chunk_size=8, budget=budget * 8,
-              outlier_chunks=3, local_chunks=2, generation_window=WINDOW, dtype=dtype)
+              outlier_chunks=3, local_chunks=2, generation_window=WINDOW, dtype=dtype, value_store=PLACEMENT[seed])
+    if PLACEMENT[seed] == "auto":
+        kw["device_value_budget"] = 2 * 2048 * hkv * d * (2 if dtype == "bfloat16" else 4)
     stores = {dev: _make(kw, dev) for dev in ("cpu", "cuda:0")}
     slots = {dev: s.add_sequences(len(lengths)) for dev, s in stores.items()}
+    places = {dev: [s.sequence_info(0, slot)["values_on"] for slot in slots[dev]] for dev, s in stores.items()}
+    assert places["cpu"] == places["cuda:0"], places
+    if PLACEMENT[seed] == "auto":
+        assert places["cpu"] == ["device"] + ["host"] * (len(lengths) - 1), places
     batch, longest = len(lengths), max(lengths)
     keys = torch.zeros(batch, longest, hkv, d)
     values = torch.zeros(batch, longest, hkv, d)
@@ -89,7 +98,8 @@ def test_cuda_matches_cpu(case):
         assert cpu_stats[key] == gpu_stats[key], f"stats[{key}] differ: {cpu_stats} vs {gpu_stats}"
     assert abs(cpu_stats["hit_rate"] - gpu_stats["hit_rate"]) < 0.02, f"{cpu_stats} vs {gpu_stats}"
     cpu_mem, gpu_mem = stores["cpu"].memory_report(), stores["cuda:0"].memory_report()
-    for key in ("low_rank_factors", "landmarks", "outliers", "exact_tokens", "value_store", "selection_cache"):
+    for key in ("low_rank_factors", "landmarks", "outliers", "exact_tokens", "value_store", "value_store_device",
+                "value_store_host", "selection_cache"):
         assert cpu_mem[key] == gpu_mem[key], f"memory_report[{key}] differs: {cpu_mem} vs {gpu_mem}"
     print(f"seed {seed}: worst relative output difference cuda vs cpu {worst:.2e}")
 

@@ -29,6 +29,7 @@ struct layer_state {
   std::int64_t local_len = 0;              ///< S - n*C
   std::int64_t generated_total = 0;        ///< generated tokens so far
   std::int64_t generated_exact_len = 0;    ///< generated tokens not folded
+  value_place values_on = value_place::host;  ///< where the sequence's value store is (same for all layers)
 
   [[nodiscard]] std::int64_t total_len() const noexcept { return prompt_len + generated_total; }
   [[nodiscard]] std::int64_t context_tokens(int chunk_size) const noexcept { return context_chunks * chunk_size; }
@@ -79,8 +80,13 @@ class backend {
   /// backend's own stream, and finish_call() then waits for it. Backends without streams ignore it.
   virtual void use_stream(std::optional<std::uintptr_t> stream) { (void)stream; }
 
-  /// Prepares storage for a new sequence in `slot` (all layers empty). May throw out_of_memory.
-  virtual void open_sequence(int slot) = 0;
+  /// Prepares storage for a new sequence in `slot` (all layers empty), its value store in `values_on`. May throw
+  /// out_of_memory, and then holds nothing for the slot.
+  virtual void open_sequence(int slot, value_place values_on) = 0;
+  /// Bytes one sequence's value store takes (all layers, at max_seq_len), wherever it is placed.
+  [[nodiscard]] virtual std::int64_t value_bytes_per_sequence() const = 0;
+  /// Device bytes the value stores of value_store="auto" sequences may take when the config gives no budget.
+  [[nodiscard]] virtual std::int64_t default_device_value_budget() const = 0;
   /// Frees everything of `slot`.
   virtual void close_sequence(int slot) noexcept = 0;
 

@@ -21,11 +21,15 @@ enum class factorization_method : std::uint8_t {
   svd,   ///< exact singular value decomposition of K
 };
 
-/// Where the value store lives.
+/// Where the value store of each sequence lives.
 enum class value_store_policy : std::uint8_t {
-  host,    ///< host memory (pinned on CUDA devices); the default
-  device,  ///< device memory (no offload)
+  host,        ///< host memory (pinned on CUDA devices); the default
+  device,      ///< device memory (no offload)
+  auto_place,  ///< per sequence: device memory while `device_value_budget` lasts, then host (never split)
 };
+
+/// Where one sequence's values are.
+enum class value_place : std::uint8_t { host, device };
 
 /// All parameters of a store. Every field has a default; `validate()` checks them together.
 struct config {
@@ -57,6 +61,9 @@ struct config {
   factorization_method factorization = factorization_method::gram;
   dtype kv_dtype = dtype::bfloat16;  ///< storage precision of keys, values and landmarks
   value_store_policy value_store = value_store_policy::host;
+  /// Bytes of device memory the value stores of `auto_place` sequences may take together; -1: the backend's
+  /// default (CUDA: device memory free after the store's reservations, less a margin; CPU: no limit).
+  std::int64_t device_value_budget = -1;
 
   /// Throws invalid_argument naming the first field (and its value) that is out of range.
   void validate() const;
@@ -78,7 +85,11 @@ std::string rope_style_name(rope_style style);
 rope_style parse_rope_style(const std::string& name);
 /// Parses "gram" or "svd"; throws invalid_argument otherwise.
 factorization_method parse_factorization(const std::string& name);
-/// Parses "host" or "device"/"gpu"; throws invalid_argument otherwise.
+/// Parses "host", "device"/"gpu" or "auto"; throws invalid_argument otherwise.
 value_store_policy parse_value_store(const std::string& name);
+/// "host", "device" or "auto".
+std::string value_store_name(value_store_policy policy);
+/// "host" or "device".
+std::string value_place_name(value_place place);
 
 }  // namespace shadowkv

@@ -3,6 +3,8 @@
 
 #include <cstdint>
 
+#include "shadowkv/config.hpp"
+
 namespace shadowkv {
 
 /// Bytes held by the store, by kind, summed over live sequences and prefilled layers (docs/semantics.md).
@@ -11,11 +13,14 @@ struct memory_report {
   std::int64_t landmarks = 0;         ///< one key-sized vector per context chunk and KV head
   std::int64_t outliers = 0;          ///< exact keys and values of outlier chunks
   std::int64_t exact_tokens = 0;      ///< exact keys and values of the local window and generated tokens
-  std::int64_t value_store = 0;       ///< values of all context chunks (offloaded on GPUs)
+  std::int64_t value_store = 0;       ///< values of all context chunks (offloaded on GPUs): the two below summed
+  std::int64_t value_store_device = 0;  ///< value_store of sequences whose values are in device memory
+  std::int64_t value_store_host = 0;    ///< value_store of sequences whose values are in host memory
   std::int64_t selection_cache = 0;   ///< rebuilt keys and fetched values of the selected chunks
   std::int64_t full_attention_equivalent = 0;  ///< a plain KV cache of the same tokens in the same dtype
-  std::int64_t device_reserved = 0;  ///< device memory reserved up front for the configured capacity (CUDA)
-  std::int64_t host_reserved = 0;    ///< pinned host memory reserved for the value store (CUDA)
+  std::int64_t device_reserved = 0;  ///< device memory reserved: arenas for the configured capacity, and the value
+                                     ///< stores of live sequences placed on the device (CUDA)
+  std::int64_t host_reserved = 0;    ///< pinned host memory reserved for the value stores of live sequences (CUDA)
 
   [[nodiscard]] std::int64_t total() const noexcept {
     return low_rank_factors + landmarks + outliers + exact_tokens + value_store + selection_cache;
@@ -48,6 +53,7 @@ struct sequence_info {
   std::int64_t local_len = 0;            ///< exact tokens of the prompt's local window
   std::int64_t generated_exact_len = 0;  ///< exact generated tokens not yet folded
   std::int64_t last_position = -1;
+  value_place values_on = value_place::host;  ///< where the sequence's value store is
 };
 
 }  // namespace shadowkv

@@ -53,7 +53,9 @@ class kv_store {
   [[nodiscard]] const config& get_config() const noexcept { return config_; }
   [[nodiscard]] device where() const noexcept;
 
-  /// Takes `count` free slots (lowest ids first). Throws capacity_error when fewer are free.
+  /// Takes `count` free slots (lowest ids first) and reserves their value stores where config.value_store says
+  /// ("auto": device memory while device_value_budget lasts, else host; a sequence never straddles). Throws
+  /// capacity_error when fewer slots are free, out_of_memory when a value store fits nowhere; then takes nothing.
   std::vector<int> add_sequences(int count);
   /// Frees the slots. Throws invalid_argument (and frees nothing) if any slot is not in use or repeats.
   void release(std::span<const int> slots);
@@ -87,12 +89,15 @@ class kv_store {
   [[nodiscard]] sequence_info info(int layer, int slot) const;
 
   [[nodiscard]] memory_report memory() const;
+  /// Device bytes value_store="auto" sequences may take (config.device_value_budget, or the backend's default).
+  [[nodiscard]] std::int64_t device_value_budget() const noexcept { return device_value_budget_; }
   [[nodiscard]] store_stats stats() const;
   void reset_stats() noexcept;
 
  private:
   struct sequence {
     bool active = false;
+    value_place values_on = value_place::host;
     std::vector<layer_state> layers;
   };
 
@@ -103,6 +108,8 @@ class kv_store {
   config config_;
   std::unique_ptr<backend> backend_;
   std::vector<sequence> sequences_;
+  std::int64_t device_value_budget_ = 0;
+  std::int64_t device_value_bytes_ = 0;  ///< value stores of live sequences placed on the device
   std::int64_t decode_steps_ = 0;
   std::int64_t folds_ = 0;
 };
