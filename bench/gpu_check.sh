@@ -2,7 +2,7 @@
 # On a GPU machine: build everything with CUDA, run the C++ and Python tests on CPU and GPU (parity), run the step
 # benchmark and the micro-benchmarks, and write bench/results/<date>-<commit>.json and <date>-<commit>-micro.json
 # (also to $OUT when set). Prints short tables last.
-#   bash bench/gpu_check.sh [--quick]      (--quick: tests only, no benchmarks)
+#   bash bench/gpu_check.sh [--quick]      (--quick: tests only, no benchmarks; SKIP_MICRO=1: no micro-benchmarks)
 # The micro-benchmarks need Google Benchmark: the system's, or a copy in .device/benchmark made by
 # bench/carry_benchmark.sh on a machine that has it (carry that ignored folder along).
 set -uo pipefail
@@ -22,7 +22,10 @@ nvcc --version | tail -1
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 
 step "build (CMake, CUDA on, tests on)"
+cutlass_arg=()  # the headers carried by bench/carry_cutlass.sh, where the machine has no nvidia-cutlass package
+[ -d .device/cutlass/include/cute ] && cutlass_arg=("-DSHADOWKV_CUTLASS_INCLUDE_DIR=$PWD/.device/cutlass/include")
 cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DSHADOWKV_CUDA=ON -DSHADOWKV_BUILD_TESTS=ON \
+  ${cutlass_arg[@]+"${cutlass_arg[@]}"} \
   -DSHADOWKV_BUILD_PYTHON=ON -DSHADOWKV_BUILD_BENCHMARKS=OFF \
   >"$out_dir/cmake.log" 2>&1 && cmake --build build/gpu -j"$jobs" >>"$out_dir/cmake.log" 2>&1
 build_rc=$?
@@ -87,6 +90,8 @@ PY
     cp "$result" "$out_dir/" 2>/dev/null
   fi
 
+fi
+if [ "${1:-}" != "--quick" ] && [ -z "${SKIP_MICRO:-}" ]; then
   step "micro-benchmarks (Google Benchmark, bench/micro: one op at a time, the value-fetch comparison)"
   micro_result="bench/results/${stamp}-${commit}-micro.json"
   carried="$PWD/.device/benchmark/usr/lib/x86_64-linux-gnu"
