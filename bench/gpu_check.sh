@@ -64,8 +64,10 @@ tests_json="$(python3 - "$out_dir/ctest.log" "$out_dir/pytest.log" <<'PY'
 import json, re, sys
 ctest = open(sys.argv[1]).read() if sys.argv[1] else ""
 pytest = open(sys.argv[2]).read()
-m = re.search(r"(\d+)% tests passed, (\d+) tests failed out of (\d+)", ctest)
-counts = {"ctest": {"passed": int(m.group(3)) - int(m.group(2)), "failed": int(m.group(2))} if m else None}
+m = re.search(r"(\d+)% tests passed(?:, (\d+) tests? failed)? out of (\d+)", ctest)
+failed = int(m.group(2) or 0) if m else 0
+skipped = len(re.findall(r"\(Skipped\)", ctest.split("tests passed")[-1])) if m else 0
+counts = {"ctest": {"passed": int(m.group(3)) - failed - skipped, "failed": failed, "skipped": skipped} if m else None}
 total = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
 for line in pytest.splitlines():  # pytest's closing line of each file, e.g. "12 passed, 1 skipped in 3.2s"
     if re.search(r"\d+ (passed|failed|skipped|errors?)\b", line) and re.search(r" in [\d.]+s", line):
