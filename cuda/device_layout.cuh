@@ -35,6 +35,7 @@ struct dims {
   int rope_interleaved;  ///< 0: half-split, 1: interleaved
   float attention_scaling;
   float softmax_scale;
+  int value_fp8;       ///< 1: the value store holds e4m3 codes + a float32 scale per run (shadowkv/fp8.hpp)
 };
 
 /// Everything of one (slot, layer) on the device. Row-major, head-major where a kernel reads one head at a time.
@@ -66,8 +67,10 @@ struct layer_view {
   int* slot_of_chunk;            ///< [Hkv, max_chunks]: buffer slot holding a chunk, -1 = none
   void* cache_keys;              ///< T [Hkv, k*C, D] rebuilt post-RoPE keys
   void* cache_values;            ///< T [Hkv, k*C, D] fetched values
-  // Value store in pinned, mapped host memory (device-accessible pointer).
-  void* value_store;             ///< T [max_chunks, Hkv, C, D]: one (chunk, head) = one contiguous run
+  // Value store in device memory or pinned, mapped host memory (device-accessible pointers), set when a sequence
+  // joins the slot.
+  void* value_store;             ///< T [max_chunks, Hkv, C, D]: one (chunk, head) = one contiguous run; fp8: codes
+  float* value_scales;           ///< fp8 only: [max_chunks, Hkv] scale of each run
 };
 
 /// Ring row of the i-th oldest generated token (0 <= i < generated_exact_len) in the exact region.

@@ -80,6 +80,16 @@ std::string value_store_name(value_store_policy policy) {
   return "host";
 }
 
+value_format parse_value_format(const std::string& name) {
+  if (name.empty() || name == "same") return value_format::same;
+  if (name == "fp8" || name == "float8_e4m3" || name == "e4m3" || name == "float8_e4m3fn") return value_format::fp8_e4m3;
+  throw invalid_argument(detail::format_message("value format must be 'same' or 'float8_e4m3' (fp8), got '", name, "'"));
+}
+
+std::string value_format_name(value_format format) {
+  return format == value_format::fp8_e4m3 ? "float8_e4m3" : "same";
+}
+
 std::string value_place_name(value_place place) { return place == value_place::device ? "device" : "host"; }
 
 }  // namespace shadowkv

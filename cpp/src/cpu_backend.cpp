@@ -48,9 +48,8 @@ void cpu_backend::open_sequence(int slot, value_place values_on) {
 }
 
 std::int64_t cpu_backend::value_bytes_per_sequence() const {
-  const std::int64_t context_tokens = config_.max_seq_len / config_.chunk_size * config_.chunk_size;
-  return static_cast<std::int64_t>(config_.num_layers) * context_tokens * config_.kv_width() *
-         static_cast<std::int64_t>(dtype_size(config_.kv_dtype));
+  const std::int64_t runs = config_.max_seq_len / config_.chunk_size * config_.num_kv_heads;
+  return static_cast<std::int64_t>(config_.num_layers) * runs * config_.value_run_bytes();
 }
 
 std::int64_t cpu_backend::default_device_value_budget() const { return std::numeric_limits<std::int64_t>::max(); }
@@ -156,15 +155,15 @@ cpu_layer_data cpu_backend::prefill_one(const batch_entry& entry, const prefill_
   }
 
   // Value store of all context chunks, chunk-major.
-  out.value_store = host_array(type);
-  out.value_store.resize(chunks * heads * chunk * dim);
+  out.value_store = value_store_array(type, config_.values_as, chunk * dim);
+  out.value_store.reserve_runs(chunks * heads);
+  std::vector<float> run(static_cast<std::size_t>(chunk * dim));
   for (std::int64_t c = 0; c < chunks; ++c) {
     for (std::int64_t h = 0; h < heads; ++h) {
       for (std::int64_t i = 0; i < chunk; ++i) {
-        for (std::int64_t d = 0; d < dim; ++d) {
-          out.value_store.set(((c * heads + h) * chunk + i) * dim + d, value_at(c * chunk + i, h, d));
-        }
+        for (std::int64_t d = 0; d < dim; ++d) run[static_cast<std::size_t>(i * dim + d)] = value_at(c * chunk + i, h, d);
       }
+      out.value_store.append_run(run.data());
     }
   }
 
@@ -240,7 +239,7 @@ void cpu_backend::fold_oldest_generated_chunk(int layer, std::span<const batch_e
     d.coefficients.reserve(d.coefficients.size() + static_cast<std::size_t>(chunk * rank));
     d.context_positions.reserve(d.context_positions.size() + static_cast<std::size_t>(chunk));
     d.landmarks.reserve(d.landmarks.size() + width);
-    d.value_store.reserve(d.value_store.size() + width * chunk);
+    d.value_store.reserve_runs(d.value_store.runs() + heads);
     for (auto& flags : d.is_outlier) flags.reserve(flags.size() + 1);
   }
   // Phase 2: commit (no allocation beyond the reservations above).
@@ -251,7 +250,7 @@ void cpu_backend::fold_oldest_generated_chunk(int layer, std::span<const batch_e
     d.context_positions.insert(d.context_positions.end(), d.exact_positions.begin() + first,
                                d.exact_positions.begin() + first + chunk);
     d.landmarks.append(width, folded[e].landmark.data());
-    d.value_store.append(width * chunk, folded[e].values.data());
+    for (std::int64_t h = 0; h < heads; ++h) d.value_store.append_run(folded[e].values.data() + h * chunk * dim);
     for (auto& flags : d.is_outlier) flags.push_back(0);
     d.exact_keys.erase(first * width, chunk * width);
     d.exact_values.erase(first * width, chunk * width);
@@ -390,9 +389,9 @@ void cpu_backend::fetch_values(int layer, std::span<const batch_entry> entries) 
         const std::size_t index = static_cast<std::size_t>(h * budget + s);
         if (d.pending_fetch[index] == 0) continue;
         const std::int64_t c = d.cache_chunks[index];
-        d.cache_values.copy_from(d.value_store, (c * heads + h) * run, static_cast<std::int64_t>(index) * run, run);
+        d.value_store.read_run(c * heads + h, d.cache_values, static_cast<std::int64_t>(index) * run);
         d.pending_fetch[index] = 0;
-        stats_.bytes_fetched += run * static_cast<std::int64_t>(dtype_size(config_.kv_dtype));
+        stats_.bytes_fetched += d.value_store.run_bytes();
       }
     }
   }

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "host_array.hpp"
+#include "value_store_array.hpp"
 #include "shadowkv/backend.hpp"
 #include "shadowkv/rope.hpp"
 
@@ -18,7 +19,7 @@ struct cpu_layer_data {
   std::vector<float> coefficients;
   std::vector<std::int64_t> context_positions;
   host_array landmarks;    ///< [context chunks, Hkv, D]
-  host_array value_store;  ///< [context chunks, Hkv, C, D]: one (chunk, head) is one contiguous run
+  value_store_array value_store;  ///< [context chunks, Hkv, C, D]: one (chunk, head) is one contiguous run
   std::vector<std::vector<std::int64_t>> outliers;    ///< [Hkv] ascending chunk ids
   std::vector<std::vector<std::uint8_t>> is_outlier;  ///< [Hkv][context chunks]
   host_array outlier_keys;    ///< [Hkv, outliers*C, D] post-RoPE

@@ -11,6 +11,7 @@
 #include "shadowkv/errors.hpp"
 #include "shadowkv/rope.hpp"
 #include "sparse_attention.cuh"
+#include "value_format.cuh"
 
 namespace shadowkv::cuda {
 namespace {
@@ -56,7 +57,7 @@ class device_guard {
 // Bytes of every array of one (slot, layer), each aligned.
 struct cuda_backend::layer_sizes {
   std::size_t basis, coefficients, context_positions, landmarks, is_outlier, outlier, exact, exact_positions,
-      cache_chunks, slot_of_chunk, cache, value_store;
+      cache_chunks, slot_of_chunk, cache, value_store, value_codes;
 
   explicit layer_sizes(const dims& d, std::size_t element) {
     const std::size_t width = static_cast<std::size_t>(d.kv_heads) * d.head_dim;
@@ -72,7 +73,10 @@ struct cuda_backend::layer_sizes {
     cache_chunks = align_up(static_cast<std::size_t>(d.kv_heads) * d.budget * sizeof(int));
     slot_of_chunk = align_up(static_cast<std::size_t>(d.kv_heads) * d.max_chunks * sizeof(int));
     cache = align_up(static_cast<std::size_t>(d.budget) * d.chunk * width * element);
-    value_store = align_up(context_tokens * width * element);
+    // The value store: T [max_chunks, Hkv, C, D], or fp8 codes of the same shape then float scales [max_chunks, Hkv].
+    value_codes = align_up(context_tokens * width * (d.value_fp8 != 0 ? 1 : element));
+    value_store = value_codes +
+                  (d.value_fp8 != 0 ? align_up(static_cast<std::size_t>(d.max_chunks) * d.kv_heads * sizeof(float)) : 0);
   }
   [[nodiscard]] std::size_t device_total() const {
     return basis + coefficients + context_positions + landmarks + is_outlier + 2 * outlier + 2 * exact +
@@ -107,6 +111,7 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   dims_.rope_interleaved = cfg.rope == rope_style::interleaved ? 1 : 0;
   dims_.attention_scaling = cfg.attention_scaling;
   dims_.softmax_scale = cfg.effective_softmax_scale();
+  dims_.value_fp8 = cfg.values_as == value_format::fp8_e4m3 ? 1 : 0;
 
   own_stream_ = make_stream();
   copy_stream_ = make_stream();
@@ -123,6 +128,7 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   const std::size_t layers = static_cast<std::size_t>(cfg.max_batch) * cfg.num_layers;
   arena_ = device_buffer(sizes.device_total() * layers, own_stream_, device_memory_);
   value_layer_bytes_ = sizes.value_store;
+  value_codes_bytes_ = sizes.value_codes;
   device_values_.resize(static_cast<std::size_t>(cfg.max_batch));
   host_values_.resize(static_cast<std::size_t>(cfg.max_batch));
   values_on_.resize(static_cast<std::size_t>(cfg.max_batch), value_place::host);
@@ -256,7 +262,10 @@ void cuda_backend::open_sequence(int slot, value_place values_on) {
   std::vector<layer_view> views(host_views_.begin() + static_cast<std::ptrdiff_t>(first),
                                 host_views_.begin() + static_cast<std::ptrdiff_t>(first + config_.num_layers));
   for (int layer = 0; layer < config_.num_layers; ++layer) {
-    views[static_cast<std::size_t>(layer)].value_store = base + static_cast<std::size_t>(layer) * value_layer_bytes_;
+    std::uint8_t* layer_base = base + static_cast<std::size_t>(layer) * value_layer_bytes_;
+    views[static_cast<std::size_t>(layer)].value_store = layer_base;
+    views[static_cast<std::size_t>(layer)].value_scales =
+        dims_.value_fp8 != 0 ? reinterpret_cast<float*>(layer_base + value_codes_bytes_) : nullptr;
   }
   // The slot's views (fresh counters, the new value store) go to the device before any kernel can read them.
   SHADOWKV_CUDA_TRY(cudaMemcpyAsync(device_view(slot, 0), views.data(), views.size() * sizeof(layer_view),
@@ -276,7 +285,10 @@ void cuda_backend::close_sequence(int slot) noexcept {
   device_values_[static_cast<std::size_t>(slot)].release(own_stream_);
   (void)cudaStreamSynchronize(own_stream_);
   host_values_[static_cast<std::size_t>(slot)] = host_buffer();
-  for (int layer = 0; layer < config_.num_layers; ++layer) host_view(slot, layer).value_store = nullptr;
+  for (int layer = 0; layer < config_.num_layers; ++layer) {
+    host_view(slot, layer).value_store = nullptr;
+    host_view(slot, layer).value_scales = nullptr;
+  }
 }
 
 void cuda_backend::upload_batch(std::span<const batch_entry> entries) {
@@ -374,11 +386,24 @@ void cuda_backend::prefill_one(int layer, const batch_entry& entry, const prefil
   device_buffer outlier_ids(std::max<std::size_t>(1, static_cast<std::size_t>(config_.num_kv_heads) * config_.outlier_chunks) *
                                 sizeof(int), stream_, device_memory_);
   const std::size_t value_bytes = static_cast<std::size_t>(chunks) * config_.chunk_size * width * element;
-  // Device value stores take the values directly; host ones through a device staging copy (one large transfer).
+  // The prompt's values are packed chunk-major in the store's dtype: straight into a device value store, else into a
+  // device staging buffer. fp8 quantizes that into the store's layout (codes, scales) — in place on the device, or
+  // into a second staging buffer — and a host value store then takes one copy of the codes and one of the scales.
   const bool values_on_device = values_on_[static_cast<std::size_t>(entry.slot)] == value_place::device;
+  const bool fp8 = dims_.value_fp8 != 0;
+  const long long runs = static_cast<long long>(chunks) * config_.num_kv_heads;
+  const std::size_t code_bytes = static_cast<std::size_t>(runs) * config_.chunk_size * config_.head_dim;
   device_buffer value_staging;
-  if (!values_on_device) value_staging = device_buffer(std::max<std::size_t>(1, value_bytes), stream_, device_memory_);
-  void* value_target = values_on_device ? view.value_store : value_staging.data();
+  if (!values_on_device || fp8) {
+    value_staging = device_buffer(std::max<std::size_t>(1, value_bytes), stream_, device_memory_);
+  }
+  device_buffer fp8_staging;
+  if (fp8 && !values_on_device) fp8_staging = device_buffer(value_layer_bytes_, stream_, device_memory_);
+  void* value_target = values_on_device && !fp8 ? view.value_store : value_staging.data();
+  auto* codes_target = static_cast<std::uint8_t*>(values_on_device ? view.value_store : fp8_staging.data());
+  float* scales_target = values_on_device ? view.value_scales
+                                          : reinterpret_cast<float*>(static_cast<std::uint8_t*>(fp8_staging.data()) +
+                                                                     value_codes_bytes_);
 
   launch_prepare_prompt_keys(dims_, kv_type_, as_strided(inputs.keys),
                              inputs.positions.empty() ? strided_tensor{nullptr, 0, {0, 0, 0, 0}}
@@ -407,6 +432,10 @@ void cuda_backend::prefill_one(int layer, const batch_entry& entry, const prefil
   launch_scatter_prompt(dims_, kv_type_, keys_post.data(), as_strided(inputs.values), static_cast<int>(entry.row), len,
                         chunks, outliers, static_cast<const int*>(outlier_ids.data()),
                         static_cast<const long long*>(positions.data()), view, value_target, stream_);
+  if (fp8) {
+    launch_quantize_value_runs(kv_type_, value_staging.data(), runs, config_.chunk_size * config_.head_dim,
+                               codes_target, scales_target, stream_);
+  }
   SHADOWKV_CUDA_TRY(cudaMemsetAsync(view.cache_chunks, 0xff,
                                     static_cast<std::size_t>(config_.num_kv_heads) * config_.budget_chunks * sizeof(int),
                                     stream_));
@@ -421,13 +450,23 @@ void cuda_backend::prefill_one(int layer, const batch_entry& entry, const prefil
     SHADOWKV_CUDA_TRY(cudaEventRecord(values_ready_event_, stream_));
     SHADOWKV_CUDA_TRY(cudaStreamWaitEvent(copy_stream_, values_ready_event_, 0));
     const host_buffer& store = host_values_[static_cast<std::size_t>(entry.slot)];
-    void* host_target = static_cast<std::uint8_t*>(store.data()) +
+    auto* host_target = static_cast<std::uint8_t*>(store.data()) +
                         (static_cast<std::uint8_t*>(view.value_store) -
                          static_cast<std::uint8_t*>(store.device_pointer()));
-    SHADOWKV_CUDA_TRY(cudaMemcpyAsync(host_target, value_staging.data(), value_bytes, cudaMemcpyDeviceToHost,
-                                      copy_stream_));
-    value_staging.release(copy_stream_);
+    if (fp8) {
+      SHADOWKV_CUDA_TRY(cudaMemcpyAsync(host_target, fp8_staging.data(), code_bytes, cudaMemcpyDeviceToHost,
+                                        copy_stream_));
+      SHADOWKV_CUDA_TRY(cudaMemcpyAsync(host_target + value_codes_bytes_,
+                                        static_cast<std::uint8_t*>(fp8_staging.data()) + value_codes_bytes_,
+                                        static_cast<std::size_t>(runs) * sizeof(float), cudaMemcpyDeviceToHost,
+                                        copy_stream_));
+      fp8_staging.release(copy_stream_);
+    } else {
+      SHADOWKV_CUDA_TRY(cudaMemcpyAsync(host_target, value_staging.data(), value_bytes, cudaMemcpyDeviceToHost,
+                                        copy_stream_));
+    }
   }
+  value_staging.release(values_on_device ? stream_ : copy_stream_);
   keys_pre.release(stream_);
   keys_post.release(stream_);
   positions.release(stream_);
@@ -542,9 +581,9 @@ memory_report cuda_backend::memory(std::span<const layer_state* const> states) c
     report.landmarks += state->context_chunks * width * e;
     report.outliers += state->outlier_chunks * chunk * width * 2 * e;
     report.exact_tokens += (state->local_len + state->generated_exact_len) * width * 2 * e;
-    report.value_store += context_tokens * width * e;
-    (state->values_on == value_place::device ? report.value_store_device : report.value_store_host) +=
-        context_tokens * width * e;
+    const std::int64_t values = state->context_chunks * config_.num_kv_heads * config_.value_run_bytes();
+    report.value_store += values;
+    (state->values_on == value_place::device ? report.value_store_device : report.value_store_host) += values;
     report.selection_cache += static_cast<std::int64_t>(config_.budget_chunks) * chunk * width * 2 * e;
     report.full_attention_equivalent += state->total_len() * width * 2 * e;
   }

@@ -85,6 +85,7 @@ class cuda_backend final : public backend {
   std::vector<host_buffer> host_values_;      ///< [slot]
   std::vector<value_place> values_on_;        ///< [slot]
   std::size_t value_layer_bytes_ = 0;         ///< one (slot, layer) value store, aligned
+  std::size_t value_codes_bytes_ = 0;         ///< its values (fp8: codes) part; fp8 scales follow at this offset
   std::int64_t default_value_budget_ = 0;     ///< free device memory after the reservations, less a margin
   device_buffer views_;          ///< layer_view [max_batch * num_layers]
   device_buffer workspace_memory_;

@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "chunk_rebuild.cuh"
+#include "shadowkv/fp8.hpp"
 #include "cuda_check.hpp"
 #include "dispatch.cuh"
 #include "element_access.cuh"
@@ -329,6 +330,7 @@ __global__ void fetch_values_kernel(dims d, layer_view* views, const int* batch_
   const int* cache_chunks = view->cache_chunks + static_cast<long long>(h) * d.budget;
   const long long run = static_cast<long long>(d.chunk) * d.head_dim;  // elements
   const T* store = static_cast<const T*>(view->value_store);
+  const auto* codes = static_cast<const std::uint8_t*>(view->value_store);  // fp8 format
   T* cache = static_cast<T*>(view->cache_values) + static_cast<long long>(h) * d.budget * run;
   const int warp = blockIdx.z * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -337,9 +339,27 @@ __global__ void fetch_values_kernel(dims d, layer_view* views, const int* batch_
   for (int m = warp; m < misses; m += warps) {
     const int slot = miss_slots[m];
     const int chunk = cache_chunks[slot];
-    const T* source = store + (static_cast<long long>(chunk) * d.kv_heads + h) * run;
+    const long long source_run = static_cast<long long>(chunk) * d.kv_heads + h;
+    const T* source = store + source_run * run;
     T* target = cache + static_cast<long long>(slot) * run;
-    if (vectorised) {
+    if (d.value_fp8 != 0) {
+      // 16 codes (16 bytes) a lane at a time, dequantized and rounded to T (shadowkv/fp8.hpp).
+      const float scale = view->value_scales[source_run];
+      const std::uint8_t* from = codes + source_run * run;
+      if (run % 16 == 0) {
+        for (long long i = 16LL * lane; i < run; i += 16LL * 32) {
+          const uint4 packed = *reinterpret_cast<const uint4*>(from + i);
+          const std::uint32_t words[4] = {packed.x, packed.y, packed.z, packed.w};
+#pragma unroll
+          for (int k = 0; k < 16; ++k) {
+            const auto code = static_cast<std::uint8_t>(words[k / 4] >> (8 * (k % 4)));
+            target[i + k] = from_float<T>(fp8::decode_e4m3(code) * scale);
+          }
+        }
+      } else {
+        for (long long i = lane; i < run; i += 32) target[i] = from_float<T>(fp8::decode_e4m3(from[i]) * scale);
+      }
+    } else if (vectorised) {
       const long long vectors = run * static_cast<long long>(sizeof(T)) / 16;
       const int4* from = reinterpret_cast<const int4*>(source);
       int4* to = reinterpret_cast<int4*>(target);
@@ -349,7 +369,8 @@ __global__ void fetch_values_kernel(dims d, layer_view* views, const int* batch_
     }
   }
   if (blockIdx.z == 0 && threadIdx.x == 0 && misses > 0) {
-    atomicAdd(workspace.counters + 3, static_cast<unsigned long long>(misses) * run * sizeof(T));
+    const unsigned long long run_bytes = d.value_fp8 != 0 ? run + sizeof(float) : run * sizeof(T);
+    atomicAdd(workspace.counters + 3, static_cast<unsigned long long>(misses) * run_bytes);
   }
 }
 

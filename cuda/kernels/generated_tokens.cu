@@ -2,6 +2,7 @@
 #include "dispatch.cuh"
 #include "element_access.cuh"
 #include "generated_tokens.cuh"
+#include "shadowkv/fp8.hpp"
 
 namespace shadowkv::cuda {
 namespace {
@@ -68,6 +69,21 @@ __global__ void advance_generated_kernel(dims d, layer_view* views, const int* b
     }
     T* landmarks = static_cast<T*>(view->landmarks);
     T* value_store = static_cast<T*>(view->value_store);
+    float* head_scales = keys_pre;  // fp8: one scale per head (keys_pre is dead once the coefficients are written)
+    if (d.value_fp8 != 0) {
+      __syncthreads();
+      for (int h = threadIdx.x; h < d.kv_heads; h += blockDim.x) {
+        float amax = 0.0F;
+        for (int i = 0; i < d.chunk; ++i) {
+          const T* row = exact_values + (h * head_rows + d.local_capacity + (ring_head + i) % d.window) * d.head_dim;
+          for (int dim = 0; dim < d.head_dim; ++dim) amax = fmaxf(amax, fabsf(to_float(row[dim])));
+        }
+        head_scales[h] = fp8::scale_for(amax);
+        view->value_scales[static_cast<long long>(chunk) * d.kv_heads + h] = head_scales[h];
+      }
+      __syncthreads();
+    }
+    auto* value_codes = static_cast<std::uint8_t*>(view->value_store);
     for (int index = threadIdx.x; index < width; index += blockDim.x) {
       const int h = index / d.head_dim;
       const int dim = index % d.head_dim;
@@ -75,8 +91,13 @@ __global__ void advance_generated_kernel(dims d, layer_view* views, const int* b
       for (int i = 0; i < d.chunk; ++i) {
         const int ring_row = d.local_capacity + (ring_head + i) % d.window;
         sum += to_float(exact_keys[(h * head_rows + ring_row) * d.head_dim + dim]);
-        value_store[((static_cast<long long>(chunk) * d.kv_heads + h) * d.chunk + i) * d.head_dim + dim] =
-            exact_values[(h * head_rows + ring_row) * d.head_dim + dim];
+        const long long target = ((static_cast<long long>(chunk) * d.kv_heads + h) * d.chunk + i) * d.head_dim + dim;
+        const T value = exact_values[(h * head_rows + ring_row) * d.head_dim + dim];
+        if (d.value_fp8 != 0) {
+          value_codes[target] = fp8::encode_e4m3(to_float(value) / head_scales[h]);
+        } else {
+          value_store[target] = value;
+        }
       }
       landmarks[(static_cast<long long>(h) * d.max_chunks + chunk) * d.head_dim + dim] =
           from_float<T>(static_cast<float>(sum / d.chunk));

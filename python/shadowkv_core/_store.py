@@ -91,6 +91,10 @@ class KVStore:
         value_store: where each sequence's values live: "host" (pinned host memory on GPUs; the default),
             "device" (GPU memory: no PCIe traffic), or "auto" (GPU memory while `device_value_budget` lasts, then
             host; decided per sequence when it joins, never split). `sequence_info(...)["values_on"]` tells where.
+        value_dtype: format of the value store: None (the store's dtype) or "float8_e4m3" ("fp8"): e4m3 codes with
+            one float32 scale per (chunk, KV head) — half of bf16's bytes in memory and over PCIe; values are
+            dequantized to `dtype` when fetched. `value_store="host_fp8"` is short for value_store="host",
+            value_dtype="float8_e4m3". Exact tokens (outliers, local window, generated) keep `dtype`.
         device_value_budget: bytes of device memory the values of "auto" sequences may take together. Default:
             on CUDA, the device memory free after the store's own reservations less a margin (5%, at least 2 GiB),
             measured when the store is built — pass a budget when the model still needs memory after that; on the
@@ -123,6 +127,7 @@ class KVStore:
         device: Any = "cpu",
         value_store: str = "host",
         device_value_budget: Optional[int] = None,
+        value_dtype: Optional[Any] = None,
     ) -> None:
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
@@ -156,7 +161,13 @@ class KVStore:
         cfg.generation_window = generation_window
         cfg.factorization = factorization
         cfg.dtype = dtype_name
+        if value_store in ("host_fp8", "device_fp8", "auto_fp8"):
+            if value_dtype is not None and _dtype_name(value_dtype) not in ("float8_e4m3", "float8_e4m3fn", "fp8"):
+                raise ValueError(f"value_store={value_store!r} stores fp8 values; value_dtype={value_dtype!r} contradicts it")
+            value_store, value_dtype = value_store[: -len("_fp8")], "float8_e4m3"
         cfg.value_store = value_store
+        if value_dtype is not None and _dtype_name(value_dtype) != dtype_name:
+            cfg.value_format = _dtype_name(value_dtype)
         if device_value_budget is not None:
             if isinstance(device_value_budget, bool) or int(device_value_budget) != device_value_budget:
                 raise ValueError(f"device_value_budget must be a whole number of bytes, got {device_value_budget!r}")

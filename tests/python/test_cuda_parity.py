@@ -36,6 +36,13 @@ WINDOW = 16
 # Where the values live, per case (same on both backends): "auto" gets a budget of one sequence, so the first
 # sequence's values are in device memory and the others' in pinned host memory.
 PLACEMENT = {1: "host", 2: "device", 3: "auto", 4: "device", 5: "auto"}
+# The value format per case: fp8 (e4m3 codes + a scale per run) with host, device and auto placement.
+VALUE_DTYPE = {1: "float8_e4m3", 2: "float8_e4m3", 3: None, 4: None, 5: "float8_e4m3"}
+
+
+def _sequence_value_bytes(hkv, d, dtype, value_dtype, layers=2, max_len=2048, chunk=8):
+    run = chunk * d + 4 if value_dtype else chunk * d * (2 if dtype == "bfloat16" else 4)
+    return layers * (max_len // chunk) * hkv * run
 
 
 def _make(kw, device):
@@ -48,9 +55,10 @@ def test_cuda_matches_cpu(case):
     g = H.generator(seed)
     kw = dict(num_layers=2, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, max_batch=4, max_seq_len=2048,
               rope_theta=10000.0, rope_style=style, rotary_dim=rotary, rank=rank, chunk_size=8, budget=budget * 8,
-              outlier_chunks=3, local_chunks=2, generation_window=WINDOW, dtype=dtype, value_store=PLACEMENT[seed])
+              outlier_chunks=3, local_chunks=2, generation_window=WINDOW, dtype=dtype, value_store=PLACEMENT[seed],
+              value_dtype=VALUE_DTYPE[seed])
     if PLACEMENT[seed] == "auto":
-        kw["device_value_budget"] = 2 * 2048 * hkv * d * (2 if dtype == "bfloat16" else 4)
+        kw["device_value_budget"] = _sequence_value_bytes(hkv, d, dtype, VALUE_DTYPE[seed])
     stores = {dev: _make(kw, dev) for dev in ("cpu", "cuda:0")}
     slots = {dev: s.add_sequences(len(lengths)) for dev, s in stores.items()}
     places = {dev: [s.sequence_info(0, slot)["values_on"] for slot in slots[dev]] for dev, s in stores.items()}
@@ -94,6 +102,9 @@ def test_cuda_matches_cpu(case):
             worst = max(worst, err)
             assert err < tolerance, f"output differs by {err:.2e} (seed={seed}, step={step}, layer={layer})"
     cpu_stats, gpu_stats = stores["cpu"].stats(), stores["cuda:0"].stats()
+    run_bytes = 8 * d + 4 if VALUE_DTYPE[seed] else 8 * d * (2 if dtype == "bfloat16" else 4)
+    for st in (cpu_stats, gpu_stats):
+        assert st["bytes_fetched"] == st["misses"] * run_bytes, st
     for key in ("selections", "folds", "decode_steps"):
         assert cpu_stats[key] == gpu_stats[key], f"stats[{key}] differ: {cpu_stats} vs {gpu_stats}"
     assert abs(cpu_stats["hit_rate"] - gpu_stats["hit_rate"]) < 0.02, f"{cpu_stats} vs {gpu_stats}"

@@ -28,6 +28,12 @@ enum class value_store_policy : std::uint8_t {
   auto_place,  ///< per sequence: device memory while `device_value_budget` lasts, then host (never split)
 };
 
+/// How the value store holds values.
+enum class value_format : std::uint8_t {
+  same,      ///< the store's dtype (kv_dtype)
+  fp8_e4m3,  ///< e4m3 codes with one float32 scale per (chunk, KV head) run (shadowkv/fp8.hpp): half of bf16's bytes
+};
+
 /// Where one sequence's values are.
 enum class value_place : std::uint8_t { host, device };
 
@@ -61,6 +67,7 @@ struct config {
   factorization_method factorization = factorization_method::gram;
   dtype kv_dtype = dtype::bfloat16;  ///< storage precision of keys, values and landmarks
   value_store_policy value_store = value_store_policy::host;
+  value_format values_as = value_format::same;  ///< format of the value store (exact tokens keep kv_dtype)
   /// Bytes of device memory the value stores of `auto_place` sequences may take together; -1: the backend's
   /// default (CUDA: device memory free after the store's reservations, less a margin; CPU: no limit).
   std::int64_t device_value_budget = -1;
@@ -73,6 +80,11 @@ struct config {
   [[nodiscard]] float effective_softmax_scale() const noexcept;
   [[nodiscard]] std::int64_t kv_width() const noexcept {
     return static_cast<std::int64_t>(num_kv_heads) * head_dim;
+  }
+  /// Bytes of one (chunk, KV head) run of the value store: C*D elements (+ its float32 scale for fp8).
+  [[nodiscard]] std::int64_t value_run_bytes() const noexcept {
+    const std::int64_t run = static_cast<std::int64_t>(chunk_size) * head_dim;
+    return values_as == value_format::fp8_e4m3 ? run + 4 : run * static_cast<std::int64_t>(dtype_size(kv_dtype));
   }
   [[nodiscard]] std::int64_t budget_tokens() const noexcept {
     return static_cast<std::int64_t>(budget_chunks) * chunk_size;
@@ -91,5 +103,9 @@ value_store_policy parse_value_store(const std::string& name);
 std::string value_store_name(value_store_policy policy);
 /// "host" or "device".
 std::string value_place_name(value_place place);
+/// Parses "same" (or "", the store's dtype) or "fp8"/"float8_e4m3"/"e4m3"; throws invalid_argument otherwise.
+value_format parse_value_format(const std::string& name);
+/// "same" or "float8_e4m3".
+std::string value_format_name(value_format format);
 
 }  // namespace shadowkv
