@@ -3,8 +3,9 @@
     python bench/step_benchmark.py                 # DESIGN.md §7 configurations on CUDA, small ones on the CPU
     python bench/step_benchmark.py --config 1x122880x2048 8x122880x2048:device --hit 0 0.6 --json out.json
 
-A configuration is BATCHxSEQ_LENxBUDGET, optionally followed by :host (values in pinned host memory, the default)
-or :device (values in device memory, value_store="device").
+A configuration is BATCHxSEQ_LENxBUDGET, optionally followed by :host (values in pinned host memory, the default),
+:device (values in device memory, value_store="device"), :host_fp8 or :device_fp8 (fp8 values: e4m3 codes and a
+float32 scale per chunk and head, half the bytes).
 
 For each configuration (batch B, context S, budget) and target temporal hit rate it reports:
   ours        mean time of store.decode for one layer (selection, rebuild, fetch, attention), B sequences
@@ -77,9 +78,11 @@ def run_case(args, device, batch, seq_len, budget, value_store, target_hit, band
     # The long random contexts are made on the device itself (host randn of B x 122880 x 1024 takes minutes).
     data_gen = torch.Generator(device=device).manual_seed(args.seed) if device.startswith("cuda") else gen
     capacity = seq_len + 4 * args.steps + 64
+    place, _, fp8 = value_store.partition("_")
     store = KVStore(1, hq, hkv, dim, max_batch=batch, max_seq_len=capacity, rank=args.rank, chunk_size=chunk,
                     budget=budget, outlier_chunks=48, local_chunks=4, generation_window=256, dtype="bfloat16",
-                    device=device, rope_theta=500000.0, value_store=value_store)
+                    device=device, rope_theta=500000.0, value_store=place,
+                    value_dtype="float8_e4m3" if fp8 else None)
     slots = store.add_sequences(batch)
     keys_full, values_full = [], []
     for b in range(batch):  # one sequence at a time bounds host memory for the random data
@@ -142,8 +145,9 @@ def run_case(args, device, batch, seq_len, budget, value_store, target_hit, band
 
     memory_bw, link_bw = bandwidths
     landmark_bytes = batch * (seq_len // chunk) * hkv * dim * 2
-    missed_bytes = batch * (1.0 - hit) * (budget // chunk) * chunk * hkv * dim * 2
-    floor = landmark_bytes / memory_bw + missed_bytes / (memory_bw if value_store == "device" else link_bw)
+    run_bytes = chunk * dim + 4 if value_store.endswith("_fp8") else chunk * dim * 2
+    missed_bytes = batch * (1.0 - hit) * (budget // chunk) * hkv * run_bytes
+    floor = landmark_bytes / memory_bw + missed_bytes / (memory_bw if value_store.startswith("device") else link_bw)
     row = {"batch": batch, "seq_len": seq_len, "budget": budget, "value_store": value_store, "factor_dtype": "float32",
            "target_hit": target_hit, "hit": hit,
            "query_correlation": a, "ours_ms": ours * 1e3, "full_ms": full * 1e3, "floor_ms": floor * 1e3,
@@ -201,8 +205,8 @@ def _parse_config(text: str) -> tuple:
     """"24x122880x2048" or "8x122880x2048:device" -> (batch, seq_len, budget, value_store)."""
     shape, _, value_store = text.partition(":")
     batch, seq_len, budget = (int(x) for x in shape.split("x"))
-    if value_store not in ("", "host", "device"):
-        raise SystemExit(f"--config {text}: the value store must be :host or :device")
+    if value_store not in ("", "host", "device", "host_fp8", "device_fp8"):
+        raise SystemExit(f"--config {text}: the value store must be :host, :device, :host_fp8 or :device_fp8")
     return batch, seq_len, budget, value_store or "host"
 
 
@@ -244,9 +248,10 @@ def main(argv=None) -> int:
         configs = [_parse_config(c) for c in args.config]
     elif device.startswith("cuda"):
         configs = [(1, 122880, 2048, "host"), (24, 122880, 2048, "host"), (48, 61440, 1024, "host"),
-                   (1, 122880, 2048, "device"), (8, 122880, 2048, "device")]
+                   (24, 122880, 2048, "host_fp8"), (1, 122880, 2048, "device"), (8, 122880, 2048, "device")]
     else:
-        configs = [(1, 8192, 512, "host"), (2, 4096, 256, "host"), (2, 4096, 256, "device")]
+        configs = [(1, 8192, 512, "host"), (2, 4096, 256, "host"), (2, 4096, 256, "device"),
+                   (2, 4096, 256, "host_fp8")]
         args.steps = min(args.steps, 6)
         args.calibration_rounds = min(args.calibration_rounds, 4)
 
