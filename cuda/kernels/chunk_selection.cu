@@ -48,6 +48,7 @@
 #include "cuda_check.hpp"
 #include "dispatch.cuh"
 #include "element_access.cuh"
+#include "landmark_logits.cuh"
 
 namespace shadowkv::cuda {
 namespace {
@@ -68,46 +69,6 @@ constexpr float kLog2e = 1.4426950408889634F;
 
 // -----------------------------------------------------------------------------------------------------------------
 // Small device helpers.
-
-/// 16 bytes of T as floats.
-template <typename T>
-struct vector16;
-template <>
-struct vector16<float> {
-  static constexpr int elements = 4;
-  __device__ __forceinline__ static void to_floats(const uint4& raw, float* out) {
-    out[0] = __uint_as_float(raw.x);
-    out[1] = __uint_as_float(raw.y);
-    out[2] = __uint_as_float(raw.z);
-    out[3] = __uint_as_float(raw.w);
-  }
-};
-template <>
-struct vector16<__half> {
-  static constexpr int elements = 8;
-  __device__ __forceinline__ static void to_floats(const uint4& raw, float* out) {
-    const __half2* pairs = reinterpret_cast<const __half2*>(&raw);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 f = __half22float2(pairs[i]);
-      out[2 * i] = f.x;
-      out[2 * i + 1] = f.y;
-    }
-  }
-};
-template <>
-struct vector16<__nv_bfloat16> {
-  static constexpr int elements = 8;
-  __device__ __forceinline__ static void to_floats(const uint4& raw, float* out) {
-    const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 f = __bfloat1622float2(pairs[i]);
-      out[2 * i] = f.x;
-      out[2 * i + 1] = f.y;
-    }
-  }
-};
 
 /// Merges softmax partials (max, sum of exp(x - max)); (-inf, 0) is the empty partial.
 __device__ __forceinline__ void merge_partial(float& m, float& s, float other_m, float other_s) {
@@ -130,10 +91,6 @@ __device__ __forceinline__ void warp_merge_partial(float& m, float& s) {
   }
 }
 
-__device__ __forceinline__ int context_chunks_of(const layer_view* view, const dims& d) {
-  const int n = view->context_chunks;
-  return n < 0 ? 0 : (n > d.max_chunks ? d.max_chunks : n);
-}
 
 // -----------------------------------------------------------------------------------------------------------------
 // Kernel 1: logits of tiles of chunks for all G query heads of (b, h).
@@ -887,6 +844,17 @@ void launch_logits(const dims& d, const layer_view* views, const int* batch_slot
 }
 
 template <typename T>
+constexpr int kv_type_of() {
+  if constexpr (std::is_same_v<T, float>) {
+    return element_f32;
+  } else if constexpr (std::is_same_v<T, __half>) {
+    return element_f16;
+  } else {
+    return element_bf16;
+  }
+}
+
+template <typename T>
 void launch_for_type(const dims& d, const layer_view* views, const int* batch_slots, int layer, int batch,
                      const strided_tensor& queries, int tokens, const step_workspace& ws, cudaStream_t stream) {
   const device_limits limits = current_device_limits();
@@ -897,7 +865,12 @@ void launch_for_type(const dims& d, const layer_view* views, const int* batch_sl
   } else {
     geo.mode = tokens == 1 ? kFromLogits : kInKernel;
   }
-  if (geo.mode != kInKernel && logit_geo.tiles > 0) {
+  // Decode with partials: the register kernel of landmark_logits.cu where it covers the shape.
+  const bool decode_kernel = tokens == 1 && geo.mode == kFromScores && logit_geo.tiles > 0 &&
+                             launch_decode_landmark_logits(d, kv_type_of<T>(), views, batch_slots, layer, batch,
+                                                           queries, logit_geo.tile_rows, logit_geo.tiles,
+                                                           limits.multiprocessors, ws.logits, ws.scores, stream);
+  if (!decode_kernel && geo.mode != kInKernel && logit_geo.tiles > 0) {
     if (d.group == 1) {
       launch_logits<T, 1>(d, views, batch_slots, layer, batch, queries, tokens, logit_geo, ws, limits, stream);
     } else if (d.group == 2) {

@@ -86,4 +86,50 @@ __device__ __forceinline__ void rope_dims(const dims& d, int i, int& first, int&
   }
 }
 
+/// 16 bytes of T as floats.
+template <typename T>
+struct vector16;
+template <>
+struct vector16<float> {
+  static constexpr int elements = 4;
+  __device__ __forceinline__ static void to_floats(const uint4& raw, float* out) {
+    out[0] = __uint_as_float(raw.x);
+    out[1] = __uint_as_float(raw.y);
+    out[2] = __uint_as_float(raw.z);
+    out[3] = __uint_as_float(raw.w);
+  }
+};
+template <>
+struct vector16<__half> {
+  static constexpr int elements = 8;
+  __device__ __forceinline__ static void to_floats(const uint4& raw, float* out) {
+    const __half2* pairs = reinterpret_cast<const __half2*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = __half22float2(pairs[i]);
+      out[2 * i] = f.x;
+      out[2 * i + 1] = f.y;
+    }
+  }
+};
+template <>
+struct vector16<__nv_bfloat16> {
+  static constexpr int elements = 8;
+  __device__ __forceinline__ static void to_floats(const uint4& raw, float* out) {
+    const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = __bfloat1622float2(pairs[i]);
+      out[2 * i] = f.x;
+      out[2 * i + 1] = f.y;
+    }
+  }
+};
+
+/// Context chunks of a (sequence, layer) as kernels may index them: clamped to [0, max_chunks].
+__device__ __forceinline__ int context_chunks_of(const layer_view* view, const dims& d) {
+  const int n = view->context_chunks;
+  return n < 0 ? 0 : (n > d.max_chunks ? d.max_chunks : n);
+}
+
 }  // namespace shadowkv::cuda

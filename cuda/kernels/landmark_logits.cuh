@@ -1,0 +1,25 @@
+// Landmark logits of one decode step (one query token), read straight from global memory into registers.
+//
+// The same outputs as kernel 1 of chunk_selection.cu in its decode mode (kLogits with tile partials), which stages
+// tiles in shared memory and measured ~3x the landmark bytes' time at HBM speed on an H200 (B=8: 176 µs for 60 µs of
+// bytes). Here a warp reads whole rows with 16-byte loads (a row is 128-512 bytes: 8-32 lanes), several rows per lane
+// in flight, keeps its slice of the G queries in registers and sums a row over its lanes with shuffles; a tile's
+// logits go through shared memory once, for coalesced writes and the tile's softmax partial.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "device_layout.cuh"
+
+namespace shadowkv::cuda {
+
+/// Writes softmax_scale * q_j·L[c] (-inf for outliers) to logits [B, Hq, max_chunks] for chunks c < context_chunks,
+/// and each tile's softmax partial (max, sum exp) per query head j of KV head h to scores row (b, h):
+/// [G][tiles][2] floats at its start (tiles of `tile_rows` chunks; the caller checks 2 * G * tiles <= max_chunks).
+/// Returns false, launching nothing, for shapes it does not cover: a landmark row of other than 128, 256 or 512
+/// bytes, or more than 8 query heads per KV head. The grid depends on dims, batch and the device only.
+bool launch_decode_landmark_logits(const dims& d, int kv_type, const layer_view* views, const int* batch_slots,
+                                   int layer, int batch, const strided_tensor& queries, int tile_rows, int tiles,
+                                   int multiprocessors, float* logits, float* scores, cudaStream_t stream);
+
+}  // namespace shadowkv::cuda
