@@ -73,6 +73,8 @@ __all__ = [
     "generate",
     "rope_tables",
     "apply_rope",
+    "prompt_attention",
+    "index_tensor",
 ]
 
 
@@ -164,6 +166,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # ----------------------------------------------------------------------------------------------------------------------
 # attention back-ends
 # ----------------------------------------------------------------------------------------------------------------------
+
+def index_tensor(values: Sequence[int], device) -> torch.Tensor:
+    """int64 tensor of `values` on `device`; to a GPU through pinned memory without blocking (a plain copy from
+    pageable memory would synchronise the host with the GPU on every call)."""
+    t = torch.tensor(list(values), dtype=torch.long)
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t
+
 
 def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal attention of one prompt over itself: q [S, Hq, D], k, v [S, Hkv, D] post-RoPE -> [S, Hq, D]."""
@@ -257,13 +268,23 @@ class FullAttentionCache(AttentionCache):
         self.keys[layer][slot, :, :s] = k.transpose(0, 1)
         self.values[layer][slot, :, :s] = v.transpose(0, 1)
 
+    def _step_indices(self, slots, lengths):
+        """Index tensors and mask of one decode step, made once and reused by every layer of the step."""
+        key = (tuple(slots), tuple(lengths))
+        if getattr(self, "_step_key", None) != key:
+            slot_t, pos_t = index_tensor(slots, self.device), index_tensor(lengths, self.device)
+            mask = None
+            if min(lengths) != max(lengths):  # ragged: key j of sequence b is valid when j <= its new position
+                mask = (torch.arange(max(lengths) + 1, device=self.device)[None, :] <= pos_t[:, None])[:, None, None]
+            self._step_key, self._step = key, (slot_t, pos_t, mask)
+        return self._step
+
     def decode(self, layer, slots, q, k, v):
         b = len(slots)
         lengths = [self._lengths[s] for s in slots]  # position of the new token = tokens already cached
         if max(lengths) >= self.max_seq_len:
             raise ValueError(f"a sequence would exceed max_seq_len {self.max_seq_len}")
-        slot_t = torch.as_tensor(slots, device=self.device)
-        pos_t = torch.as_tensor(lengths, device=self.device)
+        slot_t, pos_t, mask = self._step_indices(slots, lengths)
         keys, values = self.keys[layer], self.values[layer]
         keys[slot_t, :, pos_t] = k
         values[slot_t, :, pos_t] = v
@@ -273,9 +294,6 @@ class FullAttentionCache(AttentionCache):
         if list(slots) == list(range(first, first + b)):
             valid = max(lengths) + 1
             kk, vv = keys[first:first + b, :, :valid], values[first:first + b, :, :valid]
-            mask = None
-            if min(lengths) != max(lengths):
-                mask = (torch.arange(valid, device=self.device)[None, :] <= pos_t[:, None])[:, None, None, :]
             out = F.scaled_dot_product_attention(qg, kk, vv, attn_mask=mask)
         else:
             out = torch.cat([F.scaled_dot_product_attention(qg[i:i + 1], keys[s:s + 1, :, :n + 1],
@@ -391,13 +409,13 @@ class LlamaModel:
             for layer, w in enumerate(self.layers):
                 q = torch.empty(s, cfg.num_q_heads, cfg.head_dim, device=self.device, dtype=self.dtype)
                 k_pre = torch.empty(s, cfg.num_kv_heads, cfg.head_dim, device=self.device, dtype=self.dtype)
-                v = torch.empty_like(k_pre)
+                k, v = torch.empty_like(k_pre), torch.empty_like(k_pre)
                 for a, b in chunks:
                     qc, kc, vc = self.qkv(w, h[a:b])
                     q[a:b] = apply_rope(qc, cos[a:b], sin[a:b])
                     k_pre[a:b] = kc
+                    k[a:b] = apply_rope(kc, cos[a:b], sin[a:b])
                     v[a:b] = vc
-                k = apply_rope(k_pre, cos, sin)
                 cache.store_prompt(layer, slot, k_pre, k, v, q[-1])
                 attn = prompt_attention(q, k, v)                                  # [S, Hq, D]
                 del q, k, k_pre, v
@@ -419,7 +437,7 @@ class LlamaModel:
         tokens = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1).to(self.device)
         if tokens.numel() != len(slots):
             raise ValueError(f"{tokens.numel()} tokens for {len(slots)} slots")
-        positions = torch.tensor([cache.length(s) for s in slots], device=self.device)
+        positions = index_tensor([cache.length(s) for s in slots], self.device)
         cos, sin = rope_tables(positions, self.inv_freq)
         x = self.embed[tokens]                                                    # [B, H]
         for layer, w in enumerate(self.layers):
