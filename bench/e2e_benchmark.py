@@ -287,12 +287,24 @@ def prefill_from_record(model, cache: Instrumented, record: PrefillRecord) -> in
 # ----------------------------------------------------------------------------------------------------------------------
 
 def prefill_activation_bytes(cfg, s: int, chunk: int, e: int) -> float:
-    """Peak activation bytes of LlamaModel.prefill for an s-token prompt (whole-prompt buffers + one chunk's)."""
-    hd, kvd = cfg.num_q_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    """Peak bytes torch allocates in LlamaModel.prefill for an s-token prompt: the largest of its three phases
+    (projections of a chunk, the whole-prompt attention, o_proj + MLP of a chunk) over the buffers kept for the
+    whole prompt (residual stream, cos/sin, q, k, v, attention output)."""
+    hd, kvd, h, inter = cfg.num_q_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size, \
+        cfg.intermediate_size
     c = min(chunk, s)
-    whole = s * (cfg.hidden_size * e + 2 * hd * e + 3 * kvd * e + cfg.head_dim * 4)
-    per_chunk = c * ((hd + 2 * kvd) * e + 4 * hd * 4 + 4 * cfg.intermediate_size * e + 3 * cfg.hidden_size * 4)
-    return float(whole + per_chunk)
+    stream = s * (h * e + cfg.head_dim * 4)                                  # h, cos/sin
+    qkv_phase = s * (hd + 3 * kvd) * e + c * ((hd + 2 * kvd) * e + 2 * h * 4 + 3 * hd * 4)
+    attention_phase = s * (2 * hd + 2 * kvd) * e + s * cfg.num_q_heads * 4  # q, k, v, output, log-sum-exp
+    mlp_phase = s * hd * e + c * (2 * h * 4 + 2 * h * e + 4 * inter * e)
+    return float(stream + max(qkv_phase, attention_phase, mlp_phase))
+
+
+def store_prefill_temporaries(cfg, s: int, e: int) -> float:
+    """Device bytes the CUDA store allocates itself during one layer's prefill (cuda_backend.cpp prefill_one: fp32
+    pre-RoPE keys, post-RoPE keys, value staging, positions), outside torch's allocator."""
+    width = cfg.num_kv_heads * cfg.head_dim
+    return float(s * (width * (4 + 2 * e) + 8) + 64 * width * width)
 
 
 def store_bytes_per_sequence(cfg, max_len: int, kw: dict, e: int) -> tuple:
@@ -389,79 +401,119 @@ def run_method(method: str, model, dev: Device, args, seq_len: int, prompt: torc
     skw = store_kwargs(args)
     activation = prefill_activation_bytes(cfg, seq_len, args.prefill_chunk, e)
     if method == "store":
-        activation += 2 * seq_len * cfg.num_kv_heads * cfg.head_dim * 4  # the store's fp32 prefill temporaries
-    reserve = args.reserve_gib * GiB if args.reserve_gib is not None else 1.3 * activation + GiB
+        activation += store_prefill_temporaries(cfg, seq_len, e)
+    reserve = args.reserve_gib * GiB if args.reserve_gib is not None else activation + 0.25 * GiB
     host_reserve = args.host_reserve_gib * GiB
-    result = {"method": method, "max_len": max_len, "reserve_bytes": int(reserve), "host_reserve_bytes": int(host_reserve)}
+    result = {"method": method, "max_len": max_len, "reserve_bytes": int(reserve),
+              "prefill_activation_estimate_bytes": int(activation), "host_reserve_bytes": int(host_reserve)}
     dev.free()
-    log(f"[{method}] S={seq_len}: capacity search (device reserve {reserve / GiB:.1f} GiB for activations, "
-        f"host reserve {host_reserve / GiB:.1f} GiB; max_len {max_len})")
+    log(f"[{method}] S={seq_len}: capacity search (device reserve {reserve / GiB:.2f} GiB for a prefill's "
+        f"activations, host reserve {host_reserve / GiB:.1f} GiB; max_len {max_len})")
 
-    def fits_after_build(cache):
+    def fits_after_build():
         if not dev.probe(reserve):
-            return f"{reserve / GiB:.1f} GiB activation reserve not left on the device"
+            return f"{reserve / GiB:.2f} GiB for a prefill not left on the device"
         if dev.cuda and host_available() < host_reserve:
             return f"host MemAvailable {host_available() / GiB:.1f} GiB < reserve"
         return None
 
-    if method == "full":
-        per_seq = cfg.kv_bytes_per_token(e) * max_len
-        upper = args.max_batch or 1024
-        start = int((dev.free_bytes() - reserve) // per_seq) if dev.cuda else upper
-        result["bytes_per_sequence_estimate"] = int(per_seq)
-
+    def builder(build):
         def make(cap):
             try:
-                cache = L.FullAttentionCache(cfg, cap, max_len, model.device, model.dtype)
-            except Exception as exc:  # noqa: BLE001
-                if not is_oom(exc):
-                    raise
-                dev.free()
-                return None, "out of memory building the cache"
-            why = fits_after_build(cache)
-            if why:
-                del cache
-                dev.free()
-                return None, why
-            return cache, None
-    else:
-        upper = min(args.store_max_batch, args.max_batch or args.store_max_batch)
-        start = upper
-        if dev.cuda and args.value_store in (None, "host"):
-            dev_b, host_b = store_bytes_per_sequence(cfg, max_len, skw, e)
-            est = min(int((dev.free_bytes() - reserve) // dev_b), int((host_available() - host_reserve) // host_b))
-            result["bytes_per_sequence_estimate"] = {"device": int(dev_b), "host": int(host_b)}
-            start = max(1, min(upper, est))
-
-        def make(cap):
-            try:
-                cache = L.ShadowKVCache(model, max_batch=cap, max_seq_len=max_len, **skw)
+                cache = build(cap)
             except TypeError as exc:
                 raise SystemExit(f"this build's KVStore rejects the store arguments {skw}: {exc}") from exc
             except Exception as exc:  # noqa: BLE001
                 if not is_oom(exc):
                     raise
                 dev.free()
-                return None, f"{type(exc).__name__} building the store: {str(exc)[:160]}"
-            why = fits_after_build(cache)
+                return None, f"{type(exc).__name__} building the cache: {str(exc)[:160]}"
+            why = fits_after_build()
             if why:
                 del cache
                 dev.free()
                 return None, why
             return cache, None
+        return make
 
-    cap, inner, attempts = search_capacity(make, start, upper, method)
-    result["capacity_search"] = attempts
-    if inner is None:
-        result["error"] = "no batch fits"
-        return result
-    spans = Spans(dev)
-    cache = Instrumented(inner, spans)
-    store = getattr(inner, "store", None)
+    if method == "full":
+        per_seq = cfg.kv_bytes_per_token(e) * max_len
+        upper = args.max_batch or 1024
+        start = int((dev.free_bytes() - reserve) // per_seq) if dev.cuda else upper
+        result["bytes_per_sequence_estimate"] = int(per_seq)
+        make = builder(lambda cap: L.FullAttentionCache(cfg, cap, max_len, model.device, model.dtype))
+    else:
+        upper = min(args.store_max_batch, args.max_batch or args.store_max_batch)
+        start = upper
+        if dev.cuda and args.value_store in (None, "host"):
+            dev_b, host_b = store_bytes_per_sequence(cfg, max_len, skw, e)
+            host_bound = int((host_available() - host_reserve) // host_b)
+            result["bytes_per_sequence_estimate"] = {"device": int(dev_b), "host": int(host_b)}
+            result["host_bound"] = host_bound
+            # Each slot pins its values' bytes when the store is built: more slots than the host reserve allows
+            # cannot pass the host check, so they are not tried (pinning ~100 GB takes a while).
+            upper = max(1, min(upper, host_bound))
+            start = max(1, min(upper, int((dev.free_bytes() - reserve) // dev_b)))
+        make = builder(lambda cap: L.ShadowKVCache(model, max_batch=cap, max_seq_len=max_len, **skw))
+
+    attempts = []
+    while True:
+        cap, inner, tried = search_capacity(make, start, upper, method)
+        attempts += tried
+        if inner is None:
+            result.update(capacity_search=attempts, error="no batch fits", max_batch=0)
+            return result
+        cache = Instrumented(inner, Spans(dev))
+        fill = fill_sequences(model, cache, cap, seq_len, prompt, args, dev, reserve, host_reserve, deadline, method)
+        if fill["first_prefill_oom"] and cap > 1:
+            # the cache leaves no room for a real prefill: that cap does not fit either
+            attempts.append({"max_batch": cap, "fits": False, "why_not": fill["stop_reason"], "seconds": None})
+            del cache, inner, fill
+            dev.free()
+            start = upper = cap - 1
+            continue
+        break
+    spans, store = cache.spans, getattr(inner, "store", None)
+    slots, real, replayed, record = fill["slots"], fill["real"], fill["replayed"], fill["record"]
+    n = len(slots)
+    result.update(capacity_search=attempts, max_batch=n, cache_max_batch=cap, stop_reason=fill["stop_reason"])
+    if "prefill_peak_activation_bytes" in fill:
+        result["prefill_peak_activation_bytes"] = fill["prefill_peak_activation_bytes"]
     if store is not None:
         result["store"] = {"repr": repr(store), "kwargs": skw}
+    result["prefill"] = {
+        "real": real,
+        "replayed_from_record": {"count": len(replayed), "mean_s": sum(replayed) / len(replayed) if replayed else None,
+                                 "record_where": record.where if record else None,
+                                 "record_bytes": record.nbytes() if record else 0,
+                                 "record_failed": record.failed if record else None},
+    }
+    result["prefill_s"] = sum(r["seconds"] for r in real) / len(real) if real else None
+    share = sum(r["inside_cache_s"] for r in real) / max(sum(r["seconds"] for r in real), 1e-12) if real else None
+    result["compression_share"] = share if store is not None else None
+    result["cache_write_share"] = share if store is None else None
+    if store is not None:
+        result["compression_share_note"] = ("time inside store.prefill calls (CUDA events around each call) / "
+                                            "the whole prefill of the sequence (model + store)")
+    del record, fill  # the record is not needed any more: give its memory back before decoding
+    dev.free()
+    result["memory"] = memory_snapshot(dev, store, model, inner)
+    if n == 0:
+        result["error"] = "no sequence could be added"
+        return result
+    result["sweep"] = decode_sweep(model, cache, slots, args, dev, deadline, method, result)
+    top = [r for r in result["sweep"] if r["batch"] == n and "tokens_per_s" in r]
+    result["tokens_per_s"] = top[0]["tokens_per_s"] if top else None
+    for s in slots:
+        cache.release(s)
+    return result
 
-    # fill: one sequence at a time
+
+def fill_sequences(model, cache: Instrumented, cap, seq_len, prompt, args, dev, reserve, host_reserve, deadline,
+                   method) -> dict:
+    """Adds sequences one at a time until `cap` or out of memory: the first `--real-prefills` through the model
+    (timed; the first one recorded when --reuse-prefill and memory allow), the others from the record."""
+    cfg, e = model.config, model.dtype.itemsize
     record_bytes = cfg.num_layers * (2 * seq_len * cfg.num_kv_heads + cfg.num_q_heads) * cfg.head_dim * e
     where = None
     if args.reuse_prefill:
@@ -474,20 +526,22 @@ def run_method(method: str, model, dev: Device, args, seq_len: int, prompt: torc
                 where = "host"
             else:
                 where = None
-    slots, real, replayed, record, stop = [], [], [], None, None
-    first_alloc = torch.cuda.memory_allocated() if dev.cuda else 0
-    if dev.cuda:
-        torch.cuda.reset_peak_memory_stats()
+    spans, store = cache.spans, getattr(cache.inner, "store", None)
+    out = {"slots": [], "real": [], "replayed": [], "record": None, "stop_reason": None, "first_prefill_oom": False}
+    slots, real, replayed = out["slots"], out["real"], out["replayed"]
     log(f"[{method}] cache built for {cap} sequences; filling one at a time; prefill record: "
         f"{where or 'none'} ({record_bytes / GiB:.2f} GiB)")
+    base = torch.cuda.memory_allocated() if dev.cuda else 0
+    if dev.cuda:
+        torch.cuda.reset_peak_memory_stats()
+    record = None
     for i in range(cap):
         if time.perf_counter() > deadline:
-            stop = f"deadline reached after {i} sequences"
+            out["stop_reason"] = f"deadline reached after {i} sequences"
             break
         t_fill = time.perf_counter()
         try:
-            use_record = record is not None and record.complete(cfg.num_layers) and len(real) >= args.real_prefills
-            if use_record:
+            if record is not None and record.complete(cfg.num_layers) and len(real) >= args.real_prefills:
                 dev.sync()
                 t0 = time.perf_counter()
                 slot = prefill_from_record(model, cache, record)
@@ -501,7 +555,7 @@ def run_method(method: str, model, dev: Device, args, seq_len: int, prompt: torc
                 spans.reset(on=True)
                 dev.sync()
                 t0 = time.perf_counter()
-                slot, logits = model.prefill(cache, prompt)
+                slot, _ = model.prefill(cache, prompt)
                 dev.sync()
                 total = time.perf_counter() - t0
                 copy_s = record.copy_s if cache.record is not None else 0.0
@@ -511,51 +565,37 @@ def run_method(method: str, model, dev: Device, args, seq_len: int, prompt: torc
                 real.append({"seconds": total - copy_s, "inside_cache_s": inside, "record_copy_s": copy_s,
                              "share_inside_cache": inside / max(total - copy_s, 1e-12)})
                 if dev.cuda and len(real) == 1:
-                    result["prefill_peak_activation_bytes"] = int(torch.cuda.max_memory_allocated() - first_alloc)
-                what = f"prefilled through the model in {real[-1]['seconds']:.2f} s " \
-                       f"({100 * real[-1]['share_inside_cache']:.1f}% inside {'store.prefill' if store else 'cache writes'})"
+                    out["prefill_peak_activation_bytes"] = int(torch.cuda.max_memory_allocated() - base)
+                what = (f"prefilled through the model in {real[-1]['seconds']:.2f} s "
+                        f"({100 * real[-1]['share_inside_cache']:.1f}% inside "
+                        f"{'store.prefill' if store is not None else 'cache writes'})")
                 if record is not None and record.failed:
                     what += f"; record dropped: {record.failed}"
         except Exception as exc:  # noqa: BLE001
+            if cache.record is not None:  # an incomplete record is useless
+                record = None
             cache.record = None
             spans.reset(on=False)
             if not is_oom(exc):
                 raise
-            stop = f"out of memory adding sequence {i + 1}: {type(exc).__name__}: {str(exc)[:160]}"
-            log(f"[{method}] {stop}")
+            out["stop_reason"] = f"out of memory adding sequence {i + 1}: {type(exc).__name__}: {str(exc)[:160]}"
+            out["first_prefill_oom"] = not real
+            log(f"[{method}] {out['stop_reason']}")
             dev.free()
             break
         slots.append(slot)
         log(f"[{method}] sequence {len(slots)}/{cap} (slot {slot}): {what}  [{time.perf_counter() - t_fill:.1f} s]")
     else:
-        stop = f"all {cap} slots of the cache filled (the largest cache that fits, see capacity_search)"
-    n = len(slots)
-    result.update(max_batch=n, cache_max_batch=cap, stop_reason=stop)
-    result["prefill"] = {
-        "real": real,
-        "replayed_from_record": {"count": len(replayed), "mean_s": sum(replayed) / len(replayed) if replayed else None,
-                                 "record_where": record.where if record else None,
-                                 "record_bytes": record.nbytes() if record else 0,
-                                 "record_failed": record.failed if record else None},
-    }
-    result["prefill_s"] = sum(r["seconds"] for r in real) / len(real) if real else None
-    share = sum(r["inside_cache_s"] for r in real) / max(sum(r["seconds"] for r in real), 1e-12) if real else None
-    result["compression_share" if store is not None else "cache_write_share"] = share
-    if store is not None:
-        result["compression_share_note"] = ("time inside store.prefill (CUDA events around each call; work the store "
-                                            "leaves on its own streams past the call is not in it) / whole prefill")
-        result["cache_write_share"] = None
-    # the record is not needed any more: give its memory back before decoding
-    record = None
-    dev.free()
-    result["memory"] = memory_snapshot(dev, store, model, inner)
-    if n == 0:
-        result["error"] = "no sequence could be added"
-        return result
+        out["stop_reason"] = f"all {cap} slots of the cache filled (the largest cache that fits, see capacity_search)"
+    out["record"] = record
+    return out
 
-    # decode sweep, largest batch first
-    first_tokens = torch.tensor([(11 + 7919 * i) % cfg.vocab_size for i in range(n)], device=model.device)
-    next_tok = first_tokens.clone()
+
+def decode_sweep(model, cache: Instrumented, slots, args, dev, deadline, method, result) -> list:
+    """Decode at the largest batch and below, largest first; every sequence starts from a different token."""
+    cfg, n = model.config, len(slots)
+    spans, store = cache.spans, getattr(cache.inner, "store", None)
+    next_tok = torch.tensor([(11 + 7919 * i) % cfg.vocab_size for i in range(n)], device=model.device)
     rows = []
     for b in sweep_batches(n, args.batches):
         if time.perf_counter() > deadline:
@@ -585,13 +625,13 @@ def run_method(method: str, model, dev: Device, args, seq_len: int, prompt: torc
             attention = spans.total_s()
             spans.reset(on=False)
             next_tok[:b] = tok
+            split = max(args.split_steps, 1)
             row = {"batch": b, "tokens_per_s": b * args.steps / wall, "step_ms": 1e3 * wall / args.steps,
-                   "attention_ms": 1e3 * attention / max(args.split_steps, 1),
-                   "rest_ms": 1e3 * (wall_split - attention) / max(args.split_steps, 1),
-                   "instrumented_step_ms": 1e3 * wall_split / max(args.split_steps, 1), "hit_rate": hit,
+                   "attention_ms": 1e3 * attention / split, "rest_ms": 1e3 * (wall_split - attention) / split,
+                   "instrumented_step_ms": 1e3 * wall_split / split, "hit_rate": hit,
                    "distinct_next_tokens": int(torch.unique(tok).numel())}
             if b == n:
-                result["memory_after_decode"] = memory_snapshot(dev, store, model, inner)
+                result["memory_after_decode"] = memory_snapshot(dev, store, model, cache.inner)
         except Exception as exc:  # noqa: BLE001
             spans.reset(on=False)
             if not is_oom(exc):
@@ -602,15 +642,10 @@ def run_method(method: str, model, dev: Device, args, seq_len: int, prompt: torc
         if "tokens_per_s" in row:
             hit_text = f", hit {row['hit_rate']:.2f}" if row["hit_rate"] is not None else ""
             log(f"[{method}] B={b}: {row['tokens_per_s']:.1f} tok/s, step {row['step_ms']:.2f} ms "
-                f"(attention {row['attention_ms']:.2f} + rest {row['rest_ms']:.2f} ms instrumented){hit_text}")
+                f"(instrumented: attention {row['attention_ms']:.2f} + rest {row['rest_ms']:.2f} ms){hit_text}")
         else:
             log(f"[{method}] B={b}: {row}")
-    result["sweep"] = sorted(rows, key=lambda r: r["batch"])
-    top = [r for r in rows if r["batch"] == n and "tokens_per_s" in r]
-    result["tokens_per_s"] = top[0]["tokens_per_s"] if top else None
-    for s in slots:
-        cache.release(s)
-    return result
+    return sorted(rows, key=lambda r: r["batch"])
 
 
 def memory_snapshot(dev: Device, store, model, inner) -> dict:

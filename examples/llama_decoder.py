@@ -217,7 +217,8 @@ class AttentionCache:
     # per layer
     def store_prompt(self, layer: int, slot: int, k_pre: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      q_last: torch.Tensor) -> None:
-        """Keeps one layer of one prompt: k_pre (pre-RoPE), k (post-RoPE), v [S, Hkv, D]; q_last [Hq, D] post-RoPE."""
+        """Keeps one layer of one prompt: k_pre (pre-RoPE), k (post-RoPE), v [S, Hkv, D]; q_last [Hq, D] post-RoPE.
+        Copies what it keeps: the caller frees these tensors afterwards."""
         raise NotImplementedError
 
     def decode(self, layer: int, slots: Sequence[int], q: torch.Tensor, k: torch.Tensor,
@@ -417,8 +418,9 @@ class LlamaModel:
                     k[a:b] = apply_rope(kc, cos[a:b], sin[a:b])
                     v[a:b] = vc
                 cache.store_prompt(layer, slot, k_pre, k, v, q[-1])
+                del k_pre                                                         # caches copy what they keep
                 attn = prompt_attention(q, k, v)                                  # [S, Hq, D]
-                del q, k, k_pre, v
+                del q, k, v
                 for a, b in chunks:
                     hc = h[a:b] + F.linear(attn[a:b].reshape(b - a, -1), w.o)
                     h[a:b] = hc + self.mlp(w, hc)

@@ -94,3 +94,30 @@ def test_tiny_run_writes_results(tmp_path):
             assert r["step_ms"] > 0 and r["attention_ms"] > 0 and r["attention_ms"] <= r["instrumented_step_ms"]
     assert 0 < run["methods"]["store"]["compression_share"] < 1
     assert 0 <= run["methods"]["store"]["sweep"][0]["hit_rate"] <= 1
+
+
+def test_out_of_memory_while_filling(tmp_path, monkeypatch):
+    """A cache whose first prefill runs out of memory is rebuilt one smaller; an out-of-memory while adding a later
+    sequence stops the fill and the decode runs at the batch that fit (simulated: the CPU never runs out)."""
+    real_prefill, replay = L.LlamaModel.prefill, B.prefill_from_record
+
+    def prefill(self, cache, prompt_ids):
+        if cache.inner.max_batch >= 4:
+            raise torch.cuda.OutOfMemoryError("fake: no room for a prefill beside a 4-sequence cache")
+        return real_prefill(self, cache, prompt_ids)
+
+    def from_record(model, cache, record):
+        if len(cache.active_slots) >= 2:
+            raise torch.cuda.OutOfMemoryError("fake: third sequence")
+        return replay(model, cache, record)
+
+    monkeypatch.setattr(L.LlamaModel, "prefill", prefill)
+    monkeypatch.setattr(B, "prefill_from_record", from_record)
+    out = tmp_path / "oom.json"
+    assert B.main(["--tiny", "--methods", "full", "--seq-len", "100", "--steps", "2", "--split-steps", "1",
+                   "--warmup", "1", "--json", str(out)]) == 0
+    m = json.loads(out.read_text())["runs"][-1]["methods"]["full"]
+    assert [(a["max_batch"], a["fits"]) for a in m["capacity_search"]] == [(4, True), (4, False), (3, True)]
+    assert m["cache_max_batch"] == 3 and m["max_batch"] == 2
+    assert m["stop_reason"].startswith("out of memory adding sequence 3")
+    assert [r["batch"] for r in m["sweep"]] == [1, 2] and m["tokens_per_s"] > 0
