@@ -9,13 +9,16 @@ What is measured, per context length and method (the model's weights, 16 GB, are
 
 * Capacity, by trying. The cache is built for a batch cap: the full cache ([max_batch, Hkv, max_len, D] per layer,
   preallocated) starting at what free memory suggests; the KVStore (which reserves its device and pinned-host
-  arenas when built) starting at --store-max-batch, or lower where the documented per-sequence bytes say it cannot
-  fit. A cap "fits" when the cache is built without MemoryError / torch.cuda.OutOfMemoryError AND an allocation of
-  --reserve-gib (activation room for a prefill; default: estimated from the shapes) still succeeds on the device
-  AND at least --host-reserve-gib of host memory stays available. Failing caps are halved, then the largest fitting
-  cap is found between the last fit and the first failure (or by doubling steps above a fit). Then sequences are
-  added ONE AT A TIME (each prompt prefilled alone) until one fails with out-of-memory or the cap is reached; a
-  failed sequence is released and the decode runs at the batch that fit. Every attempt is in the result file.
+  arenas when built) starting at --store-max-batch (with a host value store: at most the slots whose pinned values
+  leave --host-reserve-gib of host memory available, from the store's documented layout). A cap "fits" when the
+  cache is built without MemoryError / torch.cuda.OutOfMemoryError AND an allocation of --reserve-gib (room for one
+  prompt's prefill activations; default: computed from the shapes, plus the store's own prefill temporaries) still
+  succeeds on the device AND at least --host-reserve-gib of host memory stays available. Failing caps are halved,
+  then the largest fitting cap is found between the last fit and the first failure (or by doubling steps above a
+  fit). Then sequences are added ONE AT A TIME (each prompt prefilled alone) until one fails with out-of-memory or
+  the cap is reached; a failed sequence is released and the decode runs at the batch that fit. If the very first
+  prefill runs out of memory, the cache leaves no room for a prefill: it is rebuilt one sequence smaller. Every
+  attempt is in the result file (capacity_search), with the measured peak of a prefill's activations.
 * Prefill: the first sequence of each method goes through the whole model (timed: model + cache/store; the share of
   the time spent inside store.prefill calls, measured with CUDA events around them, is `compression_share`).
   With --reuse-prefill (default) its per-layer pre-RoPE keys, values and last query are recorded (on the GPU when
@@ -421,8 +424,8 @@ def run_method(method: str, model, dev: Device, args, seq_len: int, prompt: torc
         def make(cap):
             try:
                 cache = build(cap)
-            except TypeError as exc:
-                raise SystemExit(f"this build's KVStore rejects the store arguments {skw}: {exc}") from exc
+            except (TypeError, ValueError) as exc:  # e.g. value_store / device_value_budget unknown to this build
+                raise SystemExit(f"{method}: the cache rejects its arguments ({skw}): {exc}") from exc
             except Exception as exc:  # noqa: BLE001
                 if not is_oom(exc):
                     raise
@@ -778,7 +781,7 @@ def main(argv=None) -> int:
     gpu = dev.name_of_gpu()
     json_path = args.json
     if json_path is None and not args.tiny:
-        json_path = os.path.join(HERE, "results", f"{time.strftime('%Y-%m-%d')}-{commit}-e2e.json")
+        json_path = os.path.join(HERE, "results", f"{time.strftime('%Y-%m-%d', time.gmtime())}-{commit}-e2e.json")
 
     log(f"e2e benchmark: {gpu}, commit {commit}, {cfg.num_parameters() / 1e9:.2f}B parameters ({dtype}), "
         f"methods {args.methods}, contexts {args.seq_len}")

@@ -177,9 +177,26 @@ def index_tensor(values: Sequence[int], device) -> torch.Tensor:
 
 
 def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal attention of one prompt over itself: q [S, Hq, D], k, v [S, Hkv, D] post-RoPE -> [S, Hq, D]."""
-    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                         is_causal=True, enable_gqa=True)
+    """Causal attention of one prompt over itself: q [S, Hq, D], k, v [S, Hkv, D] post-RoPE -> [S, Hq, D].
+
+    On a GPU only fused kernels are allowed: SDPA's math fallback would materialise [Hq, S, S] scores (terabytes at
+    S = 122K). Where no fused kernel takes grouped KV heads, K and V are repeated per query head instead."""
+    qt, kt, vt = (x.transpose(0, 1)[None] for x in (q, k, v))
+    if not q.is_cuda:
+        return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)[0].transpose(0, 1)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+    try:
+        with sdpa_kernel(fused):
+            out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
+    except RuntimeError as exc:
+        if "no available kernel" not in str(exc).lower():
+            raise
+        group = q.shape[1] // k.shape[1]
+        with sdpa_kernel(fused):
+            out = F.scaled_dot_product_attention(qt, kt.repeat_interleave(group, dim=1),
+                                                 vt.repeat_interleave(group, dim=1), is_causal=True)
     return out[0].transpose(0, 1)
 
 
