@@ -330,7 +330,7 @@ def store_bytes_per_sequence(cfg, max_len: int, kw: dict, e: int) -> tuple:
 # capacity
 # ----------------------------------------------------------------------------------------------------------------------
 
-def search_capacity(make, start: int, upper: int, label: str):
+def search_capacity(make, start: int, upper: int, label: str, free=gc.collect):
     """make(cap) -> cache or None (did not fit). Halve from `start` until one fits, then look between the largest
     fit and the smallest failure (binary search), or above a fit with doubling steps while no failure is known."""
     attempts = []
@@ -358,14 +358,14 @@ def search_capacity(make, start: int, upper: int, label: str):
     while ok + 1 < bad:
         cap = (ok + bad) // 2 if bad <= upper else min(ok + step, upper)
         obj = None
-        gc.collect()
+        free()  # the previous fit goes before the next one is built
         trial = attempt(cap)
         if trial is not None:
             ok, obj, step = cap, trial, step * 2
         else:
             bad = cap
     while obj is None and ok >= 1:  # the last trial failed: rebuild the largest fit
-        gc.collect()
+        free()
         obj = attempt(ok)
         if obj is None:
             ok -= 1
@@ -422,6 +422,7 @@ def run_method(method: str, model, dev: Device, args, seq_len: int, prompt: torc
 
     def builder(build):
         def make(cap):
+            why = None
             try:
                 cache = build(cap)
             except (TypeError, ValueError) as exc:  # e.g. value_store / device_value_budget unknown to this build
@@ -429,8 +430,10 @@ def run_method(method: str, model, dev: Device, args, seq_len: int, prompt: torc
             except Exception as exc:  # noqa: BLE001
                 if not is_oom(exc):
                     raise
+                why = f"{type(exc).__name__} building the cache: {str(exc)[:160]}"
+            if why:  # freed outside the except block: its traceback holds the half-built cache
                 dev.free()
-                return None, f"{type(exc).__name__} building the cache: {str(exc)[:160]}"
+                return None, why
             why = fits_after_build()
             if why:
                 del cache
@@ -461,7 +464,7 @@ def run_method(method: str, model, dev: Device, args, seq_len: int, prompt: torc
 
     attempts = []
     while True:
-        cap, inner, tried = search_capacity(make, start, upper, method)
+        cap, inner, tried = search_capacity(make, start, upper, method, free=dev.free)
         attempts += tried
         if inner is None:
             result.update(capacity_search=attempts, error="no batch fits", max_batch=0)
@@ -583,6 +586,7 @@ def fill_sequences(model, cache: Instrumented, cap, seq_len, prompt, args, dev, 
                 raise
             out["stop_reason"] = f"out of memory adding sequence {i + 1}: {type(exc).__name__}: {str(exc)[:160]}"
             out["first_prefill_oom"] = not real
+        if out["stop_reason"]:  # freed outside the except block: its traceback holds the prefill's activations
             log(f"[{method}] {out['stop_reason']}")
             dev.free()
             break
@@ -639,8 +643,9 @@ def decode_sweep(model, cache: Instrumented, slots, args, dev, deadline, method,
             spans.reset(on=False)
             if not is_oom(exc):
                 raise
-            dev.free()
             row = {"batch": b, "error": f"out of memory: {str(exc)[:160]}"}
+        if "error" in row:
+            dev.free()
         rows.append(row)
         if "tokens_per_s" in row:
             hit_text = f", hit {row['hit_rate']:.2f}" if row["hit_rate"] is not None else ""
