@@ -407,7 +407,10 @@ def run_method(method: str, model, dev: Device, args, seq_len: int, prompt: torc
         activation += store_prefill_temporaries(cfg, seq_len, e)
     reserve = args.reserve_gib * GiB if args.reserve_gib is not None else activation + 0.25 * GiB
     host_reserve = args.host_reserve_gib * GiB
-    result = {"method": method, "max_len": max_len, "reserve_bytes": int(reserve),
+    label = "full attention, bf16 KV cache" if method == "full" else (
+        f"KVStore rank {skw['rank']}, budget {skw['budget']}, values: {skw.get('value_store', 'build default')}"
+        + (f" ({args.device_value_budget_gib:g} GiB on device)" if args.device_value_budget_gib is not None else ""))
+    result = {"method": method, "label": label, "max_len": max_len, "reserve_bytes": int(reserve),
               "prefill_activation_estimate_bytes": int(activation), "host_reserve_bytes": int(host_reserve)}
     dev.free()
     log(f"[{method}] S={seq_len}: capacity search (device reserve {reserve / GiB:.2f} GiB for a prefill's "

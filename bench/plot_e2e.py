@@ -1,13 +1,13 @@
-"""Plot of an end-to-end result file (bench/e2e_benchmark.py): decode tokens/s against batch, one line per method,
-one panel per context length, each method's largest batch marked.
+"""Plot of end-to-end result files (bench/e2e_benchmark.py): decode tokens/s against batch, one line per method,
+one panel per run (context length), each method's largest batch marked.
 
-    python bench/plot_e2e.py bench/results/<date>-<commit>-e2e.json out.png
+    python bench/plot_e2e.py bench/results/<date>-<commit>-e2e.json --out e2e.png
+    python bench/plot_e2e.py e2e-122880.json e2e-65536.json --out e2e.png --merge merged.json   # runs of two calls
 """
 
 from __future__ import annotations
 
 import json
-import sys
 
 
 def plot(results: dict, out: str) -> str:
@@ -47,14 +47,33 @@ def plot(results: dict, out: str) -> str:
     return out
 
 
+def merge(paths) -> dict:
+    """The runs of several result files in one {"gpu", "commit", "runs"} (gpu/commit of the first file)."""
+    merged = {"runs": []}
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        for key in ("gpu", "commit"):
+            merged.setdefault(key, data.get(key))
+        merged["runs"] += data.get("runs", [data])
+    return merged
+
+
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 2:
-        print(__doc__)
-        return 2
-    with open(argv[0]) as f:
-        plot(json.load(f), argv[1])
-    print(f"wrote {argv[1]}")
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("results", nargs="+", help="result files of e2e_benchmark.py")
+    p.add_argument("--out", required=True, help="PNG to write")
+    p.add_argument("--merge", help="also write the runs of all files into this one result file")
+    args = p.parse_args(argv)
+    results = merge(args.results)
+    if args.merge:
+        with open(args.merge, "w") as f:
+            json.dump(results, f, indent=1)
+        print(f"wrote {args.merge}")
+    plot(results, args.out)
+    print(f"wrote {args.out}")
     return 0
 
 
