@@ -765,6 +765,8 @@ def main(argv=None) -> int:
         device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda:0"
     dev = Device(device)
     if args.tiny:
+        # a smoke test: one thread, as the tests do (torch's threads on a few shared cores mostly wait on each other)
+        torch.set_num_threads(1)
         cfg = L.LlamaConfig.tiny(num_layers=2)
         args.seq_len = args.seq_len or [512]
         args.max_batch = args.max_batch or 4
