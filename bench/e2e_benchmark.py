@@ -10,7 +10,8 @@ What is measured, per context length and method (the model's weights, 16 GB, are
 * Capacity, by trying. The cache is built for a batch cap: the full cache ([max_batch, Hkv, max_len, D] per layer,
   preallocated) starting at what free memory suggests; the KVStore (which reserves its device and pinned-host
   arenas when built) starting at --store-max-batch (with a host value store: at most the slots whose pinned values
-  leave --host-reserve-gib of host memory available, from the store's documented layout). A cap "fits" when the
+  leave --host-reserve-gib of host memory available, from the store's documented layout; --no-estimate starts
+  both searches at their caps and only halves and bisects). A cap "fits" when the
   cache is built without MemoryError / torch.cuda.OutOfMemoryError AND an allocation of --reserve-gib (room for one
   prompt's prefill activations; default: computed from the shapes, plus the store's own prefill temporaries) still
   succeeds on the device AND at least --host-reserve-gib of host memory stays available. Failing caps are halved,
@@ -448,13 +449,13 @@ def run_method(method: str, model, dev: Device, args, seq_len: int, prompt: torc
     if method == "full":
         per_seq = cfg.kv_bytes_per_token(e) * max_len
         upper = args.max_batch or 1024
-        start = int((dev.free_bytes() - reserve) // per_seq) if dev.cuda else upper
+        start = int((dev.free_bytes() - reserve) // per_seq) if dev.cuda and args.estimate else upper
         result["bytes_per_sequence_estimate"] = int(per_seq)
         make = builder(lambda cap: L.FullAttentionCache(cfg, cap, max_len, model.device, model.dtype))
     else:
         upper = min(args.store_max_batch, args.max_batch or args.store_max_batch)
         start = upper
-        if dev.cuda and args.value_store in (None, "host"):
+        if dev.cuda and args.estimate and args.value_store in (None, "host"):
             dev_b, host_b = store_bytes_per_sequence(cfg, max_len, skw, e)
             host_bound = int((host_available() - host_reserve) // host_b)
             result["bytes_per_sequence_estimate"] = {"device": int(dev_b), "host": int(host_b)}
@@ -742,6 +743,8 @@ def main(argv=None) -> int:
     p.add_argument("--reuse-prefill", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--record-where", choices=["auto", "device", "host"], default="auto")
     p.add_argument("--real-prefills", type=int, default=1, help="sequences prefilled through the model per method")
+    p.add_argument("--estimate", action=argparse.BooleanOptionalAction, default=True,
+                   help="start the capacity searches from byte estimates (--no-estimate: halve from the caps)")
     p.add_argument("--reserve-gib", type=float, help="device memory kept free for activations (default: estimate)")
     p.add_argument("--host-reserve-gib", type=float, default=12.0, help="host memory that must stay available")
     p.add_argument("--value-store", choices=["host", "device", "auto"], help="KVStore value_store (default: build's)")
