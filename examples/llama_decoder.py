@@ -261,9 +261,11 @@ class FullAttentionCache(AttentionCache):
         shape = (self.max_batch, cfg.num_kv_heads, self.max_seq_len, cfg.head_dim)
         self.keys: List[torch.Tensor] = []
         self.values: List[torch.Tensor] = []
-        for _ in range(cfg.num_layers):  # OutOfMemoryError here means this max_batch does not fit
-            self.keys.append(torch.empty(shape, device=self.device, dtype=dtype))
-            self.values.append(torch.empty(shape, device=self.device, dtype=dtype))
+        # Zeros, not empty: a ragged batch's mask gives the padding weight 0, and 0 * NaN (uninitialised memory)
+        # would still be NaN in the weighted sum of values. OutOfMemoryError here: this max_batch does not fit.
+        for _ in range(cfg.num_layers):
+            self.keys.append(torch.zeros(shape, device=self.device, dtype=dtype))
+            self.values.append(torch.zeros(shape, device=self.device, dtype=dtype))
         self._free = list(range(self.max_batch))
 
     def add_sequence(self) -> int:
