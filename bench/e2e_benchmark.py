@@ -403,13 +403,16 @@ def run_method(method: str, model, dev: Device, args, seq_len: int, prompt: torc
     max_len = seq_len + points_max * (args.warmup + args.steps + args.split_steps) + 16
     max_len = -(-max_len // args.chunk_size) * args.chunk_size
     skw = store_kwargs(args)
+    if method == "store_fp8":
+        skw["value_dtype"] = "float8_e4m3"
     activation = prefill_activation_bytes(cfg, seq_len, args.prefill_chunk, e)
-    if method == "store":
+    if method != "full":
         activation += store_prefill_temporaries(cfg, seq_len, e)
     reserve = args.reserve_gib * GiB if args.reserve_gib is not None else activation + 0.25 * GiB
     host_reserve = args.host_reserve_gib * GiB
     label = "full attention, bf16 KV cache" if method == "full" else (
         f"KVStore rank {skw['rank']}, budget {skw['budget']}, values: {skw.get('value_store', 'build default')}"
+        + (" fp8" if skw.get("value_dtype") else "")
         + (f" ({args.device_value_budget_gib:g} GiB on device)" if args.device_value_budget_gib is not None else ""))
     result = {"method": method, "label": label, "max_len": max_len, "reserve_bytes": int(reserve),
               "prefill_activation_estimate_bytes": int(activation), "host_reserve_bytes": int(host_reserve)}
@@ -417,11 +420,24 @@ def run_method(method: str, model, dev: Device, args, seq_len: int, prompt: torc
     log(f"[{method}] S={seq_len}: capacity search (device reserve {reserve / GiB:.2f} GiB for a prefill's "
         f"activations, host reserve {host_reserve / GiB:.1f} GiB; max_len {max_len})")
 
-    def fits_after_build():
+    def fits_after_build(cache=None, cap=None):
         if not dev.probe(reserve):
             return f"{reserve / GiB:.2f} GiB for a prefill not left on the device"
         if dev.cuda and host_available() < host_reserve:
             return f"host MemAvailable {host_available() / GiB:.1f} GiB < reserve"
+        store = getattr(cache, "store", None)
+        if dev.cuda and store is not None and cap is not None:
+            # A sequence's value store is reserved when it joins, on the device while the store's budget lasts,
+            # else pinned on the host: `cap` sequences need room for their values in one of the two (the fill
+            # then finds the real capacity by adding sequences until one does not fit).
+            seq = store.value_bytes_per_sequence
+            on_device = store.device_value_budget // seq if skw.get("value_store") in ("auto", "device") else 0
+            on_host = max(0, int((host_available() - host_reserve) // seq))
+            if skw.get("value_store") == "device":
+                on_host = 0
+            if on_device + on_host < cap:
+                return (f"values of {cap} sequences ({seq / GiB:.1f} GiB each) fit in neither memory: "
+                        f"{on_device} on the device budget, {on_host} on the host")
         return None
 
     def builder(build):
@@ -438,7 +454,7 @@ def run_method(method: str, model, dev: Device, args, seq_len: int, prompt: torc
             if why:  # freed outside the except block: its traceback holds the half-built cache
                 dev.free()
                 return None, why
-            why = fits_after_build()
+            why = fits_after_build(cache, cap)
             if why:
                 del cache
                 dev.free()
@@ -455,7 +471,7 @@ def run_method(method: str, model, dev: Device, args, seq_len: int, prompt: torc
     else:
         upper = min(args.store_max_batch, args.max_batch or args.store_max_batch)
         start = upper
-        if dev.cuda and args.estimate and args.value_store in (None, "host"):
+        if dev.cuda and args.estimate and args.value_store in (None, "host") and method == "store":
             dev_b, host_b = store_bytes_per_sequence(cfg, max_len, skw, e)
             host_bound = int((host_available() - host_reserve) // host_b)
             result["bytes_per_sequence_estimate"] = {"device": int(dev_b), "host": int(host_b)}
@@ -550,6 +566,20 @@ def fill_sequences(model, cache: Instrumented, cap, seq_len, prompt, args, dev, 
             out["stop_reason"] = f"deadline reached after {i} sequences"
             break
         t_fill = time.perf_counter()
+        if store is not None and dev.cuda:
+            # The next sequence pins its values on the host unless the device budget still holds them: stop
+            # before pinning into the host's reserve (pinned pages cannot be reclaimed).
+            seq = store.value_bytes_per_sequence
+            on_device = sum(store.sequence_info(0, s)["values_on"] == "device" for s in slots)
+            next_on_device = (store.config["value_store"] == "device" or
+                              (store.config["value_store"] == "auto" and
+                               (on_device + 1) * seq <= store.device_value_budget))
+            if not next_on_device and host_available() - seq < host_reserve:
+                out["stop_reason"] = (f"host memory: {host_available() / GiB:.1f} GiB available, the next sequence's "
+                                      f"values need {seq / GiB:.1f} GiB pinned and {host_reserve / GiB:.0f} GiB "
+                                      f"stay in reserve")
+                log(f"[{method}] {out['stop_reason']}")
+                break
         try:
             if record is not None and record.complete(cfg.num_layers) and len(real) >= args.real_prefills:
                 dev.sync()
@@ -731,7 +761,8 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny model, short context, small caps")
     p.add_argument("--device", default="auto")
-    p.add_argument("--methods", nargs="+", default=["full", "store"], choices=["full", "store"])
+    p.add_argument("--methods", nargs="+", default=["full", "store"], choices=["full", "store", "store_fp8"],
+                   help="store_fp8: the store with fp8 values (value_dtype='float8_e4m3')")
     p.add_argument("--seq-len", nargs="+", type=int, help="context lengths (default 122880; --tiny: 512)")
     p.add_argument("--max-batch", type=int, help="cap on the batch of every method (default: none; --tiny: 4)")
     p.add_argument("--store-max-batch", type=int, default=32, help="the store's first cap (it reserves at build)")
@@ -782,7 +813,7 @@ def main(argv=None) -> int:
         cfg = L.LlamaConfig()
         args.seq_len = args.seq_len or [122880]
     dtype = torch.bfloat16 if dev.cuda else torch.float32
-    if "store" in args.methods:
+    if any(m.startswith("store") for m in args.methods):
         from shadowkv_core import build_info
 
         info = build_info()

@@ -199,6 +199,11 @@ class KVStore:
         """Device bytes the values of value_store="auto" sequences may take (the given budget or the default)."""
         return self._store.device_value_budget
 
+    @property
+    def value_bytes_per_sequence(self) -> int:
+        """Bytes one sequence's value store reserves (all layers, at max_seq_len), on the device or the host."""
+        return self._store.value_bytes_per_sequence
+
     def release(self, slots: Union[int, Iterable[int]]) -> None:
         """Frees the slots' memory; their ids can be reused by add_sequences."""
         self._store.release(_slot_list(slots))

@@ -232,6 +232,7 @@ NB_MODULE(_core, m) {
           "layer"_a, "slot"_a)
       .def("memory_report", [](const shadowkv::kv_store& s) { return memory_dict(s.memory()); })
       .def_prop_ro("device_value_budget", &shadowkv::kv_store::device_value_budget)
+      .def_prop_ro("value_bytes_per_sequence", &shadowkv::kv_store::value_bytes_per_sequence)
       .def("stats", [](const shadowkv::kv_store& s) { return stats_dict(s.stats()); })
       .def("reset_stats", &shadowkv::kv_store::reset_stats);
 

@@ -33,6 +33,7 @@ def _places(store, slots):
 def test_auto_fills_the_budget_then_the_host(device):
     store = _store(device, "auto", budget=2 * SEQUENCE_VALUE_BYTES)
     assert store.device_value_budget == 2 * SEQUENCE_VALUE_BYTES
+    assert store.value_bytes_per_sequence == SEQUENCE_VALUE_BYTES
     slots = store.add_sequences(3)
     assert _places(store, slots) == ["device", "device", "host"]
     g = H.generator(11)

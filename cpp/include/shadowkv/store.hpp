@@ -91,6 +91,8 @@ class kv_store {
   [[nodiscard]] memory_report memory() const;
   /// Device bytes value_store="auto" sequences may take (config.device_value_budget, or the backend's default).
   [[nodiscard]] std::int64_t device_value_budget() const noexcept { return device_value_budget_; }
+  /// Bytes one sequence's value store takes (all layers, at max_seq_len), in whichever memory it is placed.
+  [[nodiscard]] std::int64_t value_bytes_per_sequence() const { return backend_->value_bytes_per_sequence(); }
   [[nodiscard]] store_stats stats() const;
   void reset_stats() noexcept;
 
