@@ -726,6 +726,8 @@ def weight_tensors(model):
 # ----------------------------------------------------------------------------------------------------------------------
 
 def git_commit() -> str:
+    if os.environ.get("COMMIT"):  # set by bench/e2e_gpu.sh: the tree on a GPU machine may be a copy without .git
+        return os.environ["COMMIT"]
     try:
         commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                 check=True).stdout.strip()

@@ -99,9 +99,9 @@ class LlamaConfig:
 
     @classmethod
     def tiny(cls, **overrides) -> "LlamaConfig":
-        """A small config for tests on the CPU (GQA 4/2, head_dim 16). Its weights use std 1/sqrt(hidden) so that
-        attention is far from uniform (0.02 would make every score ~0 at hidden 64)."""
-        kw = dict(vocab_size=97, hidden_size=64, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16,
+        """A small config for tests (GQA 4/2, head_dim 64: a size the CUDA kernels take). Its weights use std
+        1/sqrt(hidden) so that attention is far from uniform (0.02 would make every score ~0 at hidden 64)."""
+        kw = dict(vocab_size=97, hidden_size=64, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=64,
                   intermediate_size=128, rope_theta=10000.0, init_std=64 ** -0.5)
         kw.update(overrides)
         return cls(**kw)
