@@ -314,7 +314,12 @@ class FullAttentionCache(AttentionCache):
         if list(slots) == list(range(first, first + b)):
             valid = max(lengths) + 1
             kk, vv = keys[first:first + b, :, :valid], values[first:first + b, :, :valid]
-            out = F.scaled_dot_product_attention(qg, kk, vv, attn_mask=mask)
+            if mask is None:
+                # One query token per head, GQA in the kernel: SDPA's flash/cuDNN decode path (split over the
+                # context). Folding the G query heads into a query length of G instead leaves it Hkv*B blocks.
+                out = F.scaled_dot_product_attention(q.reshape(b, hkv * g, 1, d), kk, vv, enable_gqa=True)
+            else:
+                out = F.scaled_dot_product_attention(qg, kk, vv, attn_mask=mask)
         else:
             out = torch.cat([F.scaled_dot_product_attention(qg[i:i + 1], keys[s:s + 1, :, :n + 1],
                                                             values[s:s + 1, :, :n + 1])

@@ -67,7 +67,7 @@ std::vector<int> kv_store::add_sequences(int count) {
       if (config_.value_store == value_store_policy::auto_place) {
         const bool within_budget = device_bytes + value_bytes <= device_value_budget_;
         bool on_device = false;
-        if (within_budget) {
+        if (within_budget && backend_->device_has_room(value_bytes)) {
           try {
             backend_->open_sequence(slot, value_place::device);
             on_device = true;

@@ -199,7 +199,16 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   std::size_t total_bytes = 0;
   SHADOWKV_CUDA_TRY(cudaMemGetInfo(&free_bytes, &total_bytes));
   const std::size_t margin = std::max<std::size_t>(std::size_t{2} << 30, total_bytes / 20);
+  device_margin_ = static_cast<std::int64_t>(margin);
   default_value_budget_ = free_bytes > margin ? static_cast<std::int64_t>(free_bytes - margin) : 0;
+}
+
+bool cuda_backend::device_has_room(std::int64_t bytes) const {
+  device_guard guard(device_);
+  std::size_t free_bytes = 0;
+  std::size_t total_bytes = 0;
+  SHADOWKV_CUDA_TRY(cudaMemGetInfo(&free_bytes, &total_bytes));
+  return static_cast<std::int64_t>(free_bytes) >= bytes + device_margin_;
 }
 
 cuda_backend::~cuda_backend() {

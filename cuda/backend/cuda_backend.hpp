@@ -37,6 +37,7 @@ class cuda_backend final : public backend {
   void open_sequence(int slot, value_place values_on) override;
   [[nodiscard]] std::int64_t value_bytes_per_sequence() const override;
   [[nodiscard]] std::int64_t default_device_value_budget() const override { return default_value_budget_; }
+  [[nodiscard]] bool device_has_room(std::int64_t bytes) const override;
   void close_sequence(int slot) noexcept override;
   void prefill(int layer, std::span<const batch_entry> entries, const prefill_inputs& inputs) override;
   void fold_oldest_generated_chunk(int layer, std::span<const batch_entry> entries) override;
@@ -87,6 +88,7 @@ class cuda_backend final : public backend {
   std::size_t value_layer_bytes_ = 0;         ///< one (slot, layer) value store, aligned
   std::size_t value_codes_bytes_ = 0;         ///< its values (fp8: codes) part; fp8 scales follow at this offset
   std::int64_t default_value_budget_ = 0;     ///< free device memory after the reservations, less a margin
+  std::int64_t device_margin_ = 0;            ///< device bytes "auto" placement leaves free for the caller
   device_buffer views_;          ///< layer_view [max_batch * num_layers]
   device_buffer workspace_memory_;
   device_buffer inv_freq_;

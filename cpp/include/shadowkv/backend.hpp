@@ -87,6 +87,9 @@ class backend {
   [[nodiscard]] virtual std::int64_t value_bytes_per_sequence() const = 0;
   /// Device bytes the value stores of value_store="auto" sequences may take when the config gives no budget.
   [[nodiscard]] virtual std::int64_t default_device_value_budget() const = 0;
+  /// Whether device memory free now, less the backend's margin for the caller's own work, holds `bytes` more (an
+  /// "auto" sequence goes to the host otherwise, even within its budget: the caller may have taken memory since).
+  [[nodiscard]] virtual bool device_has_room(std::int64_t bytes) const { (void)bytes; return true; }
   /// Frees everything of `slot`.
   virtual void close_sequence(int slot) noexcept = 0;
 
