@@ -57,7 +57,8 @@ fixed_costs fixed_costs_of(const config& cfg) noexcept {
   costs.per_sequence = saturating_mul(cfg.num_layers, layer_record_bytes);
   // Selection cache (keys and values of k chunks per KV head, plus per-slot chunk ids and flags), B, and the Gram
   // matrix (float32 product and its float64 copy).
-  const std::int64_t k = std::min<std::int64_t>(cfg.budget_chunks, std::max<std::int64_t>(1, max_chunks_per_sequence(cfg)));
+  const std::int64_t most_chunks = std::max<std::int64_t>(1, max_chunks_per_sequence(cfg));
+  const std::int64_t k = std::min<std::int64_t>(cfg.budget_chunks, most_chunks);
   const std::int64_t cache_rows = saturating_mul(k, cfg.chunk_size);
   std::int64_t prefill = saturating_mul(saturating_mul(cache_rows, width), 2 * e);
   prefill = saturating_add(prefill, saturating_mul(saturating_mul(k, cfg.num_kv_heads), 8 + 2));

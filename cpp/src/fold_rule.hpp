@@ -18,7 +18,7 @@ struct generated_advance {
 
 /// The counters after `steps` decode steps that start with `exact_len` exact generated tokens.
 /// Preconditions (the store's invariants): 1 <= chunk <= window, 0 <= exact_len <= window, steps >= 0.
-/// Every intermediate value stays within [0, steps + window], so no step count representable in int64 overflows.
+/// No intermediate value exceeds max(steps, window), so any step count representable in int64 is exact.
 [[nodiscard]] constexpr generated_advance advance_generated(std::int64_t exact_len, std::int64_t steps,
                                                             std::int64_t window, std::int64_t chunk) noexcept {
   // The region fills up without folding first; from then on every `chunk` steps start with one fold
@@ -26,8 +26,9 @@ struct generated_advance {
   const std::int64_t until_full = window - exact_len;
   if (steps <= until_full) return {0, exact_len + steps};
   const std::int64_t after_full = steps - until_full;  // >= 1: the first of these steps folds
-  const std::int64_t folds = after_full / chunk + (after_full % chunk != 0 ? 1 : 0);
-  return {folds, window - folds * chunk + after_full};
+  const std::int64_t into_period = after_full % chunk;  // steps since the last fold, 0 meaning a whole period
+  const std::int64_t folds = after_full / chunk + (into_period != 0 ? 1 : 0);
+  return {folds, window - (into_period != 0 ? chunk - into_period : 0)};
 }
 
 }  // namespace shadowkv::detail
