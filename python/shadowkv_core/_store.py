@@ -163,8 +163,9 @@ class KVStore:
 
     Keys are kept as a per-sequence low-rank factorisation, values in a (host) value store, and each decode step
     attends exactly over outliers, the local window, the selected chunks and the generated tokens.
-    Every call validates its arguments first; a rejected call raises ValueError (MemoryError when memory runs out)
-    and leaves the store as it was.
+    Every call validates its arguments first; a rejected call raises ValueError (TypeError for an argument of the wrong
+    type, MemoryError when memory runs out) and leaves the store as it was (docs/errors.md). Threads may share a
+    store: its calls are serialised (docs/semantics.md, "Threads").
 
     Args:
         num_layers, num_q_heads, num_kv_heads, head_dim: the model's attention shapes (any GQA ratio, MHA, MQA).
@@ -353,7 +354,7 @@ class KVStore:
     def account_replayed_steps(self, layer: int, slots: Union[int, Iterable[int]], steps: int) -> None:
         """Tells the store that a CUDA graph captured around `decode(layer, slots, ...)` was replayed `steps` times
         (each replay advances the device state by one step). Capture after one eager decode with the same slots;
-        tensors, shapes and slots are fixed for the graph."""
+        tensors, shapes and slots are fixed for the graph. Backends that cannot replay (CPU) raise ValueError."""
         layer, steps = _integer("layer", layer), _integer("steps", steps, _INT64)
         self._store.account_replayed_steps(layer, _slot_list(slots), steps)
 
