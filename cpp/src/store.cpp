@@ -96,16 +96,16 @@ std::vector<int> kv_store::add_sequences(int count) {
   SHADOWKV_EXPECTS(count >= 1, "add_sequences needs count >= 1, got ", count);
   std::vector<int> free_slots;
   for (int slot = 0; slot < config_.max_batch && static_cast<int>(free_slots.size()) < count; ++slot) {
-    if (!sequences_[static_cast<std::size_t>(slot)].active) free_slots.push_back(slot);
+    sequence& candidate = sequences_[static_cast<std::size_t>(slot)];
+    if (candidate.active) continue;
+    // Room for its layer records now (unobservable), so that the commit below allocates nothing and running out of
+    // memory cannot leave a slot marked active without its layers.
+    candidate.layers.reserve(static_cast<std::size_t>(config_.num_layers));
+    free_slots.push_back(slot);
   }
   SHADOWKV_EXPECTS_CAPACITY(static_cast<int>(free_slots.size()) == count, "cannot add ", count,
                             " sequences: only ", free_slots.size(), " of max_batch=", config_.max_batch,
                             " slots are free");
-  // Allocate the new sequences' layer records before the first change, so that running out of memory changes nothing.
-  std::vector<std::vector<layer_state>> fresh_layers(free_slots.size());
-  for (std::vector<layer_state>& layers : fresh_layers) {
-    layers.assign(static_cast<std::size_t>(config_.num_layers), layer_state{});
-  }
   std::size_t opened = 0;
   try {
     for (; opened < free_slots.size(); ++opened) backend_->open_sequence(free_slots[opened]);
@@ -113,10 +113,10 @@ std::vector<int> kv_store::add_sequences(int count) {
     for (std::size_t i = 0; i < opened; ++i) backend_->close_sequence(free_slots[i]);
     throw;
   }
-  for (std::size_t i = 0; i < free_slots.size(); ++i) {  // no allocation from here on
-    sequence& seq = sequences_[static_cast<std::size_t>(free_slots[i])];
-    seq.layers = std::move(fresh_layers[i]);
+  for (const int slot : free_slots) {
+    sequence& seq = sequences_[static_cast<std::size_t>(slot)];
     seq.active = true;
+    seq.layers.assign(static_cast<std::size_t>(config_.num_layers), layer_state{});
   }
   return free_slots;
 }
