@@ -11,8 +11,6 @@
 
 namespace shadowkv {
 
-using detail::any_extent;
-
 namespace {
 
 // Validates `cfg`, clamps its budget and rejects what cannot be served (capacity.hpp), before anything is allocated.
@@ -46,6 +44,8 @@ void expect_all_finite(const backend& checker, const tensor_view& view, const ch
 }
 
 }  // namespace
+
+using detail::any_extent;
 
 kv_store::kv_store(config cfg, device where)
     : kv_store(std::move(cfg), [where](const config& effective) { return make_backend(effective, where); }) {}
