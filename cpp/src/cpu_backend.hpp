@@ -67,7 +67,8 @@ struct cpu_workspace {
   std::vector<float> row;                             ///< [D]
 };
 
-class cpu_backend final : public backend {
+// Not final: tests derive from it (e.g. a CPU backend that claims graph replay, to test the store's accounting).
+class cpu_backend : public backend {
  public:
   explicit cpu_backend(const config& cfg);
 

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "capacity.hpp"
+#include "cpu_backend.hpp"
 #include "shadowkv/backend.hpp"
 #include "shadowkv/errors.hpp"
 #include "shadowkv/store.hpp"
@@ -121,54 +122,10 @@ TEST(ReplayAccounting, RejectedOnTheCpuBackendAndLaterDecodesAreSound) {
 
 // The CPU backend, claiming graph replay: lets the store's accounting be tested without a GPU. (Its data do not
 // advance with the counters, so these tests never decode after accounting.)
-class replay_capable_backend final : public shadowkv::backend {
+class replay_capable_backend final : public shadowkv::detail::cpu_backend {
  public:
-  explicit replay_capable_backend(const config& cfg) : inner_(shadowkv::make_backend(cfg, {})) {}
+  using cpu_backend::cpu_backend;
   [[nodiscard]] bool supports_replay() const override { return true; }
-
-  [[nodiscard]] shadowkv::device where() const noexcept override { return inner_->where(); }
-  void open_sequence(int slot) override { inner_->open_sequence(slot); }
-  void close_sequence(int slot) noexcept override { inner_->close_sequence(slot); }
-  void prefill(int layer, std::span<const shadowkv::batch_entry> e, const shadowkv::prefill_inputs& in) override {
-    inner_->prefill(layer, e, in);
-  }
-  void fold_oldest_generated_chunk(int layer, std::span<const shadowkv::batch_entry> e) override {
-    inner_->fold_oldest_generated_chunk(layer, e);
-  }
-  void append_token(int layer, std::span<const shadowkv::batch_entry> e, const shadowkv::append_inputs& in) override {
-    inner_->append_token(layer, e, in);
-  }
-  void select_chunks(int layer, std::span<const shadowkv::batch_entry> e, const shadowkv::tensor_view& q) override {
-    inner_->select_chunks(layer, e, q);
-  }
-  void fetch_values(int layer, std::span<const shadowkv::batch_entry> e) override { inner_->fetch_values(layer, e); }
-  void rebuild_keys(int layer, std::span<const shadowkv::batch_entry> e) override { inner_->rebuild_keys(layer, e); }
-  void attend(int layer, std::span<const shadowkv::batch_entry> e, const shadowkv::tensor_view& q,
-              const shadowkv::mutable_tensor_view& out) override {
-    inner_->attend(layer, e, q, out);
-  }
-  [[nodiscard]] shadowkv::chunk_ids_per_head selected_chunks(int layer, int slot) const override {
-    return inner_->selected_chunks(layer, slot);
-  }
-  [[nodiscard]] shadowkv::chunk_ids_per_head outlier_chunks(int layer, int slot) const override {
-    return inner_->outlier_chunks(layer, slot);
-  }
-  [[nodiscard]] std::int64_t last_position(int layer, int slot) const override {
-    return inner_->last_position(layer, slot);
-  }
-  [[nodiscard]] shadowkv::memory_report memory(std::span<const shadowkv::layer_state* const> s) const override {
-    return inner_->memory(s);
-  }
-  [[nodiscard]] shadowkv::store_stats selection_stats() const override { return inner_->selection_stats(); }
-  void reset_selection_stats() noexcept override { inner_->reset_selection_stats(); }
-  [[nodiscard]] bool all_finite(const shadowkv::tensor_view& view) const override { return inner_->all_finite(view); }
-  void reserve_decode(int layer, std::span<const shadowkv::batch_entry> e) override { inner_->reserve_decode(layer, e); }
-  void reserve_selection(int layer, std::span<const shadowkv::batch_entry> e) override {
-    inner_->reserve_selection(layer, e);
-  }
-
- private:
-  std::unique_ptr<shadowkv::backend> inner_;
 };
 
 kv_store replay_capable_store(const config& cfg) {
