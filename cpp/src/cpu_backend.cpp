@@ -1,6 +1,7 @@
 #include "cpu_backend.hpp"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 #include <numeric>
@@ -95,6 +96,12 @@ cpu_layer_data cpu_backend::prefill_one(const batch_entry& entry, const prefill_
       for (std::int64_t d = 0; d < dim; ++d) post[d] = round_to(type, post[d]);
     }
   }
+  // The store passes finite inputs only; rotating (or un-rotating, times attention_scaling) keys near the float32
+  // limit can still overflow. Reject them here, before anything is stored, rather than fail in the eigensolver.
+  const auto finite = [](float x) { return std::isfinite(x); };
+  SHADOWKV_EXPECTS(std::all_of(keys_pre.begin(), keys_pre.end(), finite) &&
+                       std::all_of(keys_post.begin(), keys_post.end(), finite),
+                   "keys of slot ", entry.slot, " are too large: applying or removing RoPE overflows float32");
   auto value_at = [&](std::int64_t t, std::int64_t h, std::int64_t d) {
     return load(inputs.values, inputs.values.offset({b, t, h, d}));
   };
@@ -268,8 +275,10 @@ void cpu_backend::append_token(int layer, std::span<const batch_entry> entries, 
     d.exact_values.reserve(d.exact_values.size() + width);
     d.exact_positions.reserve(d.exact_positions.size() + 1);
   }
-  std::vector<float> key(static_cast<std::size_t>(width));
-  std::vector<float> value(static_cast<std::size_t>(width));
+  std::vector<float>& key = workspace_.token_key;
+  std::vector<float>& value = workspace_.token_value;
+  key.resize(static_cast<std::size_t>(width));
+  value.resize(static_cast<std::size_t>(width));
   for (const batch_entry& entry : entries) {
     cpu_layer_data& d = data(entry.slot, layer);
     const std::int64_t position = inputs.positions.empty()
@@ -300,19 +309,25 @@ void cpu_backend::select_chunks(int layer, std::span<const batch_entry> entries,
   for (const batch_entry& entry : entries) {
     cpu_layer_data& d = data(entry.slot, layer);
     const std::int64_t chunks = entry.state->context_chunks;
-    std::vector<float> landmark(static_cast<std::size_t>(dim));
-    std::vector<float> query(static_cast<std::size_t>(dim));
+    std::vector<float>& landmark = workspace_.landmark;
+    std::vector<float>& query = workspace_.query;
+    landmark.resize(static_cast<std::size_t>(dim));
+    query.resize(static_cast<std::size_t>(dim));
     for (std::int64_t h = 0; h < heads; ++h) {
       const std::vector<std::uint8_t>& outlier = d.is_outlier[static_cast<std::size_t>(h)];
-      std::vector<std::int64_t> candidates;
+      std::vector<std::int64_t>& candidates = workspace_.candidates;
+      candidates.clear();
       for (std::int64_t c = 0; c < chunks; ++c) {
         if (outlier[static_cast<std::size_t>(c)] == 0) candidates.push_back(c);
       }
       const auto count = static_cast<std::int64_t>(candidates.size());
       // score(c) = max over the group's query heads of the softmax probability (summed over query tokens).
-      std::vector<double> score(static_cast<std::size_t>(count), 0.0);
-      std::vector<double> logits(static_cast<std::size_t>(count));
-      std::vector<double> probability(static_cast<std::size_t>(count));
+      std::vector<double>& score = workspace_.score;
+      std::vector<double>& logits = workspace_.logits;
+      std::vector<double>& probability = workspace_.probability;
+      score.assign(static_cast<std::size_t>(count), 0.0);
+      logits.resize(static_cast<std::size_t>(count));
+      probability.resize(static_cast<std::size_t>(count));
       for (std::int64_t g = 0; g < group && count > 0; ++g) {
         const std::int64_t q_head = h * group + g;
         std::fill(probability.begin(), probability.end(), 0.0);
@@ -336,12 +351,15 @@ void cpu_backend::select_chunks(int layer, std::span<const batch_entry> entries,
         }
       }
       // Top-k by descending score, ties by smaller chunk id (candidates are ascending, so a stable sort keeps it).
-      std::vector<std::int64_t> order(static_cast<std::size_t>(count));
+      std::vector<std::int64_t>& order = workspace_.order;
+      order.resize(static_cast<std::size_t>(count));
       std::iota(order.begin(), order.end(), 0);
+      // (stable_sort's buffer comes from a non-throwing allocation; without one it sorts in place.)
       std::stable_sort(order.begin(), order.end(), [&](std::int64_t x, std::int64_t y) {
         return score[static_cast<std::size_t>(x)] > score[static_cast<std::size_t>(y)];
       });
-      std::vector<std::int64_t> selected;
+      std::vector<std::int64_t>& selected = workspace_.selected;
+      selected.clear();
       for (std::int64_t i = 0; i < std::min(budget, count); ++i) {
         selected.push_back(candidates[static_cast<std::size_t>(order[static_cast<std::size_t>(i)])]);
       }
@@ -351,7 +369,8 @@ void cpu_backend::select_chunks(int layer, std::span<const batch_entry> entries,
       std::int64_t* slots = d.cache_chunks.data() + h * budget;
       std::uint8_t* rebuild = d.pending_rebuild.data() + h * budget;
       std::uint8_t* fetch = d.pending_fetch.data() + h * budget;
-      std::vector<std::uint8_t> cached(selected.size(), 0);
+      std::vector<std::uint8_t>& cached = workspace_.cached;
+      cached.assign(selected.size(), 0);
       for (std::int64_t s = 0; s < budget; ++s) {
         rebuild[s] = 0;
         fetch[s] = 0;
@@ -408,19 +427,22 @@ void cpu_backend::rebuild_keys(int layer, std::span<const batch_entry> entries) 
     cpu_layer_data& d = data(entry.slot, layer);
     for (std::int64_t h = 0; h < heads; ++h) {
       // Gather the rows of A of every missed chunk, then one GEMM with this head's columns of B.
-      std::vector<std::int64_t> missed_slots;
+      std::vector<std::int64_t>& missed_slots = workspace_.missed_slots;
+      missed_slots.clear();
       for (std::int64_t s = 0; s < budget; ++s) {
         if (d.pending_rebuild[static_cast<std::size_t>(h * budget + s)] != 0) missed_slots.push_back(s);
       }
       if (missed_slots.empty()) continue;
       const auto rows = static_cast<std::int64_t>(missed_slots.size()) * chunk;
-      std::vector<float> gathered(static_cast<std::size_t>(rows * rank));
+      std::vector<float>& gathered = workspace_.gathered;
+      gathered.resize(static_cast<std::size_t>(rows * rank));
       for (std::size_t m = 0; m < missed_slots.size(); ++m) {
         const std::int64_t c = d.cache_chunks[static_cast<std::size_t>(h * budget + missed_slots[m])];
         std::copy_n(d.coefficients.begin() + c * chunk * rank, chunk * rank,
                     gathered.begin() + static_cast<std::ptrdiff_t>(m) * chunk * rank);
       }
-      std::vector<float> keys(static_cast<std::size_t>(rows * dim));
+      std::vector<float>& keys = workspace_.rebuilt;
+      keys.resize(static_cast<std::size_t>(rows * dim));
       gemm_row_major(gathered.data(), rank, d.basis.data() + h * dim, width, keys.data(), dim, rows, rank, dim);
       for (std::size_t m = 0; m < missed_slots.size(); ++m) {
         const std::int64_t s = missed_slots[m];
@@ -453,12 +475,9 @@ void cpu_backend::attend(int layer, std::span<const batch_entry> entries, const 
     const std::int64_t exact_rows = d.exact_keys.size() / width;
     for (std::int64_t h = 0; h < heads; ++h) {
       // The union, each token once, as (array, element offset of its key/value row).
-      struct source {
-        const host_array* keys;
-        const host_array* values;
-        std::int64_t offset;
-      };
-      std::vector<source> union_rows;
+      using source = attention_source;
+      std::vector<source>& union_rows = workspace_.union_rows;
+      union_rows.clear();
       for (std::int64_t i = 0; i < outlier_rows; ++i) {
         union_rows.push_back({&d.outlier_keys, &d.outlier_values, (h * outlier_rows + i) * dim});
       }
@@ -472,10 +491,14 @@ void cpu_backend::attend(int layer, std::span<const batch_entry> entries, const 
         }
       }
       const auto count = static_cast<std::int64_t>(union_rows.size());
-      std::vector<float> row(static_cast<std::size_t>(dim));
-      std::vector<float> query(static_cast<std::size_t>(dim));
-      std::vector<double> weights(static_cast<std::size_t>(count));
-      std::vector<double> accumulator(static_cast<std::size_t>(dim));
+      std::vector<float>& row = workspace_.row;
+      std::vector<float>& query = workspace_.query;
+      std::vector<double>& weights = workspace_.weights;
+      std::vector<double>& accumulator = workspace_.accumulator;
+      row.resize(static_cast<std::size_t>(dim));
+      query.resize(static_cast<std::size_t>(dim));
+      weights.resize(static_cast<std::size_t>(count));
+      accumulator.resize(static_cast<std::size_t>(dim));
       for (std::int64_t g = 0; g < group; ++g) {
         const std::int64_t q_head = h * group + g;
         for (std::int64_t j = 0; j < dim; ++j) query[static_cast<std::size_t>(j)] = load(queries, queries.offset({entry.row, q_head, j}));
@@ -505,6 +528,81 @@ void cpu_backend::attend(int layer, std::span<const batch_entry> entries, const 
       }
     }
   }
+}
+
+bool cpu_backend::all_finite(const tensor_view& view) const {
+  // Any rank up to 4, any strides: walk the view as [1, ..., 1, shape...].
+  std::array<std::int64_t, max_tensor_rank> shape{1, 1, 1, 1};
+  std::array<std::int64_t, max_tensor_rank> strides{0, 0, 0, 0};
+  const int first = max_tensor_rank - view.rank;
+  for (int dim = 0; dim < view.rank; ++dim) {
+    shape[static_cast<std::size_t>(first + dim)] = view.shape[static_cast<std::size_t>(dim)];
+    strides[static_cast<std::size_t>(first + dim)] = view.strides[static_cast<std::size_t>(dim)];
+  }
+  for (std::int64_t i0 = 0; i0 < shape[0]; ++i0) {
+    for (std::int64_t i1 = 0; i1 < shape[1]; ++i1) {
+      for (std::int64_t i2 = 0; i2 < shape[2]; ++i2) {
+        const std::int64_t base = i0 * strides[0] + i1 * strides[1] + i2 * strides[2];
+        for (std::int64_t i3 = 0; i3 < shape[3]; ++i3) {
+          if (!std::isfinite(load(view, base + i3 * strides[3]))) return false;
+        }
+      }
+    }
+  }
+  return true;
+}
+
+void cpu_backend::reserve_workspace(std::int64_t chunks, std::int64_t union_rows) {
+  const auto width = static_cast<std::size_t>(config_.kv_width());
+  const auto dim = static_cast<std::size_t>(config_.head_dim);
+  const auto budget = static_cast<std::size_t>(config_.budget_chunks);
+  const auto rows = budget * static_cast<std::size_t>(config_.chunk_size);
+  const auto n = static_cast<std::size_t>(chunks);
+  cpu_workspace& w = workspace_;
+  w.token_key.reserve(width);
+  w.token_value.reserve(width);
+  w.candidates.reserve(n);
+  w.score.reserve(n);
+  w.logits.reserve(n);
+  w.probability.reserve(n);
+  w.order.reserve(n);
+  w.selected.reserve(budget);
+  w.cached.reserve(budget);
+  w.query.reserve(dim);
+  w.landmark.reserve(dim);
+  w.missed_slots.reserve(budget);
+  w.gathered.reserve(rows * static_cast<std::size_t>(config_.rank));
+  w.rebuilt.reserve(rows * dim);
+  w.union_rows.reserve(static_cast<std::size_t>(union_rows));
+  w.weights.reserve(static_cast<std::size_t>(union_rows));
+  w.accumulator.reserve(dim);
+  w.row.reserve(dim);
+}
+
+void cpu_backend::reserve_decode(int layer, std::span<const batch_entry> entries) {
+  const std::int64_t width = config_.kv_width();
+  const std::int64_t chunk = config_.chunk_size;
+  std::int64_t chunks = 0;
+  std::int64_t union_rows = 0;
+  for (const batch_entry& entry : entries) {
+    const layer_state& state = *entry.state;  // before the step: at most one fold and one token more
+    chunks = std::max(chunks, state.context_chunks + 1);
+    const std::int64_t exact_rows = state.local_len + state.generated_exact_len + 1;
+    union_rows = std::max(union_rows, state.outlier_chunks * chunk + exact_rows + config_.budget_tokens());
+  }
+  reserve_workspace(chunks, union_rows);
+  for (const batch_entry& entry : entries) {
+    cpu_layer_data& d = data(entry.slot, layer);
+    d.exact_keys.reserve(d.exact_keys.size() + width);
+    d.exact_values.reserve(d.exact_values.size() + width);
+    d.exact_positions.reserve(d.exact_positions.size() + 1);
+  }
+}
+
+void cpu_backend::reserve_selection(int /*layer*/, std::span<const batch_entry> entries) {
+  std::int64_t chunks = 0;
+  for (const batch_entry& entry : entries) chunks = std::max(chunks, entry.state->context_chunks);
+  reserve_workspace(chunks, 0);
 }
 
 chunk_ids_per_head cpu_backend::selected_chunks(int layer, int slot) const {

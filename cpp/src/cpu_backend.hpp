@@ -37,7 +37,39 @@ struct cpu_layer_data {
   host_array cache_values;  ///< [Hkv, k, C, D]
 };
 
-class cpu_backend final : public backend {
+/// One token of the attention's union: the array pair holding it and the element offset of its key/value row.
+struct attention_source {
+  const host_array* keys = nullptr;
+  const host_array* values = nullptr;
+  std::int64_t offset = 0;
+};
+
+/// Work buffers of append_token, select_chunks, rebuild_keys and attend. reserve_decode / reserve_selection size them
+/// before a call's first write, so that those operations allocate nothing once the call has started changing data:
+/// running out of memory then leaves the store as it was (docs/semantics.md, "Capacity and errors").
+struct cpu_workspace {
+  std::vector<float> token_key;                       ///< [Hkv*D] append_token
+  std::vector<float> token_value;                     ///< [Hkv*D]
+  std::vector<std::int64_t> candidates;               ///< [context chunks] select_chunks
+  std::vector<double> score;                          ///< [context chunks]
+  std::vector<double> logits;                         ///< [context chunks]
+  std::vector<double> probability;                    ///< [context chunks]
+  std::vector<std::int64_t> order;                    ///< [context chunks]
+  std::vector<std::int64_t> selected;                 ///< [k]
+  std::vector<std::uint8_t> cached;                   ///< [k]
+  std::vector<float> query;                           ///< [D]
+  std::vector<float> landmark;                        ///< [D]
+  std::vector<std::int64_t> missed_slots;             ///< [k] rebuild_keys
+  std::vector<float> gathered;                        ///< [k*C, r]
+  std::vector<float> rebuilt;                         ///< [k*C, D]
+  std::vector<attention_source> union_rows;           ///< [outlier + exact + selected tokens] attend
+  std::vector<double> weights;                        ///< [union rows]
+  std::vector<double> accumulator;                    ///< [D]
+  std::vector<float> row;                             ///< [D]
+};
+
+// Not final: tests derive from it (e.g. a CPU backend that claims graph replay, to test the store's accounting).
+class cpu_backend : public backend {
  public:
   explicit cpu_backend(const config& cfg);
 
@@ -61,17 +93,23 @@ class cpu_backend final : public backend {
   [[nodiscard]] memory_report memory(std::span<const layer_state* const> states) const override;
   [[nodiscard]] store_stats selection_stats() const override { return stats_; }
   void reset_selection_stats() noexcept override { stats_ = {}; }
+  [[nodiscard]] bool all_finite(const tensor_view& view) const override;
+  void reserve_decode(int layer, std::span<const batch_entry> entries) override;
+  void reserve_selection(int layer, std::span<const batch_entry> entries) override;
 
  private:
   [[nodiscard]] cpu_layer_data& data(int slot, int layer);
   [[nodiscard]] const cpu_layer_data& data(int slot, int layer) const;
   [[nodiscard]] cpu_layer_data prefill_one(const batch_entry& entry, const prefill_inputs& inputs) const;
+  /// Grows the workspace for selections over up to `chunks` context chunks and attention over `union_rows` tokens.
+  void reserve_workspace(std::int64_t chunks, std::int64_t union_rows);
 
   config config_;
   rope_rotation rope_;
   std::vector<std::vector<cpu_layer_data>> layers_;  ///< [slot][layer]; empty for free slots
   std::vector<value_place> values_on_;               ///< [slot]: where the slot's values are (a label on the CPU)
   store_stats stats_;
+  cpu_workspace workspace_;
 };
 
 }  // namespace shadowkv::detail

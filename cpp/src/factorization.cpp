@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cmath>
 
 #include "lapack.hpp"
 #include "shadowkv/errors.hpp"
@@ -14,10 +15,26 @@ int as_lapack_int(std::int64_t value) {
   return static_cast<int>(value);
 }
 
+// Keys scaled by a power of two (exact) so that the largest magnitude is about 1, when the float32 Gram matrix of the
+// keys as given could overflow (or lose its small entries to underflow); empty when the keys can be used as they are.
+// The eigenvectors of (sK)ᵀ(sK) are those of KᵀK.
+std::vector<float> rescaled_for_gram(const float* keys, std::int64_t count) {
+  float largest = 0.0F;
+  for (std::int64_t i = 0; i < count; ++i) largest = std::max(largest, std::fabs(keys[i]));
+  int exponent = 0;
+  (void)std::frexp(largest, &exponent);
+  if (largest == 0.0F || (exponent >= -40 && exponent <= 40)) return {};
+  std::vector<float> scaled(keys, keys + count);
+  for (float& value : scaled) value = std::ldexp(value, -exponent);
+  return scaled;
+}
+
 // Leading eigenvectors of the Gram matrix KᵀK (float32 product, float64 eigensolver).
 std::vector<float> gram_basis(const float* keys, std::int64_t rows, std::int64_t cols, int rank) {
   const int n = as_lapack_int(cols);
   const int k = as_lapack_int(rows);
+  const std::vector<float> rescaled = rescaled_for_gram(keys, rows * cols);
+  if (!rescaled.empty()) keys = rescaled.data();
   std::vector<float> gram(static_cast<std::size_t>(cols * cols), 0.0F);
   const float one = 1.0F;
   const float zero = 0.0F;

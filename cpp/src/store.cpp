@@ -2,20 +2,68 @@
 #include "shadowkv/store.hpp"
 
 #include <algorithm>
+#include <cstddef>
 #include <set>
 
+#include "capacity.hpp"
+#include "fold_rule.hpp"
 #include "tensor_checks.hpp"
 
 namespace shadowkv {
 
+namespace {
+
+// Validates `cfg`, clamps its budget and rejects what cannot be served (capacity.hpp), before anything is allocated.
+config checked_config(config cfg) {
+  cfg.validate();
+  config effective = detail::effective_config(std::move(cfg));
+  detail::check_capacity(effective, detail::physical_host_bytes());
+  return effective;
+}
+
+// Row `row` of `view` (a view of the caller's memory, no copy), its dimension 1 cut to `length` tokens if >= 0.
+tensor_view row_of(const tensor_view& view, std::int64_t row, std::int64_t length = -1) {
+  tensor_view result = view;
+  const auto element = static_cast<std::int64_t>(dtype_size(view.float_type));
+  result.data = static_cast<const std::byte*>(view.data) + row * view.strides[0] * element;
+  result.shape[0] = 1;
+  if (length >= 0) result.shape[1] = length;
+  return result;
+}
+
+// Throws invalid_argument naming the first row (and its slot) of `view` whose valid tokens (`lengths`, or all) hold
+// NaN or ±Inf (docs/semantics.md, "Non-finite inputs"). One backend check per tensor when every row is whole.
+void expect_all_finite(const backend& checker, const tensor_view& view, const char* name,
+                       std::span<const int> slots, std::span<const std::int64_t> lengths = {}) {
+  if (lengths.empty() && checker.all_finite(view)) return;
+  for (std::size_t b = 0; b < slots.size(); ++b) {
+    const tensor_view row = row_of(view, static_cast<std::int64_t>(b), lengths.empty() ? -1 : lengths[b]);
+    SHADOWKV_EXPECTS(checker.all_finite(row), name, " (slot ", slots[b], ", row ", b,
+                     "): NaN or infinite values found; the store accepts only finite inputs");
+  }
+}
+
+}  // namespace
+
 using detail::any_extent;
 
-kv_store::kv_store(config cfg, device where) : config_(std::move(cfg)) {
-  config_.validate();
-  backend_ = make_backend(config_, where);
-  device_value_budget_ = config_.device_value_budget >= 0 ? config_.device_value_budget
-                                                           : backend_->default_device_value_budget();
-  sequences_.resize(static_cast<std::size_t>(config_.max_batch));
+kv_store::kv_store(config cfg, device where)
+    : kv_store(std::move(cfg), [where](const config& effective) { return make_backend(effective, where); }) {}
+
+kv_store::kv_store(config cfg, const backend_maker& make) : config_(checked_config(std::move(cfg))) {
+  try {
+    backend_ = make(config_);
+    device_value_budget_ = config_.device_value_budget >= 0 ? config_.device_value_budget
+                                                             : backend_->default_device_value_budget();
+    sequences_.resize(static_cast<std::size_t>(config_.max_batch));
+  } catch (const out_of_memory&) {
+    throw;
+  } catch (const std::bad_alloc&) {
+    throw out_of_memory(detail::format_message(
+        "building a store for max_batch = ", config_.max_batch, " sequences ran out of host memory (its slot tables "
+        "alone take ", detail::fixed_costs_of(config_).slot_tables, " bytes)"));
+  }
+  SHADOWKV_EXPECTS(backend_ != nullptr, "the backend maker returned no backend");
 }
 
 kv_store::~kv_store() = default;
@@ -46,10 +94,16 @@ void kv_store::check_batch_slots(std::span<const int> slots) const {
 }
 
 std::vector<int> kv_store::add_sequences(int count) {
+  const std::lock_guard lock(*mutex_);
   SHADOWKV_EXPECTS(count >= 1, "add_sequences needs count >= 1, got ", count);
   std::vector<int> free_slots;
   for (int slot = 0; slot < config_.max_batch && static_cast<int>(free_slots.size()) < count; ++slot) {
-    if (!sequences_[static_cast<std::size_t>(slot)].active) free_slots.push_back(slot);
+    sequence& candidate = sequences_[static_cast<std::size_t>(slot)];
+    if (candidate.active) continue;
+    // Room for its layer records now (unobservable), so that the commit below allocates nothing and running out of
+    // memory cannot leave a slot marked active without its layers.
+    candidate.layers.reserve(static_cast<std::size_t>(config_.num_layers));
+    free_slots.push_back(slot);
   }
   SHADOWKV_EXPECTS_CAPACITY(static_cast<int>(free_slots.size()) == count, "cannot add ", count,
                             " sequences: only ", free_slots.size(), " of max_batch=", config_.max_batch,
@@ -108,6 +162,7 @@ std::vector<int> kv_store::add_sequences(int count) {
 }
 
 void kv_store::release(std::span<const int> slots) {
+  const std::lock_guard lock(*mutex_);
   check_batch_slots(slots);
   for (const int slot : slots) {
     backend_->close_sequence(slot);
@@ -119,6 +174,7 @@ void kv_store::release(std::span<const int> slots) {
 }
 
 std::vector<int> kv_store::active_slots() const {
+  const std::lock_guard lock(*mutex_);
   std::vector<int> result;
   for (int slot = 0; slot < config_.max_batch; ++slot) {
     if (sequences_[static_cast<std::size_t>(slot)].active) result.push_back(slot);
@@ -128,6 +184,7 @@ std::vector<int> kv_store::active_slots() const {
 
 void kv_store::prefill(int layer, std::span<const int> slots, const tensor_view& keys, const tensor_view& values,
                        const prefill_options& options) {
+  const std::lock_guard lock(*mutex_);
   // Validate everything first: nothing below the "commit" line may throw on bad input.
   check_layer(layer);
   check_batch_slots(slots);
@@ -178,8 +235,25 @@ void kv_store::prefill(int layer, std::span<const int> slots, const tensor_view&
     entries[b] = {slots[b], static_cast<std::int64_t>(b), &new_states[b]};
   }
   backend_->use_stream(options.stream);
+  // Non-finite inputs would poison the factorisation and every later score: reject them (only the valid tokens).
+  expect_all_finite(*backend_, keys, "keys", slots, options.lengths);
+  expect_all_finite(*backend_, values, "values", slots, options.lengths);
+  if (!q_last.empty()) {
+    expect_all_finite(*backend_, q_last, "q_last", slots);
+    // The warm-up selection runs after the prompts are committed: allocate its workspace first.
+    backend_->reserve_selection(layer, entries);
+  }
   prefill_inputs inputs{keys, values, options.positions, q_last, options.keys_post_rope};
-  backend_->prefill(layer, entries, inputs);
+  try {
+    backend_->prefill(layer, entries, inputs);
+  } catch (const out_of_memory&) {
+    throw;
+  } catch (const std::bad_alloc&) {
+    throw out_of_memory(detail::format_message(
+        "prefill of layer ", layer, " for ", batch, " sequence(s) of up to ", padded_len,
+        " tokens ran out of host memory; each (sequence, layer) needs up to ",
+        detail::layer_bytes_upper_bound(config_, padded_len), " bytes while it is stored"));
+  }
 
   // Commit.
   for (std::size_t b = 0; b < slots.size(); ++b) {
@@ -197,6 +271,7 @@ void kv_store::prefill(int layer, std::span<const int> slots, const tensor_view&
 
 void kv_store::decode(int layer, std::span<const int> slots, const tensor_view& q, const tensor_view& k_new,
                       const tensor_view& v_new, const mutable_tensor_view& out, const decode_options& options) {
+  const std::lock_guard lock(*mutex_);
   check_layer(layer);
   check_batch_slots(slots);
   const auto batch = static_cast<std::int64_t>(slots.size());
@@ -227,6 +302,14 @@ void kv_store::decode(int layer, std::span<const int> slots, const tensor_view& 
   // While a CUDA graph is being captured nothing runs: the host counters stay as they are, and each replay is
   // accounted later (account_replayed_steps). Backends that capture keep their counters on the device.
   const bool recording = backend_->capturing();
+  // Reject non-finite inputs (while a graph is recorded the inputs hold no step's data yet: each replay's are the
+  // caller's responsibility). Then allocate everything the step needs before its first write.
+  if (!recording) {
+    expect_all_finite(*backend_, q, "q", slots);
+    expect_all_finite(*backend_, k_new, "k_new", slots);
+    expect_all_finite(*backend_, v_new, "v_new", slots);
+  }
+  backend_->reserve_decode(layer, entries);
   // 1. Fold the oldest generated chunk where the exact generated region is full.
   if (!folding.empty()) {
     backend_->fold_oldest_generated_chunk(layer, folding);
@@ -261,44 +344,50 @@ void kv_store::decode(int layer, std::span<const int> slots, const tensor_view& 
 }
 
 void kv_store::account_replayed_steps(int layer, std::span<const int> slots, std::int64_t steps) {
+  const std::lock_guard lock(*mutex_);
+  // On a backend without graph replay every step ran through decode(): advancing the counters alone would make
+  // them describe tokens that were never stored (and later steps read past the stored arrays).
+  SHADOWKV_EXPECTS(backend_->supports_replay(), "account_replayed_steps: the ", to_string(backend_->where()),
+                   " backend cannot capture or replay decode steps (no step ran without the store seeing it)");
   check_layer(layer);
   check_batch_slots(slots);
   SHADOWKV_EXPECTS(steps >= 0, "steps must be >= 0, got ", steps);
   for (const int slot : slots) {
     const layer_state& state = sequences_[static_cast<std::size_t>(slot)].layers[static_cast<std::size_t>(layer)];
     SHADOWKV_EXPECTS(state.prefilled, "layer ", layer, " of slot ", slot, " has no prompt yet");
-    SHADOWKV_EXPECTS_CAPACITY(state.total_len() + steps <= config_.max_seq_len, "slot ", slot, " layer ", layer,
-                              " would hold ", state.total_len() + steps, " tokens, more than max_seq_len = ",
-                              config_.max_seq_len);
+    // Written so that no sum can overflow: total_len <= max_seq_len always holds.
+    SHADOWKV_EXPECTS_CAPACITY(steps <= config_.max_seq_len - state.total_len(), "slot ", slot, " layer ", layer,
+                              " holds ", state.total_len(), " tokens: ", steps,
+                              " more steps would exceed max_seq_len = ", config_.max_seq_len);
   }
   for (const int slot : slots) {
     layer_state& state = sequences_[static_cast<std::size_t>(slot)].layers[static_cast<std::size_t>(layer)];
-    for (std::int64_t step = 0; step < steps; ++step) {
-      if (state.generated_exact_len == config_.generation_window) {
-        state.context_chunks += 1;
-        state.generated_exact_len -= config_.chunk_size;
-        folds_ += 1;
-      }
-      state.generated_total += 1;
-      state.generated_exact_len += 1;
-    }
+    const detail::generated_advance advance =
+        detail::advance_generated(state.generated_exact_len, steps, config_.generation_window, config_.chunk_size);
+    state.context_chunks += advance.folds;
+    state.generated_exact_len = advance.generated_exact_len;
+    state.generated_total += steps;
+    folds_ += advance.folds;
   }
   decode_steps_ += steps;
 }
 
 chunk_ids_per_head kv_store::selected_chunks(int layer, int slot) const {
+  const std::lock_guard lock(*mutex_);
   check_layer(layer);
   check_slot(slot);
   return backend_->selected_chunks(layer, slot);
 }
 
 chunk_ids_per_head kv_store::outlier_chunks(int layer, int slot) const {
+  const std::lock_guard lock(*mutex_);
   check_layer(layer);
   check_slot(slot);
   return backend_->outlier_chunks(layer, slot);
 }
 
 sequence_info kv_store::info(int layer, int slot) const {
+  const std::lock_guard lock(*mutex_);
   check_layer(layer);
   check_slot(slot);
   const layer_state& state = sequences_[static_cast<std::size_t>(slot)].layers[static_cast<std::size_t>(layer)];
@@ -316,6 +405,7 @@ sequence_info kv_store::info(int layer, int slot) const {
 }
 
 memory_report kv_store::memory() const {
+  const std::lock_guard lock(*mutex_);
   std::vector<const layer_state*> prefilled;
   for (const sequence& seq : sequences_) {
     for (const layer_state& state : seq.layers) {
@@ -326,6 +416,7 @@ memory_report kv_store::memory() const {
 }
 
 store_stats kv_store::stats() const {
+  const std::lock_guard lock(*mutex_);
   store_stats result = backend_->selection_stats();
   result.decode_steps = decode_steps_;
   result.folds = folds_;
@@ -333,6 +424,7 @@ store_stats kv_store::stats() const {
 }
 
 void kv_store::reset_stats() noexcept {
+  const std::lock_guard lock(*mutex_);
   backend_->reset_selection_stats();
   decode_steps_ = 0;
   folds_ = 0;

@@ -53,6 +53,7 @@ class cuda_backend final : public backend {
   [[nodiscard]] memory_report memory(std::span<const layer_state* const> states) const override;
   [[nodiscard]] store_stats selection_stats() const override;
   void reset_selection_stats() noexcept override;
+  [[nodiscard]] bool supports_replay() const override { return true; }
 
  private:
   struct layer_sizes;  // bytes of each array of one (slot, layer)

@@ -4,11 +4,91 @@ framework with __dlpack__)."""
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Iterable, Optional, Sequence, Union
 
 from . import _core
 
 _DTYPE_NAMES = {"float32", "fp32", "float", "float16", "fp16", "half", "bfloat16", "bf16"}
+
+# Ranges of the native integer arguments: C int (layers, slots, shapes, counts) and int64 (token counts).
+_INT32 = (-(2**31), 2**31 - 1)
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+# --- argument conversion (docs/errors.md): exact types, no silent coercion ------------------------------------------
+def _is_numpy_bool(value: Any) -> bool:
+    return type(value).__module__ == "numpy" and type(value).__name__ in ("bool_", "bool")
+
+
+def _is_bool(value: Any) -> bool:
+    """True for Python and numpy bools and for boolean tensors/arrays (which also convert to integers)."""
+    return isinstance(value, bool) or _is_numpy_bool(value) or "bool" in str(getattr(value, "dtype", ""))
+
+
+def _integer(name: str, value: Any, bounds: tuple = _INT32) -> int:
+    """`value` as an int: a Python int or anything with __index__ (numpy/torch integers), never a bool, str, float or
+    None (TypeError); ValueError outside `bounds` (the native argument's C type)."""
+    if _is_bool(value):
+        raise TypeError(f"{name} must be an integer, got a bool ({value!r})")
+    try:
+        result = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}") from None
+    low, high = bounds
+    if not low <= result <= high:
+        kind = "a C int" if bounds == _INT32 else "an int64"
+        raise ValueError(f"{name} = {result} is out of range: it must fit {kind} [{low}, {high}]")
+    return result
+
+
+def _real(name: str, value: Any) -> float:
+    """`value` as a float: an int or float (or numpy scalar), never a bool, str or None (TypeError)."""
+    if _is_bool(value) or isinstance(value, (str, bytes)) or value is None:
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}") from None
+
+
+def _flag(name: str, value: Any) -> bool:
+    """`value` as a bool: only True or False (or a numpy bool) — a string such as "False" is a TypeError."""
+    if isinstance(value, bool) or _is_numpy_bool(value):
+        return bool(value)
+    raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+
+
+def _text(name: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a string, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _integer_list(name: str, values: Any, bounds: tuple = _INT32) -> list:
+    """A sequence (list, tuple, 1-d tensor/array) of integers as a list of ints; a str is a TypeError."""
+    if isinstance(values, (str, bytes)):
+        raise TypeError(f"{name} must be a sequence of integers, got {type(values).__name__} {values!r}")
+    if hasattr(values, "tolist"):
+        values = values.tolist()
+    try:
+        items = list(values)
+    except TypeError:
+        raise TypeError(f"{name} must be a sequence of integers, got {type(values).__name__} {values!r}") from None
+    return [_integer(f"{name}[{i}]", v, bounds) for i, v in enumerate(items)]
+
+
+def _inv_freq(values: Any) -> list:
+    if isinstance(values, (str, bytes)):
+        raise TypeError(f"inv_freq must be a sequence of numbers, got {type(values).__name__} {values!r}")
+    items = values.tolist() if hasattr(values, "tolist") else values
+    try:
+        items = list(items)
+    except TypeError:
+        raise TypeError(f"inv_freq must be a sequence of numbers, got {type(values).__name__} {values!r}") from None
+    if not items:
+        raise ValueError("inv_freq is empty: pass rotary_dim/2 inverse frequencies, or None to use rope_theta")
+    return [_real(f"inv_freq[{i}]", v) for i, v in enumerate(items)]
 
 
 def build_info() -> dict:
@@ -24,9 +104,14 @@ def _dtype_name(dtype: Any) -> str:
 
 
 def _slot_list(slots: Union[int, Iterable[int]]) -> list:
-    if isinstance(slots, int):
-        return [slots]
-    return [int(s) for s in slots]
+    """One slot id or a sequence of them (list, tuple, range, 1-d integer tensor/array) as a list of C ints."""
+    if _is_bool(slots) and getattr(slots, "ndim", 0) == 0:
+        raise TypeError(f"slots must be a slot id or a sequence of slot ids, got a bool ({slots!r})")
+    if hasattr(slots, "__index__") and getattr(slots, "ndim", 0) == 0:
+        return [_integer("slots", slots)]
+    if not isinstance(slots, (str, bytes)) and not hasattr(slots, "__iter__") and not hasattr(slots, "tolist"):
+        raise TypeError(f"slots must be a slot id or a sequence of slot ids, got {type(slots).__name__} {slots!r}")
+    return _integer_list("slots", slots)
 
 
 def _plain(name: str, tensor: Any) -> Any:
@@ -42,6 +127,13 @@ def _plain(name: str, tensor: Any) -> Any:
     if not hasattr(tensor, "__dlpack__") and not hasattr(tensor, "__array_interface__"):
         raise ValueError(f"{name} must be a tensor or array (DLPack), got {type(tensor).__name__}")
     return tensor
+
+
+def _required(name: str, tensor: Any) -> Any:
+    """As _plain for an argument that must be given (None is a ValueError naming it, like any non-tensor)."""
+    if tensor is None:
+        raise ValueError(f"{name} must be a tensor or array (DLPack), got None")
+    return _plain(name, tensor)
 
 
 def _stream_of(tensor: Any) -> Optional[int]:
@@ -71,8 +163,9 @@ class KVStore:
 
     Keys are kept as a per-sequence low-rank factorisation, values in a (host) value store, and each decode step
     attends exactly over outliers, the local window, the selected chunks and the generated tokens.
-    Every call validates its arguments first; a rejected call raises ValueError (MemoryError when memory runs out)
-    and leaves the store as it was.
+    Every call validates its arguments first; a rejected call raises ValueError (TypeError for an argument of the wrong
+    type, MemoryError when memory runs out) and leaves the store as it was (docs/errors.md). Threads may share a
+    store: its calls are serialised (docs/semantics.md, "Threads").
 
     Args:
         num_layers, num_q_heads, num_kv_heads, head_dim: the model's attention shapes (any GQA ratio, MHA, MQA).
@@ -129,6 +222,23 @@ class KVStore:
         device_value_budget: Optional[int] = None,
         value_dtype: Optional[Any] = None,
     ) -> None:
+        # Exact argument types first (docs/errors.md): integers within their C types, real numbers, strings.
+        num_layers, num_q_heads = _integer("num_layers", num_layers), _integer("num_q_heads", num_q_heads)
+        num_kv_heads, head_dim = _integer("num_kv_heads", num_kv_heads), _integer("head_dim", head_dim)
+        max_batch, max_seq_len = _integer("max_batch", max_batch), _integer("max_seq_len", max_seq_len, _INT64)
+        rope_theta, attention_scaling = _real("rope_theta", rope_theta), _real("attention_scaling", attention_scaling)
+        inv_freq = None if inv_freq is None else _inv_freq(inv_freq)
+        rotary_dim = None if rotary_dim is None else _integer("rotary_dim", rotary_dim)
+        softmax_scale = None if softmax_scale is None else _real("softmax_scale", softmax_scale)
+        rank, chunk_size = _integer("rank", rank), _integer("chunk_size", chunk_size)
+        budget = _integer("budget", budget, _INT64)
+        outlier_chunks = _integer("outlier_chunks", outlier_chunks)
+        local_chunks = _integer("local_chunks", local_chunks)
+        generation_window = _integer("generation_window", generation_window)
+        rope_style, factorization = _text("rope_style", rope_style), _text("factorization", factorization)
+        if chunk_size >= 1 and budget // chunk_size > _INT32[1]:
+            raise ValueError(f"budget = {budget} tokens is {budget // chunk_size} chunks of {chunk_size}, more than a "
+                             f"C int holds ({_INT32[1]})")
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         if budget < chunk_size or budget % chunk_size != 0:
@@ -161,6 +271,7 @@ class KVStore:
         cfg.generation_window = generation_window
         cfg.factorization = factorization
         cfg.dtype = dtype_name
+        value_store = _text("value_store", value_store)
         if value_store in ("host_fp8", "device_fp8", "auto_fp8"):
             if value_dtype is not None and _dtype_name(value_dtype) not in ("float8_e4m3", "float8_e4m3fn", "fp8"):
                 raise ValueError(f"value_store={value_store!r} stores fp8 values; value_dtype={value_dtype!r} contradicts it")
@@ -169,11 +280,10 @@ class KVStore:
         if value_dtype is not None and _dtype_name(value_dtype) != dtype_name:
             cfg.value_format = _dtype_name(value_dtype)
         if device_value_budget is not None:
-            if isinstance(device_value_budget, bool) or int(device_value_budget) != device_value_budget:
-                raise ValueError(f"device_value_budget must be a whole number of bytes, got {device_value_budget!r}")
+            device_value_budget = _integer("device_value_budget", device_value_budget, _INT64)
             if device_value_budget < 0:
                 raise ValueError(f"device_value_budget must be >= 0 bytes, got {device_value_budget}")
-            cfg.device_value_budget = int(device_value_budget)
+            cfg.device_value_budget = device_value_budget
         self._config = cfg
         self._store = _core.Store(cfg, str(device))
 
@@ -192,7 +302,7 @@ class KVStore:
         """Takes `count` free slots and returns their ids (ValueError when fewer are free). Each new sequence's
         value store is reserved here, where `value_store` says (MemoryError, naming the bytes, when it fits nowhere;
         then no slot is taken)."""
-        return self._store.add_sequences(count)
+        return self._store.add_sequences(_integer("count", count))
 
     @property
     def device_value_budget(self) -> int:
@@ -230,21 +340,16 @@ class KVStore:
         lengths: tokens per row for right-padded batches (default S). positions: int [B, S] (default 0..S-1).
         q_last: post-RoPE queries [B, Hq, D] or [B, Tq, Hq, D] of the prompt's end, to warm the selection.
         """
-        if lengths is None:
-            length_list = []
-        elif hasattr(lengths, "tolist"):
-            length_list = [int(v) for v in lengths.tolist()]
-        else:
-            length_list = [int(v) for v in lengths]
+        length_list = [] if lengths is None else _integer_list("lengths", lengths, _INT64)
         self._store.prefill(
-            layer,
+            _integer("layer", layer),
             _slot_list(slots),
-            _plain("keys", keys),
-            _plain("values", values),
+            _required("keys", keys),
+            _required("values", values),
             length_list,
             _plain("positions", positions),
             _plain("q_last", q_last),
-            bool(keys_post_rope),
+            _flag("keys_post_rope", keys_post_rope),
             _stream_of(keys),
         )
 
@@ -262,7 +367,9 @@ class KVStore:
         """One decode step of one layer: stores the new token (k_new, v_new [B, Hkv, D]) and returns the
         attention output [B, Hq, D] of the post-RoPE query q [B, Hq, D], in q's dtype and on q's device.
         positions: int [B] (default: each sequence's last position + 1). out: optional preallocated output."""
-        q = _plain("q", q)
+        layer, slot_list = _integer("layer", layer), _slot_list(slots)
+        k_new_post_rope = _flag("k_new_post_rope", k_new_post_rope)
+        q = _required("q", q)
         if out is None:
             shape = tuple(getattr(q, "shape", ()))
             if len(shape) != 3:
@@ -270,13 +377,13 @@ class KVStore:
             out = _empty_like(q, shape)
         self._store.decode(
             layer,
-            _slot_list(slots),
+            slot_list,
             q,
-            _plain("k_new", k_new),
-            _plain("v_new", v_new),
-            _plain("out", out),
+            _required("k_new", k_new),
+            _required("v_new", v_new),
+            _required("out", out),
             _plain("positions", positions),
-            bool(k_new_post_rope),
+            k_new_post_rope,
             _stream_of(q),
         )
         return out
@@ -284,22 +391,23 @@ class KVStore:
     def account_replayed_steps(self, layer: int, slots: Union[int, Iterable[int]], steps: int) -> None:
         """Tells the store that a CUDA graph captured around `decode(layer, slots, ...)` was replayed `steps` times
         (each replay advances the device state by one step). Capture after one eager decode with the same slots;
-        tensors, shapes and slots are fixed for the graph."""
-        self._store.account_replayed_steps(layer, _slot_list(slots), int(steps))
+        tensors, shapes and slots are fixed for the graph. Backends that cannot replay (CPU) raise ValueError."""
+        layer, steps = _integer("layer", layer), _integer("steps", steps, _INT64)
+        self._store.account_replayed_steps(layer, _slot_list(slots), steps)
 
     # --- inspection ------------------------------------------------------------------------------------------------
     def selected_chunks(self, layer: int, slot: int) -> list:
         """Chunk ids of the last selection of (layer, slot), one ascending list per KV head."""
-        return self._store.selected_chunks(layer, slot)
+        return self._store.selected_chunks(_integer("layer", layer), _integer("slot", slot))
 
     def outlier_chunks(self, layer: int, slot: int) -> list:
         """Outlier chunk ids of (layer, slot), one ascending list per KV head."""
-        return self._store.outlier_chunks(layer, slot)
+        return self._store.outlier_chunks(_integer("layer", layer), _integer("slot", slot))
 
     def sequence_info(self, layer: int, slot: int) -> dict:
         """prompt_len, total_len, context_chunks, outlier_chunks, local_len, generated_exact_len, last_position,
         values_on ("device" or "host": where the sequence's value store is)."""
-        return self._store.sequence_info(layer, slot)
+        return self._store.sequence_info(_integer("layer", layer), _integer("slot", slot))
 
     def memory_report(self) -> dict:
         """Bytes held by kind (see docs/semantics.md) with their total and what a plain KV cache would take."""

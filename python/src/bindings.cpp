@@ -210,11 +210,11 @@ NB_MODULE(_core, m) {
             options.stream = stream;
             options.positions = optional_view(positions, "positions");
             options.keys_post_rope = k_new_post_rope;
-            shadowkv::mutable_tensor_view out_view;
-            static_cast<shadowkv::tensor_view&>(out_view) = to_view(out, "out");
-            const shadowkv::tensor_view q_view = to_view(q, "q");
+            const shadowkv::tensor_view q_view = to_view(q, "q");  // inputs first: errors name them, not `out`
             const shadowkv::tensor_view k_view = to_view(k_new, "k_new");
             const shadowkv::tensor_view v_view = to_view(v_new, "v_new");
+            shadowkv::mutable_tensor_view out_view;
+            static_cast<shadowkv::tensor_view&>(out_view) = to_view(out, "out");
             without_gil([&] { s.decode(layer, slots, q_view, k_view, v_view, out_view, options); });
           },
           "layer"_a, "slots"_a, "q"_a, "k_new"_a, "v_new"_a, "out"_a, "positions"_a.none(), "k_new_post_rope"_a,

@@ -63,7 +63,7 @@ def test_fixed_policies(device):
     assert host.config["value_store"] == "host" and nothing.config["value_store"] == "auto"
 
 
-@pytest.mark.parametrize("bad", [-1, -5, 1.5, True, "1"])
+@pytest.mark.parametrize("bad", [-1, -5, 1.5, 1.0, True, "1"])
 def test_bad_budget_is_rejected(bad):
     with pytest.raises((ValueError, TypeError)):
         _store("cpu", "auto", budget=bad)
@@ -72,6 +72,8 @@ def test_bad_budget_is_rejected(bad):
 def test_bad_policy_is_rejected():
     with pytest.raises(ValueError, match="value_store must be"):
         _store("cpu", "disk")
+    with pytest.raises(TypeError, match="value_store"):
+        _store("cpu", 5)
 
 
 def test_outputs_do_not_depend_on_the_place(device):

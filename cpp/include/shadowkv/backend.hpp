@@ -134,6 +134,38 @@ class backend {
   /// Selection counters (selections, hits, misses, chunks_rebuilt, bytes_fetched); the store adds the rest.
   [[nodiscard]] virtual store_stats selection_stats() const = 0;
   virtual void reset_selection_stats() noexcept = 0;
+
+  // --- reliability (docs/semantics.md, "Capacity and errors"; docs/errors.md) ---------------------------------------
+
+  /// True if decode calls of this backend can be captured in a CUDA graph and replayed without the store seeing them,
+  /// i.e. if kv_store::account_replayed_steps means anything. The CUDA backend returns true.
+  [[nodiscard]] virtual bool supports_replay() const { return false; }
+
+  /// True if every element of the floating-point tensor `view` (on where(), validated by the store) is finite.
+  /// The store calls it on the valid part of every input before it changes anything. The default trusts the input
+  /// (a backend that cannot check yet); the CPU backend checks every element.
+  [[nodiscard]] virtual bool all_finite(const tensor_view& view) const {
+    (void)view;
+    return true;
+  }
+
+  /// Allocates everything one decode step of `entries` (states before the step) will need — room for one fold and one
+  /// appended token per entry, the selection's and the attention's workspace — so that after it returns the step's
+  /// fold_oldest_generated_chunk (beyond its own two phases), append_token, select_chunks, fetch_values, rebuild_keys
+  /// and attend cannot fail for lack of memory. Called by the store before the step's first write; may throw
+  /// out_of_memory (std::bad_alloc), changing nothing observable. Backends that allocate nothing per call keep the
+  /// default.
+  virtual void reserve_decode(int layer, std::span<const batch_entry> entries) {
+    (void)layer;
+    (void)entries;
+  }
+
+  /// As reserve_decode for the selection that a prefill with q_last runs after storing the prompts; `entries` hold
+  /// the new (prefilled) states. Called before prefill() writes anything.
+  virtual void reserve_selection(int layer, std::span<const batch_entry> entries) {
+    (void)layer;
+    (void)entries;
+  }
 };
 
 /// Makes the backend for `where`; throws invalid_argument when this build has none for that device.

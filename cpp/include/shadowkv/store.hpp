@@ -4,11 +4,18 @@
 // keys and values once, then calls decode once per generated token; the store returns the attention output.
 // Every call validates all of its arguments before it changes anything: when it throws, the store and every
 // sequence in it are as they were.
+//
+// Thread safety: a store may be shared by threads. Every public member function takes the store's one mutex for the
+// whole call, so calls are serialised: concurrent calls behave as if made one after another in some order, counters
+// (stats()) are exact, and two threads decoding the same slot each get the output of one step of that serial order.
+// Calls on one store do not run in parallel; use one store per thread for parallelism.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <vector>
@@ -40,10 +47,19 @@ struct decode_options {
   std::optional<std::uintptr_t> stream;
 };
 
+/// Makes a store's backend from the configuration the store runs with (kv_store's second constructor).
+using backend_maker = std::function<std::unique_ptr<backend>(const config&)>;
+
 class kv_store {
  public:
-  /// Validates `cfg` and creates the backend of `where`. Throws invalid_argument.
+  /// Validates `cfg` and creates the backend of `where`. Throws invalid_argument (a field out of range, or a size
+  /// that cannot be counted) or out_of_memory (fixed costs beyond the host's physical memory, naming the bytes);
+  /// see docs/semantics.md, "Capacity and errors". A budget larger than max_seq_len / chunk_size chunks is clamped
+  /// to it (get_config() shows the value used).
   explicit kv_store(config cfg, device where = {});
+  /// As above with a backend of the caller's (an out-of-tree backend, or a test double): `make` receives the
+  /// configuration the store runs with, after validation and clamping.
+  kv_store(config cfg, const backend_maker& make);
   ~kv_store();
   kv_store(const kv_store&) = delete;
   kv_store& operator=(const kv_store&) = delete;
@@ -74,7 +90,9 @@ class kv_store {
 
   /// Accounts for `steps` decode steps of (layer, slots) that ran without the store seeing them: replays of a CUDA
   /// graph captured around one decode call. Advances the host counters (fold rule included) exactly as that many
-  /// decode calls would; throws capacity_error (changing nothing) if a sequence would exceed max_seq_len.
+  /// decode calls would, in O(1); throws capacity_error (changing nothing) if a sequence would exceed max_seq_len,
+  /// and invalid_argument on a backend that cannot replay (backend::supports_replay(): the CPU backend), where no
+  /// step can run unseen.
   ///
   /// CUDA graph rule: capture `decode(layer, slots, ...)` on the caller's stream after at least one eager decode with
   /// the same `slots` (so the slot list is already on the device); shapes, tensors' addresses and slots are fixed
@@ -108,6 +126,8 @@ class kv_store {
   void check_batch_slots(std::span<const int> slots) const;
 
   config config_;
+  // Serialises every public call (see "Thread safety" above); a pointer so that the store stays movable.
+  std::unique_ptr<std::mutex> mutex_ = std::make_unique<std::mutex>();
   std::unique_ptr<backend> backend_;
   std::vector<sequence> sequences_;
   std::int64_t device_value_budget_ = 0;
