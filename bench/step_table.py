@@ -1,0 +1,30 @@
+"""Prints the Markdown step table of a step-benchmark result file (bench/results/<date>-<commit>.json), so that
+bench/README.md's table is regenerated from the committed numbers, not copied by hand.
+
+    python bench/step_table.py bench/results/2026-12-01-40b5c33.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def table(path: str) -> str:
+    data = json.load(open(path))
+    lines = [f"{data.get('gpu', '?')}, commit {data.get('commit', '?')}, tests of the same run: {data.get('tests')}; "
+             f"memory copy {data['bandwidths'][0] / 1e12:.2f} TB/s, host→device {data['bandwidths'][1] / 1e9:.1f} GB/s",
+             "",
+             "| B | S | budget | values | hit | ours (ms) | graph (ms) | full attn (ms) | floor (ms) | ours/full | ours/floor |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in data["results"]:
+        best = min(r["ours_ms"], r.get("ours_graph_ms", r["ours_ms"]))
+        graph = f"{r['ours_graph_ms']:.3f}" if "ours_graph_ms" in r else "-"
+        lines.append(f"| {r['batch']} | {r['seq_len']} | {r['budget']} | {r.get('value_store', 'host')} | {r['hit']:.2f} | "
+                     f"{r['ours_ms']:.3f} | {graph} | {r['full_ms']:.3f} | {r['floor_ms']:.3f} | "
+                     f"{best / r['full_ms']:.2f} | {best / r['floor_ms']:.1f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(table(sys.argv[1]))
