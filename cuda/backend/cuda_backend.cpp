@@ -12,6 +12,7 @@
 #include "shadowkv/rope.hpp"
 #include "sparse_attention.cuh"
 #include "value_format.cuh"
+#include "shape_support.hpp"
 
 namespace shadowkv::cuda {
 namespace {
@@ -93,6 +94,7 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   }
   SHADOWKV_EXPECTS(device_index >= 0 && device_index < count, "device cuda:", device_index,
                    " is not available: this machine has ", count, " CUDA device(s)");
+  check_kernel_support(cfg);
   device_guard guard(device_);
 
   dims_.num_layers = cfg.num_layers;

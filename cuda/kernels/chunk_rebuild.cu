@@ -12,6 +12,7 @@
 #include "shadowkv/fp8.hpp"
 #include "cuda_check.hpp"
 #include "dispatch.cuh"
+#include "shape_support.hpp"
 #include "element_access.cuh"
 
 namespace shadowkv::cuda {
@@ -57,6 +58,7 @@ int splits_for(int batch, int kv_heads, int most) {
 // big_a*big_b: about 22 significant bits per product (what CUTLASS calls OpMultiplyAddFastF32). The tensor cores
 // accumulate each K tile (12 MMAs) from zero; the tiles are summed with ordinary fp32 adds (see the main loop).
 constexpr int kRebuildRows = 64;      // M
+static_assert(kRebuildRows == kMaxChunkSize, "shape_support.hpp's chunk limit is the rebuild tile's rows");
 constexpr int kRebuildRankTile = 32;  // K per stage
 constexpr int kRebuildStages = 2;
 constexpr int kRebuildThreads = 256;  // 8 warps, 4 x 2 over (M, N)
@@ -297,10 +299,6 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
       *reinterpret_cast<uint4*>(cache_keys + row_target[row] + column) = packed.vector;
     }
   }
-}
-
-bool supported_head_dim(int head_dim) {
-  return head_dim == 64 || head_dim == 80 || head_dim == 96 || head_dim == 128 || head_dim == 256;
 }
 
 template <typename T, int D>

@@ -39,6 +39,7 @@
 
 #include "cuda_check.hpp"
 #include "dispatch.cuh"
+#include "shape_support.hpp"
 #include "element_access.cuh"
 #include "shadowkv/errors.hpp"
 
@@ -508,10 +509,6 @@ __global__ void __launch_bounds__(kCombineThreads)
     }
     store_any(target, out.type, head_offset + dim * out.stride[2], value * inverse_total);
   }
-}
-
-bool supported_head_dim(int head_dim) {
-  return head_dim == 64 || head_dim == 80 || head_dim == 96 || head_dim == 128 || head_dim == 256;
 }
 
 bool valid_element_type(int type) { return type == element_f32 || type == element_f16 || type == element_bf16; }

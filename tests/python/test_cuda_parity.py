@@ -228,3 +228,16 @@ def test_cuda_graph_replays_past_capacity_stay_contained():
         out = store.decode(0, second["store"], q2, k2, v2)
         expected = twin.decode(0, second["twin"], q2, k2, v2)
         assert torch.equal(out, expected), f"step {step}: the other sequence changed (seed={seed})"
+
+
+@pytest.mark.parametrize("bad", [dict(head_dim=16, rank=16), dict(head_dim=72, rank=16), dict(chunk_size=128, budget=1024)])
+def test_cuda_rejects_shapes_its_kernels_cannot_serve_at_construction(bad):
+    """The CUDA kernels take head_dim 64/80/96/128/256 and chunks of up to 64 tokens (cuda/kernels/shape_support.hpp):
+    anything else is rejected when the store is built, naming the field, while the CPU backend takes it."""
+    kw = dict(num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=64, max_seq_len=512, rank=16, chunk_size=8,
+              budget=64, outlier_chunks=1, local_chunks=1, generation_window=16, dtype="float32")
+    kw.update(bad)
+    field = "head_dim" if "head_dim" in bad else "chunk_size"
+    with pytest.raises(ValueError, match=field):
+        KVStore(**kw, device="cuda:0")
+    KVStore(**kw, device="cpu")  # the reference takes it
