@@ -62,6 +62,7 @@ from typing import Iterable, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 __all__ = [
     "LlamaConfig",
@@ -184,8 +185,6 @@ def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     qt, kt, vt = (x.transpose(0, 1)[None] for x in (q, k, v))
     if not q.is_cuda:
         return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)[0].transpose(0, 1)
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
     try:
         with sdpa_kernel(fused):
@@ -242,6 +241,9 @@ class AttentionCache:
                v: torch.Tensor) -> torch.Tensor:
         """Appends the new tokens (k, v [B, Hkv, D] post-RoPE) and returns attention of q [B, Hq, D] -> [B, Hq, D]."""
         raise NotImplementedError
+
+
+_DECODE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class FullAttentionCache(AttentionCache):
@@ -314,12 +316,16 @@ class FullAttentionCache(AttentionCache):
         if list(slots) == list(range(first, first + b)):
             valid = max(lengths) + 1
             kk, vv = keys[first:first + b, :, :valid], values[first:first + b, :, :valid]
-            if mask is None:
-                # One query token per head, GQA in the kernel: SDPA's flash/cuDNN decode path (split over the
-                # context). Folding the G query heads into a query length of G instead leaves it Hkv*B blocks.
-                out = F.scaled_dot_product_attention(q.reshape(b, hkv * g, 1, d), kk, vv, enable_gqa=True)
-            else:
-                out = F.scaled_dot_product_attention(qg, kk, vv, attn_mask=mask)
+            # Not cuDNN: its attention builds an execution plan per key length, and the length grows by one every
+            # step (suspected cause of a ~50 ms step at every batch on the H200: see bench/NOTES.md); flash takes
+            # any length (0.84 ms a layer at B=7, S=122880, bench/probes/sdpa_decode_probe.py).
+            with sdpa_kernel(_DECODE_BACKENDS):
+                if mask is None:
+                    # One query token per head, GQA in the kernel. Folding the G query heads into a query length
+                    # of G instead leaves the kernel Hkv*B blocks (1.41 ms a layer at B=7).
+                    out = F.scaled_dot_product_attention(q.reshape(b, hkv * g, 1, d), kk, vv, enable_gqa=True)
+                else:
+                    out = F.scaled_dot_product_attention(qg, kk, vv, attn_mask=mask)
         else:
             out = torch.cat([F.scaled_dot_product_attention(qg[i:i + 1], keys[s:s + 1, :, :n + 1],
                                                             values[s:s + 1, :, :n + 1])
