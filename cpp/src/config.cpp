@@ -37,6 +37,7 @@ void config::validate() const {
   SHADOWKV_EXPECTS(chunk_size >= 1, "chunk_size must be >= 1, got ", chunk_size);
   SHADOWKV_EXPECTS(budget_chunks >= 1, "budget must be at least one chunk, got ", budget_chunks, " chunks");
   SHADOWKV_EXPECTS(outlier_chunks >= 0, "outlier_chunks must be >= 0, got ", outlier_chunks);
+  SHADOWKV_EXPECTS(sink_chunks >= 0, "sink_chunks must be >= 0, got ", sink_chunks);
   SHADOWKV_EXPECTS(local_chunks >= 0, "local_chunks must be >= 0, got ", local_chunks);
   SHADOWKV_EXPECTS(generation_window >= chunk_size && generation_window % chunk_size == 0,
                    "generation_window must be a positive multiple of chunk_size (", chunk_size, "), got ",

@@ -12,6 +12,9 @@
 namespace shadowkv::detail {
 namespace {
 
+// The outlier criterion of a sink chunk: below every cosine, so sinks are picked first (docs/semantics.md).
+constexpr double kSinkCosine = -2.0;
+
 float load(const tensor_view& view, std::int64_t offset) noexcept {
   return load_element(view.data, view.float_type, offset);
 }
@@ -130,6 +133,12 @@ cpu_layer_data cpu_backend::prefill_one(const batch_entry& entry, const prefill_
       }
       min_cosine[static_cast<std::size_t>(c * heads + h)] = lowest;
     }
+  }
+
+  // Attention sinks: the first sink_chunks chunks rank below any cosine (>= -1), so they are outliers first.
+  const std::int64_t sinks = std::min<std::int64_t>(config_.sink_chunks, state.outlier_chunks);
+  for (std::int64_t c = 0; c < sinks; ++c) {
+    for (std::int64_t h = 0; h < heads; ++h) min_cosine[static_cast<std::size_t>(c * heads + h)] = kSinkCosine;
   }
 
   // Outliers: per head the chunks with the lowest minimum cosine (ties: smaller id).

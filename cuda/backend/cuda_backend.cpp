@@ -438,6 +438,13 @@ void cuda_backend::prefill_one(int layer, const batch_entry& entry, const prefil
   }
   launch_landmarks(dims_, kv_type_, keys_post.data(), chunks, view.landmarks, static_cast<float*>(min_cosine.data()),
                    stream_);
+  const int sinks = std::min(config_.sink_chunks, outliers);
+  if (sinks > 0) {
+    // Attention sinks rank below every cosine: each byte 0xC0 makes the float 0xC0C0C0C0 = -6.02 (docs/semantics.md).
+    SHADOWKV_CUDA_TRY(cudaMemset2DAsync(min_cosine.data(), static_cast<std::size_t>(chunks) * sizeof(float), 0xC0,
+                                        static_cast<std::size_t>(sinks) * sizeof(float),
+                                        static_cast<std::size_t>(config_.num_kv_heads), stream_));
+  }
   launch_pick_outliers(dims_, static_cast<const float*>(min_cosine.data()), chunks, outliers, view.is_outlier,
                        static_cast<int*>(outlier_ids.data()), stream_);
   launch_scatter_prompt(dims_, kv_type_, keys_post.data(), as_strided(inputs.values), static_cast<int>(entry.row), len,

@@ -176,7 +176,8 @@ class KVStore:
         softmax_scale: scale of q·k (default 1/sqrt(head_dim)); also used for landmark scores.
         rank: rank of the key factorisation. chunk_size: tokens per chunk.
         budget: selected tokens per KV head per step (a multiple of chunk_size).
-        outlier_chunks, local_chunks: chunks kept exact. generation_window: exact generated tokens kept before the
+        outlier_chunks, local_chunks: chunks kept exact. sink_chunks: how many of the outlier chunks are the prompt's
+            first chunks, always (attention sinks), the rest chosen by the min-cosine rule. generation_window: exact generated tokens kept before the
             oldest chunk is folded into the compressed store (a multiple of chunk_size).
         factorization: "gram" (eigenvectors of KᵀK, default) or "svd".
         dtype: storage precision of keys/values ("bfloat16", "float16", "float32" or a torch dtype).
@@ -213,6 +214,7 @@ class KVStore:
         chunk_size: int = 8,
         budget: int = 2048,
         outlier_chunks: int = 48,
+        sink_chunks: int = 1,
         local_chunks: int = 4,
         generation_window: int = 256,
         factorization: str = "gram",
@@ -233,6 +235,7 @@ class KVStore:
         rank, chunk_size = _integer("rank", rank), _integer("chunk_size", chunk_size)
         budget = _integer("budget", budget, _INT64)
         outlier_chunks = _integer("outlier_chunks", outlier_chunks)
+        sink_chunks = _integer("sink_chunks", sink_chunks)
         local_chunks = _integer("local_chunks", local_chunks)
         generation_window = _integer("generation_window", generation_window)
         rope_style, factorization = _text("rope_style", rope_style), _text("factorization", factorization)
@@ -267,6 +270,7 @@ class KVStore:
         cfg.chunk_size = chunk_size
         cfg.budget_chunks = budget // chunk_size
         cfg.outlier_chunks = outlier_chunks
+        cfg.sink_chunks = sink_chunks
         cfg.local_chunks = local_chunks
         cfg.generation_window = generation_window
         cfg.factorization = factorization

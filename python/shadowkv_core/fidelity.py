@@ -573,7 +573,8 @@ def _evaluate(capture: Capture, budgets: Sequence[Any] = (64, 128, 256, 512, 102
              ranks: Sequence[Any] = ("full",), chunk_size: int = 8, outlier_chunks: int = 48, local_chunks: int = 4,
              generation_window: int = 256, dtype: str = "float32", factorization: str = "gram", warm: bool = True,
              layers: Optional[Sequence[int]] = None, fractions: Sequence[float] = DEFAULT_FRACTIONS,
-             mass: bool = True, verbose: bool = False, value_dtype: Optional[str] = None) -> dict:
+             mass: bool = True, verbose: bool = False, value_dtype: Optional[str] = None,
+             sink_chunks: int = 1) -> dict:
     """`evaluate` without the thread setting. value_dtype: the store's value format (None: `dtype`; "float8_e4m3")."""
     m = capture.meta
     hq, hkv, d = m["num_q_heads"], m["num_kv_heads"], m["head_dim"]
@@ -604,7 +605,7 @@ def _evaluate(capture: Capture, budgets: Sequence[Any] = (64, 128, 256, 512, 102
     probe = KVStore(num_layers=len(layers), num_q_heads=hq, num_kv_heads=hkv, head_dim=d, max_batch=1,
                     max_seq_len=S + T, inv_freq=inv_freq, rotary_dim=m["rotary_dim"], rope_style="half",
                     attention_scaling=m["attention_scaling"], softmax_scale=scale, rank=full_rank,
-                    chunk_size=chunk_size, budget=chunk_size, outlier_chunks=outlier_chunks,
+                    chunk_size=chunk_size, budget=chunk_size, outlier_chunks=outlier_chunks, sink_chunks=sink_chunks,
                     local_chunks=local_chunks, generation_window=generation_window, factorization=factorization,
                     dtype=dtype, device="cpu")
     probe_slot = probe.add_sequences(1)[0]
@@ -641,7 +642,7 @@ def _evaluate(capture: Capture, budgets: Sequence[Any] = (64, 128, 256, 512, 102
             store = KVStore(num_layers=len(layers), num_q_heads=hq, num_kv_heads=hkv, head_dim=d, max_batch=1,
                             max_seq_len=S + T, inv_freq=inv_freq, rotary_dim=m["rotary_dim"], rope_style="half",
                             attention_scaling=m["attention_scaling"], softmax_scale=scale, rank=rank,
-                            chunk_size=chunk_size, budget=b, outlier_chunks=outlier_chunks,
+                            chunk_size=chunk_size, budget=b, outlier_chunks=outlier_chunks, sink_chunks=sink_chunks,
                             local_chunks=local_chunks, generation_window=generation_window,
                             factorization=factorization, dtype=dtype, device="cpu", value_dtype=value_dtype)
             slot = store.add_sequences(1)[0]
@@ -719,6 +720,7 @@ def _evaluate(capture: Capture, budgets: Sequence[Any] = (64, 128, 256, 512, 102
                       f"hit rate {o['hit_rate']:.3f} ({elapsed:.1f}s)", file=sys.stderr, flush=True)
     config = dict(chunk_size=chunk_size, outlier_chunks=outlier_chunks, local_chunks=local_chunks,
                   generation_window=generation_window, dtype=dtype, value_dtype=value_dtype or dtype,
+                  sink_chunks=sink_chunks,
                   factorization=factorization, warm=warm,
                   budgets=[str(b) for b in budgets], ranks=rank_values, layers=layers, prompt_len=S, steps=T,
                   full_budget_tokens=full_budget, full_rank=full_rank)
@@ -901,6 +903,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--generation-window", type=int, default=256)
     parser.add_argument("--dtype", default="float32", help="store dtype (default float32: the algorithm's error)")
     parser.add_argument("--factorization", default="gram", choices=["gram", "svd"])
+    parser.add_argument("--sink-chunks", type=int, default=1, help="outlier chunks that are the prompt's first chunks")
     parser.add_argument("--value-dtype", default=None, help="value store format (default: --dtype; or float8_e4m3)")
     parser.add_argument("--no-warm", action="store_true", help="do not warm the selection with the last prompt query")
     parser.add_argument("--no-mass", action="store_true", help="skip the attention-mass columns")
@@ -953,7 +956,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     result = evaluate(capture, budgets=_parse_budgets(args.budgets), ranks=ranks, chunk_size=args.chunk_size,
                       outlier_chunks=args.outlier_chunks, local_chunks=args.local_chunks,
                       generation_window=args.generation_window, dtype=args.dtype, factorization=args.factorization,
-                      value_dtype=args.value_dtype, warm=not args.no_warm, mass=not args.no_mass, verbose=True)
+                      value_dtype=args.value_dtype, sink_chunks=args.sink_chunks, warm=not args.no_warm,
+                      mass=not args.no_mass, verbose=True)
     times["evaluate_s"] = time.perf_counter() - t0
     times["total_s"] = time.perf_counter() - started
     result["model"] = model_info

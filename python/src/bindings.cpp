@@ -150,6 +150,7 @@ NB_MODULE(_core, m) {
       .def_rw("chunk_size", &shadowkv::config::chunk_size)
       .def_rw("budget_chunks", &shadowkv::config::budget_chunks)
       .def_rw("outlier_chunks", &shadowkv::config::outlier_chunks)
+      .def_rw("sink_chunks", &shadowkv::config::sink_chunks)
       .def_rw("local_chunks", &shadowkv::config::local_chunks)
       .def_rw("generation_window", &shadowkv::config::generation_window)
       .def_prop_rw(

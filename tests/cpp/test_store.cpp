@@ -467,6 +467,10 @@ expected_selection select_like_semantics(const config& cfg, const std::vector<fl
       }
       min_cos[static_cast<std::size_t>(c)] = lowest;
     }
+    // Attention sinks: the first sink_chunks of the outliers are the prompt's first chunks.
+    for (std::int64_t c = 0; c < std::min<std::int64_t>(cfg.sink_chunks, outlier_count); ++c) {
+      min_cos[static_cast<std::size_t>(c)] = -2.0;
+    }
     std::vector<std::int64_t> order(static_cast<std::size_t>(prompt_chunks));
     std::iota(order.begin(), order.end(), 0);
     std::stable_sort(order.begin(), order.end(), [&](std::int64_t a, std::int64_t b) {

@@ -147,6 +147,7 @@ class RefConfig:
     chunk_size: int = 8
     budget: int = 2048                 # tokens; a multiple of chunk_size
     outlier_chunks: int = 48
+    sink_chunks: int = 1                # of the outliers, the prompt's first chunks (attention sinks)
     local_chunks: int = 4
     generation_window: int = 256       # tokens; a multiple of chunk_size
     factorization: str = "gram"        # "gram" or "svd"
@@ -289,6 +290,8 @@ class ReferenceStore:
                 m[ci, h] = _min_cos(self.landmarks[ci, h], kp_chunks[ci, :, h])
         self.min_cos = m
         n_out = min(c.outlier_chunks, n)
+        m = m.clone()
+        m[: min(c.sink_chunks, n_out)] = -2.0      # sinks: below any cosine, so chosen first
         self.outliers = [sorted(_order(m[:, h], descending=False)[:n_out].tolist()) for h in range(hkv)]
         self.outlier_keys = kp_chunks.clone()      # only the outlier chunks' entries are ever read
         self.outlier_values = vs[: n * C].reshape(n, C, hkv, d).clone()

@@ -81,7 +81,7 @@ def test_opposite_keys_make_an_outlier_attended_exactly(device):
     seed = 5100
     g = generator(seed)
     kw = small_config(num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, rank=8, chunk_size=C, budget=32,
-                      outlier_chunks=1, local_chunks=2, generation_window=64, device=device)
+                      outlier_chunks=1, sink_chunks=0, local_chunks=2, generation_window=64, device=device)
     dirs = orthonormal(g, D, 2 * HKV)
     keys = background(g, kw, PROMPT + 1, dirs)
     values = torch.randn(PROMPT + 1, HKV, D, generator=g, dtype=torch.float64)
@@ -134,7 +134,7 @@ def test_exact_ties_go_to_the_smaller_chunk_id(device):
     g = generator(seed)
     n_chunks = 12                                          # + 1 local chunk
     kw = small_config(num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, rotary_dim=2, rank=16, chunk_size=C, budget=C,
-                      outlier_chunks=1, local_chunks=1, generation_window=64, device=device)
+                      outlier_chunks=1, sink_chunks=0, local_chunks=1, generation_window=64, device=device)
     base = torch.randn(C, HKV, D, generator=g)             # one pattern for every plain chunk
     base[..., :2] = 0
     strong_dir = torch.zeros(HKV, D)

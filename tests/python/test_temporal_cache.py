@@ -19,7 +19,7 @@ K_CHUNKS = 4                         # budget 32 tokens
 
 def config(device, **kw):
     return small_config(num_layers=2, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, rank=32, chunk_size=C,
-                        budget=K_CHUNKS * C, outlier_chunks=1, local_chunks=1, generation_window=64,
+                        budget=K_CHUNKS * C, outlier_chunks=1, sink_chunks=0, local_chunks=1, generation_window=64,
                         max_batch=2, device=device, **kw)
 
 

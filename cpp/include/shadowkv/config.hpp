@@ -62,6 +62,7 @@ struct config {
   int chunk_size = 8;            ///< tokens per chunk C
   int budget_chunks = 256;       ///< chunks selected per KV head per step, k >= 1
   int outlier_chunks = 48;       ///< chunks per KV head kept exact as outliers
+  int sink_chunks = 1;           ///< of those, the prompt's first chunks, always (attention sinks; at most outlier_chunks)
   int local_chunks = 4;          ///< chunks at the end of the prompt kept exact as the local window
   int generation_window = 256;   ///< exact generated tokens kept before the oldest chunk is folded (multiple of C)
   factorization_method factorization = factorization_method::gram;
