@@ -75,14 +75,14 @@ def check_tp(cfg: LlamaConfig, tp: int) -> None:
     """Raises ValueError unless tp ranks can each own whole KV heads, their query heads and an equal MLP slice."""
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise ValueError(f"tensor-parallel size must be a positive integer, got {tp!r}")
+    if cfg.num_q_heads % cfg.num_kv_heads:
+        raise ValueError(f"num_q_heads={cfg.num_q_heads} is not a multiple of num_kv_heads={cfg.num_kv_heads}")
     if cfg.num_kv_heads % tp:
         raise ValueError(f"tensor-parallel size {tp} does not divide num_kv_heads={cfg.num_kv_heads}: each rank must "
                          f"own whole KV heads (use a tp that divides {cfg.num_kv_heads}; KV-head replication for "
                          "tp > num_kv_heads is not implemented)")
-    if cfg.num_q_heads % tp:
+    if cfg.num_q_heads % tp:  # implied by the two checks above (Hq = G*Hkv); kept for a clear message
         raise ValueError(f"tensor-parallel size {tp} does not divide num_q_heads={cfg.num_q_heads}")
-    if cfg.num_q_heads % cfg.num_kv_heads:
-        raise ValueError(f"num_q_heads={cfg.num_q_heads} is not a multiple of num_kv_heads={cfg.num_kv_heads}")
     if cfg.intermediate_size % tp:
         raise ValueError(f"tensor-parallel size {tp} does not divide intermediate_size={cfg.intermediate_size}")
 
