@@ -296,7 +296,10 @@ def main(argv=None) -> int:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, world)))
     backend = "nccl" if device.type == "cuda" else "gloo"
     if world > 1:
-        dist.init_process_group(backend=backend)
+        if device.type == "cuda":
+            dist.init_process_group(backend=backend, device_id=device)
+        else:
+            dist.init_process_group(backend=backend)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, None: None}[args.dtype] or default_dtype(device)
 
     cfg = LlamaConfig.tiny() if args.tiny else LlamaConfig()
@@ -344,13 +347,15 @@ def main(argv=None) -> int:
     slots = [decoder.add_sequence(p) for p in prompts]
     _sync(device)
     prefill_s = time.perf_counter() - t0
+    # Tokens and the logits kept for the check stay on the device until the timing ends (no host sync per step).
     token = torch.stack([decoder.prompt_logits[s].argmax() for s in slots])
-    tokens, step_logits = [token.cpu()], []
+    tokens, step_logits = [token], []
     for _ in range(args.warmup):
         step = decoder.decode_step(slots, token)
-        step_logits.append(step.float().cpu())
+        if len(step_logits) < args.check_steps:
+            step_logits.append(step.float())
         token = step.argmax(-1)
-        tokens.append(token.cpu())
+        tokens.append(token)
     if world > 1:
         dist.barrier()
     _sync(device)
@@ -358,12 +363,13 @@ def main(argv=None) -> int:
     for _ in range(args.steps):
         step = decoder.decode_step(slots, token)
         if len(step_logits) < args.check_steps:
-            step_logits.append(step.float().cpu())
+            step_logits.append(step.float())
         token = step.argmax(-1)
-        tokens.append(token.cpu())
+        tokens.append(token)
     _sync(device)
     decode_s = time.perf_counter() - t0
-    tokens = torch.stack(tokens)                                                   # [1 + warmup + steps, B]
+    tokens = torch.stack(tokens).cpu()                                             # [1 + warmup + steps, B]
+    step_logits = [x.cpu() for x in step_logits]
 
     mine = dict(rank=rank, prefill_s=prefill_s, decode_s=decode_s,
                 tokens_per_s=args.batch * args.steps / decode_s if decode_s > 0 else float("nan"),
@@ -376,7 +382,9 @@ def main(argv=None) -> int:
                                  [model.embed, model.final_norm, model.lm_head] +
                                  [x for w in model.layers for x in vars(w).values()]))
     if device.type == "cuda":
-        mine["max_memory_allocated"] = torch.cuda.max_memory_allocated(device)
+        free, total_mem = torch.cuda.mem_get_info(device)
+        mine["max_memory_allocated"] = torch.cuda.max_memory_allocated(device)   # torch's allocations only
+        mine["device_used_bytes"] = total_mem - free                             # everything, the store's arenas too
     everyone = [None] * world
     if world > 1:
         dist.all_gather_object(everyone, dict(mine, tokens=tokens.tolist()))
@@ -405,7 +413,8 @@ def main(argv=None) -> int:
                      ", ".join(f"{k} {mem[k] / 2**20:.2f}" for k in kinds if k in mem) +
                      f"; a dense cache of the same tokens {mem['full_attention_equivalent'] / 2**20:.2f})"
                      if mem else f", dense cache (preallocated) {e['dense_cache_bytes'] / 2**20:.1f} MiB")
-            peak = f", torch peak {e['max_memory_allocated'] / 2**30:.2f} GiB" if "max_memory_allocated" in e else ""
+            peak = (f", torch peak {e['max_memory_allocated'] / 2**30:.2f} GiB, device used "
+                    f"{e['device_used_bytes'] / 2**30:.2f} GiB" if "max_memory_allocated" in e else "")
             log(f"  rank {e['rank']}: weights {e['weight_bytes'] / 2**20:.1f} MiB{extra}{peak}; "
                 f"{e['tokens_per_s']:.1f} tok/s")
 
