@@ -18,7 +18,7 @@ Who owns what (tp ranks, rank i)
   down row-parallel (its columns for the same range): ONE all-reduce per MLP block.
 * Replicated on every rank (the simplest choice): the embedding, the RMSNorm weights, the final norm and the LM head.
   The residual stream is therefore replicated too, and every rank computes the same logits. (A vocab-parallel
-  embedding/LM head would save 2*vocab*hidden/tp... per rank at the cost of two more collectives; not done here.)
+  embedding/LM head would save 2*vocab*hidden*(1 - 1/tp) weights per rank for two more collectives; not done.)
 
 The weights are the TP=1 model's (`LlamaModel(cfg, seed=...)`), sliced by rank: TP=tp computes what TP=1 computes,
 up to the order of the floating-point sums in the all-reduce, for the dense cache and for the store at full rank
