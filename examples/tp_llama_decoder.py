@@ -333,6 +333,11 @@ def main(argv=None) -> int:
     model, full = built if check else (built, None)
     _sync(device)
     log(f"weights built and sliced in {time.perf_counter() - t0:.1f}s")
+    if world > 1:  # every rank drew the same weights from the seed (its device's generator): the embeddings agree
+        sums = [None] * world
+        dist.all_gather_object(sums, float(model.embed.double().sum()))
+        if len(set(sums)) != 1:
+            raise RuntimeError(f"ranks built different weights from seed {args.seed}: embedding sums {sums}")
 
     gen = torch.Generator().manual_seed(args.seed + 1)
     prompts = [torch.randint(0, cfg.vocab_size, (s_len,), generator=gen) for _ in range(args.batch)]
