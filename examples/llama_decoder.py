@@ -419,6 +419,13 @@ class LlamaModel:
         gate, up = F.linear(self.rms_norm(x, w.post_norm), w.gate_up).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, w.down)
 
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The output of a row-parallel projection (o_proj, the MLP's down_proj) before it joins the residual stream.
+        One process holds every head and the whole MLP, so this is the identity; a tensor-parallel model (examples/
+        tp_llama_decoder.py) sums the ranks' partial results here: one all-reduce per attention block and one per
+        MLP block."""
+        return x
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(self.rms_norm(x, self.final_norm), self.lm_head).float()
 
@@ -452,8 +459,8 @@ class LlamaModel:
                 attn = prompt_attention(q, k, v)                                  # [S, Hq, D]
                 del q, k, v
                 for a, b in chunks:
-                    hc = h[a:b] + F.linear(attn[a:b].reshape(b - a, -1), w.o)
-                    h[a:b] = hc + self.mlp(w, hc)
+                    hc = h[a:b] + self.reduce(F.linear(attn[a:b].reshape(b - a, -1), w.o))
+                    h[a:b] = hc + self.reduce(self.mlp(w, hc))
                 del attn
             cache.set_prompt_length(slot, s)
             return slot, self.logits(h[-1:])[0]
@@ -475,8 +482,8 @@ class LlamaModel:
         for layer, w in enumerate(self.layers):
             q, k, v = self.qkv(w, x)
             out = cache.decode(layer, slots, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
-            x = x + F.linear(out.reshape(len(slots), -1), w.o)
-            x = x + self.mlp(w, x)
+            x = x + self.reduce(F.linear(out.reshape(len(slots), -1), w.o))
+            x = x + self.reduce(self.mlp(w, x))
         cache.advance(slots)
         return self.logits(x)
 
