@@ -386,6 +386,21 @@ chunk_ids_per_head kv_store::outlier_chunks(int layer, int slot) const {
   return backend_->outlier_chunks(layer, slot);
 }
 
+chunk_ids_per_head kv_store::attended_chunks(int layer, int slot) const {
+  const std::lock_guard lock(*mutex_);
+  check_layer(layer);
+  check_slot(slot);
+  chunk_ids_per_head result = backend_->outlier_chunks(layer, slot);
+  const chunk_ids_per_head selected = backend_->selected_chunks(layer, slot);
+  for (std::size_t h = 0; h < result.size() && h < selected.size(); ++h) {
+    std::vector<std::int64_t>& ids = result[h];
+    ids.insert(ids.end(), selected[h].begin(), selected[h].end());
+    std::sort(ids.begin(), ids.end());
+    ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+  }
+  return result;
+}
+
 sequence_info kv_store::info(int layer, int slot) const {
   const std::lock_guard lock(*mutex_);
   check_layer(layer);

@@ -408,6 +408,11 @@ class KVStore:
         """Outlier chunk ids of (layer, slot), one ascending list per KV head."""
         return self._store.outlier_chunks(_integer("layer", layer), _integer("slot", slot))
 
+    def attended_chunks(self, layer: int, slot: int) -> list:
+        """Every context chunk of (layer, slot) the last step attended exactly, one ascending list per KV head: the
+        outliers (the attention sinks among them) and the last selection."""
+        return self._store.attended_chunks(_integer("layer", layer), _integer("slot", slot))
+
     def sequence_info(self, layer: int, slot: int) -> dict:
         """prompt_len, total_len, context_chunks, outlier_chunks, local_len, generated_exact_len, last_position,
         values_on ("device" or "host": where the sequence's value store is)."""

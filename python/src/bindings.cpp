@@ -228,6 +228,7 @@ NB_MODULE(_core, m) {
           "layer"_a, "slots"_a, "steps"_a)
       .def("selected_chunks", &shadowkv::kv_store::selected_chunks, "layer"_a, "slot"_a)
       .def("outlier_chunks", &shadowkv::kv_store::outlier_chunks, "layer"_a, "slot"_a)
+      .def("attended_chunks", &shadowkv::kv_store::attended_chunks, "layer"_a, "slot"_a)
       .def(
           "sequence_info", [](const shadowkv::kv_store& s, int layer, int slot) { return info_dict(s.info(layer, slot)); },
           "layer"_a, "slot"_a)

@@ -31,3 +31,21 @@ def test_default_is_one_sink_and_negative_is_rejected():
     assert store.config["sink_chunks"] == 1
     with pytest.raises(ValueError, match="sink_chunks"):
         H.make_store(H.small_config(sink_chunks=-1))
+
+
+def test_attended_chunks_are_outliers_sinks_and_the_selection(device):
+    seed = 47
+    g = H.generator(seed)
+    kw = H.small_config(outlier_chunks=3, sink_chunks=1, budget=32, device=device)
+    store = H.make_store(kw)
+    slot = store.add_sequences(1)[0]
+    H.prefill_one(store, 0, slot, H.structured_keys(g, 300, 2, 64), H.randn(g, 300, 2, 64), device=device)
+    for _ in range(3):
+        H.decode_one(store, 0, slot, H.randn(g, 4, 64, scale=2.0), H.randn(g, 2, 64), H.randn(g, 2, 64),
+                     device=device)
+        attended = store.attended_chunks(0, slot)
+        outliers, selected = store.outlier_chunks(0, slot), store.selected_chunks(0, slot)
+        for h in range(2):
+            assert attended[h] == sorted(set(outliers[h]) | set(selected[h])), (attended, outliers, selected)
+            assert 0 in attended[h], "the sink chunk is attended every step"
+            assert len(attended[h]) == 3 + 4, "outliers and selection are disjoint"

@@ -103,6 +103,10 @@ class kv_store {
   [[nodiscard]] chunk_ids_per_head selected_chunks(int layer, int slot) const;
   /// Outlier chunk ids of (layer, slot), per KV head, ascending.
   [[nodiscard]] chunk_ids_per_head outlier_chunks(int layer, int slot) const;
+  /// Every context chunk of (layer, slot) the last step attended exactly, per KV head, ascending: the outliers (sinks
+  /// among them) and the last selection. (The local window and generated tokens are attended too; they are no chunks
+  /// of the context.)
+  [[nodiscard]] chunk_ids_per_head attended_chunks(int layer, int slot) const;
   /// Counters of (layer, slot).
   [[nodiscard]] sequence_info info(int layer, int slot) const;
 
