@@ -21,8 +21,10 @@ called right after it, picks them up (a thread-local hand-over, checked by layer
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
+import types
 from typing import Any, Optional
 
 import torch
@@ -43,7 +45,9 @@ __all__ = [
     "ATTENTION_NAME",
     "ShadowKVCache",
     "ShadowKVLayer",
+    "disable",
     "enable",
+    "enabled",
     "make_cache",
     "register",
     "shadowkv_attention_forward",
@@ -212,6 +216,7 @@ class ShadowKVCache(Cache):
         super().__init__(layers=layers)
         self.store = store
         self.slots: Optional[list] = None
+        self._tokens: Optional[torch.Tensor] = None  # the last generate call's sequences (see _check_generate)
         self._softmax_scale = float(store.config["softmax_scale"]) or store.config["head_dim"] ** -0.5
 
     @property
@@ -221,6 +226,7 @@ class ShadowKVCache(Cache):
     # --- slots --------------------------------------------------------------------------------------------------
     def release(self) -> None:
         """Frees this cache's store slots and forgets every layer's tokens (the cache can be used again)."""
+        self._tokens = None
         if self.slots is not None:
             slots, self.slots = self.slots, None
             self.store.release(slots)
@@ -292,6 +298,83 @@ class ShadowKVCache(Cache):
                                           values[:, :, t, :],
                                           positions=None if positions is None else positions[:, t].contiguous()))
         return torch.stack(outs, dim=1)  # [B, T, Hq, D]
+
+    # --- checks made by model.generate (of a model switched by `enable`) before the prompt goes in ------------------
+    def _check_generate(self, model, args: tuple, kwargs: dict) -> None:
+        """Rejects, before any forward (the prefill of a long prompt is the expensive part), what would fail or go
+        wrong later: beam search, assisted and contrastive decoding (NotImplementedError); more sequences than the
+        store's free slots or a batch other than the cache's (ValueError); a prompt plus `max_new_tokens` beyond the
+        store's `max_seq_len` (ValueError); and a cache that holds tokens of another prompt, reused without `reset()`
+        (ValueError: transformers would feed only the tokens past the cache's length, silently wrong)."""
+        ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.is_floating_point():
+            ids = None
+        embeds = kwargs.get("inputs_embeds")
+        shape_from = ids if ids is not None else embeds
+        config = args[1] if len(args) > 1 else kwargs.get("generation_config")
+        if config is None:
+            config = getattr(model, "generation_config", None)
+
+        def setting(name, default=None):
+            value = kwargs[name] if name in kwargs else getattr(config, name, None)
+            return default if value is None else value
+
+        unsupported = "the store cannot reorder, copy or truncate sequences; use greedy decoding or sampling"
+        if int(setting("num_beams", 1)) > 1:
+            raise NotImplementedError(f"ShadowKVCache: beam search (num_beams={setting('num_beams')}): {unsupported}")
+        if (kwargs.get("assistant_model") is not None or setting("prompt_lookup_num_tokens") is not None
+                or setting("assistant_early_exit") is not None):
+            raise NotImplementedError(f"ShadowKVCache: assisted decoding: {unsupported}")
+        if setting("penalty_alpha") is not None and float(setting("penalty_alpha")) > 0 and int(setting("top_k", 1)) > 1:
+            raise NotImplementedError(f"ShadowKVCache: contrastive search (penalty_alpha): {unsupported}")
+        if not isinstance(shape_from, torch.Tensor) or shape_from.dim() < 2:
+            return  # no prompt tensor to measure (e.g. only encoder inputs): the store checks at prefill
+        batch, width = int(shape_from.shape[0]), int(shape_from.shape[1])
+        rows = batch * int(setting("num_return_sequences", 1))
+        config_of_store = self.store.config
+        if self.slots is None:
+            free = int(config_of_store["max_batch"]) - len(self.store.active_slots())
+            if rows > free:
+                raise ValueError(f"ShadowKVCache: generate needs {rows} sequences (batch {batch} x "
+                                 f"num_return_sequences {rows // batch}) but the store has {free} free slots "
+                                 f"(max_batch={config_of_store['max_batch']}); build the cache with a larger max_batch")
+        elif rows != len(self.slots):
+            raise ValueError(f"ShadowKVCache holds {len(self.slots)} sequences but generate has {rows}; call "
+                             "cache.reset() before a new batch")
+
+        held = max((layer.seq_len for layer in self.store_layers), default=0)
+        if held > 0 and ids is not None:
+            recorded = self._tokens
+            if recorded is not None and (width <= held or recorded.shape[0] != batch or recorded.shape[1] < held
+                                         or not torch.equal(ids[:, :held].detach().cpu(), recorded[:, :held])):
+                raise ValueError(
+                    f"ShadowKVCache: the cache holds {held} tokens of an earlier generate call, and the new input_ids "
+                    "do not continue them (a continued conversation passes the previous call's sequences followed "
+                    "by the new tokens); call cache.reset() before generating for a new prompt")
+
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == batch and held == 0:
+            prompt = int(mask.to(torch.int64).sum(dim=1).max())  # left padding does not enter the store
+        else:
+            prompt = width  # a continued conversation: every new column enters the store
+        new_tokens = setting("max_new_tokens")
+        if new_tokens is None:
+            new_tokens = max(0, int(setting("max_length", 20)) - width)
+        new_tokens = int(new_tokens)
+        if held > 0:  # tokens already in the store (its longest sequence) + every input column past the cache's
+            before = max(int(self.store.sequence_info(self.store_layers[0].store_layer, slot)["total_len"])
+                         for slot in self.slots)
+            entering = width - held
+        else:
+            before, entering = 0, prompt
+        need = before + entering + new_tokens - 1  # the last generated token is never fed back
+        capacity = int(config_of_store["max_seq_len"])
+        if new_tokens > 0 and need > capacity:
+            held_text = f"{before} tokens held + " if before else ""
+            raise ValueError(
+                f"ShadowKVCache: generate would put up to {need} tokens into a sequence ({held_text}{entering} of the "
+                f"input + max_new_tokens {new_tokens} - 1: the last token is not fed back) but the store takes "
+                f"max_seq_len={capacity}; make the cache with a larger max_seq_len or ask for fewer new tokens")
 
     def __repr__(self) -> str:
         return f"ShadowKVCache(store={self.store!r}, slots={self.slots}, layers={self.layers})"
@@ -516,14 +599,81 @@ def make_cache(model, *, budget: int = 2048, rank: Optional[int] = None, max_bat
     return ShadowKVCache(store, layer_types, layer_kwargs)
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# switching a model on and off
+# ---------------------------------------------------------------------------------------------------------------------
+
+_PREVIOUS_ATTENTION = "_shadowkv_previous_attn_implementation"
+
+
 def enable(model, **kwargs) -> ShadowKVCache:
     """Registers the "shadowkv" attention, switches `model` to it, and returns `make_cache(model, **kwargs)`.
 
     Layers that are not in a ShadowKVCache (or a forward without one) run plain sdpa, so the switched model still
-    works with transformers' own caches."""
+    works with transformers' own caches. `model.generate` gets checks made before the prompt goes in when it is
+    given a ShadowKVCache (beam search, assisted or contrastive decoding, batch and length beyond the store, a cache
+    holding another conversation: see `_check_generate`). `disable(model)` undoes both; `enabled(model, ...)` is
+    the context-manager form."""
     register()
+    cache = make_cache(model, **kwargs)
+    current = getattr(model.config, "_attn_implementation", None)
+    if current != ATTENTION_NAME:
+        setattr(model, _PREVIOUS_ATTENTION, current)
     model.set_attn_implementation(ATTENTION_NAME)
-    return make_cache(model, **kwargs)
+    if not _has_checked_generate(model):
+        # A bound method in the instance's dict (not a closure): copy.deepcopy(model) rebinds it to the copy.
+        model.generate = types.MethodType(_checked_generate, model)
+    return cache
+
+
+def disable(model, attn_implementation: Optional[str] = None) -> None:
+    """Switches `model` back to the attention it had before `enable` (or to `attn_implementation`; "sdpa" when
+    unknown) and removes the checks `enable` added to `model.generate`. Caches made for it stay usable only by a
+    model switched to "shadowkv" again; `cache.release()` frees their store slots."""
+    previous = model.__dict__.pop(_PREVIOUS_ATTENTION, None)
+    if _has_checked_generate(model):
+        del model.generate
+    target = attn_implementation or previous or "sdpa"
+    if getattr(model.config, "_attn_implementation", None) != target:
+        model.set_attn_implementation(target)
+
+
+@contextlib.contextmanager
+def enabled(model, **kwargs):
+    """`with shadowkv_core.hf.enabled(model, budget=..., rank=...) as cache:` -- `enable(model, **kwargs)` on entry;
+    on exit the cache's store slots are released and the model's attention is restored (`disable`), unless the model
+    was already switched to "shadowkv" on entry (then it stays so)."""
+    was_enabled = getattr(model.config, "_attn_implementation", None) == ATTENTION_NAME
+    cache = enable(model, **kwargs)
+    try:
+        yield cache
+    finally:
+        cache.release()
+        if not was_enabled:
+            disable(model)
+
+
+def _has_checked_generate(model) -> bool:
+    method = model.__dict__.get("generate")
+    return isinstance(method, types.MethodType) and method.__func__ is _checked_generate
+
+
+def _checked_generate(self, *args, **kwargs):
+    """`model.generate` of a model switched by `enable`: with a ShadowKVCache, checks the call before any forward
+    (`ShadowKVCache._check_generate`) and records the sequences it returns (to recognise a continued conversation)."""
+    cache = None
+    for name in ("cache", "past_key_values"):
+        if isinstance(kwargs.get(name), ShadowKVCache):
+            cache = kwargs[name]
+    if cache is None:
+        return type(self).generate(self, *args, **kwargs)
+    cache._check_generate(self, args, kwargs)
+    cache._tokens = None
+    out = type(self).generate(self, *args, **kwargs)
+    sequences = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
+    if isinstance(sequences, torch.Tensor):
+        cache._tokens = sequences.detach().to("cpu", copy=True)
+    return out
 
 
 register()

@@ -261,3 +261,73 @@ def test_rejects_models_it_cannot_serve():
     model = build("mistral")  # window 4096 < max_seq_len: sliding-window attention, nothing for the store
     with pytest.raises(ValueError, match="no full-attention layer"):
         skv.make_cache(model, max_seq_len=8192)
+
+
+def test_enabled_context_restores_the_model():
+    """`with skv.enabled(model, ...) as cache:` switches the attention and the generate checks on, and off on exit;
+    the cache's slots are released on exit. `disable` restores the attention the model had (here eager)."""
+    model = build("llama")
+    model.set_attn_implementation("eager")
+    ids = prompt(40, seed=11)[None]
+    ref, _ = generate(model, ids, new_tokens=4)
+    with skv.enabled(model, budget=512, rank=128, max_seq_len=512, outlier_chunks=2, local_chunks=2,
+                     dtype="float32") as cache:
+        assert model.config._attn_implementation == skv.ATTENTION_NAME
+        tokens, _ = generate(model, ids, cache=cache, new_tokens=4)
+        assert cache.slots is not None
+    assert torch.equal(tokens, ref)
+    assert model.config._attn_implementation == "eager"
+    assert "generate" not in model.__dict__ and cache.slots is None and cache.store.active_slots() == []
+    again, _ = generate(model, ids, new_tokens=4)  # transformers' own cache, eager attention
+    assert torch.equal(again, ref)
+
+    cache = skv.enable(model, budget=64, rank=16, max_seq_len=512, outlier_chunks=2, local_chunks=2)
+    skv.disable(model)
+    assert model.config._attn_implementation == "eager" and "generate" not in model.__dict__
+    with skv.enabled(model, budget=64, rank=16, max_seq_len=512, outlier_chunks=2, local_chunks=2):
+        with pytest.raises(RuntimeError, match="boom"):  # an exception inside still restores
+            raise RuntimeError("boom")
+    assert model.config._attn_implementation == "eager"
+
+
+def test_generate_rejects_beam_search_before_prefill():
+    model = build("llama")
+    cache = small_budget_cache(model, max_batch=2)
+    with pytest.raises(NotImplementedError, match="beam search"), torch.no_grad():
+        model.generate(prompt(40, seed=12)[None], max_new_tokens=4, num_beams=2, **{CACHE_KW: cache})
+    assert cache.slots is None and cache.store.active_slots() == [], "nothing may reach the store"
+
+
+def test_generate_rejects_lengths_and_batches_beyond_the_store():
+    model = build("qwen3")
+    cache = skv.enable(model, budget=16, rank=8, max_seq_len=64, max_batch=1, outlier_chunks=2, local_chunks=2,
+                       generation_window=16, dtype="float32")
+    ids = prompt(60, seed=13)[None]
+    with pytest.raises(ValueError, match="max_seq_len=64"), torch.no_grad():
+        model.generate(ids, max_new_tokens=6, do_sample=False, **{CACHE_KW: cache})  # 60 + 6 - 1 = 65 tokens
+    assert cache.slots is None and cache.store.active_slots() == []
+    with pytest.raises(ValueError, match="free slots"), torch.no_grad():
+        model.generate(torch.cat([ids, ids]), max_new_tokens=2, do_sample=False, **{CACHE_KW: cache})
+    # The exact fit: 60 + 5 - 1 = 64 tokens enter the store (the last generated token is not fed back).
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=5, min_new_tokens=5, do_sample=False, **{CACHE_KW: cache})
+    assert out.shape[1] == 65
+    assert cache.store.sequence_info(0, cache.slots[0])["total_len"] == 64
+
+
+def test_generate_rejects_a_reused_cache_with_a_new_prompt():
+    model = build("llama")
+    cache = full_budget_cache(model)
+    first = prompt(50, seed=14)[None]
+    with torch.no_grad():
+        out = model.generate(first, max_new_tokens=4, do_sample=False, **{CACHE_KW: cache})
+        with pytest.raises(ValueError, match=r"cache.reset\(\)"):
+            model.generate(prompt(50, seed=15)[None], max_new_tokens=4, do_sample=False, **{CACHE_KW: cache})
+        with pytest.raises(ValueError, match=r"cache.reset\(\)"):  # the same prompt again: not a continuation
+            model.generate(first, max_new_tokens=4, do_sample=False, **{CACHE_KW: cache})
+        # a continuation (the previous sequences + new tokens) is accepted
+        model.generate(torch.cat([out, prompt(6, seed=16)[None]], dim=1), max_new_tokens=4, do_sample=False,
+                       **{CACHE_KW: cache})
+        cache.reset()
+        fresh = model.generate(prompt(50, seed=15)[None], max_new_tokens=4, do_sample=False, **{CACHE_KW: cache})
+    assert fresh.shape == (1, 54)
