@@ -24,6 +24,7 @@
 #include "shadowkv/rope.hpp"
 #include "shadowkv/store.hpp"
 #include "shadowkv/tensor_view.hpp"
+#include "store_test_support.hpp"
 
 namespace {
 
@@ -47,45 +48,18 @@ using shape_list = std::initializer_list<std::int64_t>;
 // helpers
 // ---------------------------------------------------------------------------------------------------------------
 
-tensor_view view_of(const std::vector<float>& data, shape_list shape) {
-  return shadowkv::make_contiguous_view(data.data(), dtype::float32, shadowkv::device{}, shape);
-}
-
-mutable_tensor_view mutable_view_of(std::vector<float>& data, shape_list shape) {
-  mutable_tensor_view view;
-  static_cast<tensor_view&>(view) = shadowkv::make_contiguous_view(data.data(), dtype::float32, shadowkv::device{}, shape);
-  return view;
-}
+// Views of host vectors, seeded normals, norms: shared with the reliability tests.
+using shadowkv_test::all_finite;
+using shadowkv_test::mutable_view_of;
+using shadowkv_test::norm;
+using shadowkv_test::random_source;
+using shadowkv_test::view_of;
 
 tensor_view index_view_of(const std::vector<std::int64_t>& data, shape_list shape) {
   return shadowkv::make_contiguous_index_view(data.data(), shadowkv::index_type::int64, shadowkv::device{}, shape);
 }
 
 std::vector<int> slot_list(std::initializer_list<int> slots) { return std::vector<int>(slots); }
-
-class random_source {
- public:
-  explicit random_source(std::uint64_t seed) : engine_(seed) {}
-  std::vector<float> normals(std::size_t count, float scale = 1.0F) {
-    std::vector<float> out(count);
-    for (float& v : out) v = scale * normal_(engine_);
-    return out;
-  }
-
- private:
-  std::mt19937_64 engine_;
-  std::normal_distribution<float> normal_{0.0F, 1.0F};
-};
-
-double norm(const std::vector<float>& x) {
-  double sum = 0.0;
-  for (const float v : x) sum += static_cast<double>(v) * v;
-  return std::sqrt(sum);
-}
-
-bool all_finite(const std::vector<float>& x) {
-  return std::all_of(x.begin(), x.end(), [](float v) { return std::isfinite(v); });
-}
 
 // Exact (float64) attention over every token a sequence has seen in one layer.
 struct reference_sequence {
