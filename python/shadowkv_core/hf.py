@@ -573,8 +573,8 @@ def store_kwargs_for(model, max_seq_len: Optional[int] = None) -> dict:
 def make_cache(model, *, budget: int = 2048, rank: Optional[int] = None, max_batch: int = 1,
                max_seq_len: Optional[int] = None, chunk_size: int = 8, outlier_chunks: int = 48,
                local_chunks: int = 4, generation_window: int = 256, factorization: str = "gram",
-               dtype: Any = None, device: Any = None, value_store: str = "host",
-               store: Optional[KVStore] = None) -> ShadowKVCache:
+               dtype: Any = None, device: Any = None, value_store: str = "host", sink_chunks: int = 1,
+               value_dtype: Any = None, store: Optional[KVStore] = None) -> ShadowKVCache:
     """A `ShadowKVCache` for `model`, with a new KVStore built from the model's config (or the given `store`).
 
     budget: selected tokens per KV head per decode step (a multiple of chunk_size). rank: rank of the key
@@ -592,9 +592,9 @@ def make_cache(model, *, budget: int = 2048, rank: Optional[int] = None, max_bat
         if device is not None:
             kwargs["device"] = str(device)
         store = KVStore(max_batch=max_batch, rank=rank, chunk_size=chunk_size, budget=budget,
-                        outlier_chunks=outlier_chunks, local_chunks=local_chunks,
+                        outlier_chunks=outlier_chunks, sink_chunks=sink_chunks, local_chunks=local_chunks,
                         generation_window=generation_window, factorization=factorization,
-                        value_store=value_store, **kwargs)
+                        value_store=value_store, value_dtype=value_dtype, **kwargs)
     layer_types, layer_kwargs = _plan_layers(model, int(store.config["max_seq_len"]))
     return ShadowKVCache(store, layer_types, layer_kwargs)
 
