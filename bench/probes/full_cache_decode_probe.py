@@ -6,6 +6,7 @@ next to the bare SDPA call it makes, and a 2-layer decode_step: where do its ~1.
 
 import importlib.util
 import os
+import sys
 import time
 
 import torch
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 spec = importlib.util.spec_from_file_location("llama_decoder", os.path.join(ROOT, "examples", "llama_decoder.py"))
 L = importlib.util.module_from_spec(spec)
+sys.modules["llama_decoder"] = L  # dataclasses look their module up there
 spec.loader.exec_module(L)
 
 S, MAX = 122880, 123416

@@ -152,7 +152,8 @@ def test_cuda_errors_leave_store_usable():
     out = store.decode(0, slots, torch.randn(1, 4, 64, device="cuda"), k[:, 0], k[:, 0])
     H.assert_nontrivial(out.float(), "decode after a rejected call", 0)
     with pytest.raises(MemoryError):
-        KVStore(1, 4, 2, 64, max_batch=1 << 16, max_seq_len=1 << 22, rank=32, device="cuda:0")
+        # 2**15 slots (the CUDA kernels take up to 65535) of 4M tokens: terabytes of reservations.
+        KVStore(1, 4, 2, 64, max_batch=1 << 15, max_seq_len=1 << 22, rank=32, device="cuda:0")
 
 
 def test_cuda_graph_replay_matches_eager():
@@ -230,7 +231,7 @@ def test_cuda_graph_replays_past_capacity_stay_contained():
         assert torch.equal(out, expected), f"step {step}: the other sequence changed (seed={seed})"
 
 
-@pytest.mark.parametrize("bad", [dict(head_dim=16, rank=16), dict(head_dim=72, rank=16), dict(chunk_size=128, budget=1024)])
+@pytest.mark.parametrize("bad", [dict(head_dim=16, rank=16), dict(head_dim=72, rank=16), dict(chunk_size=128, budget=1024, generation_window=128)])
 def test_cuda_rejects_shapes_its_kernels_cannot_serve_at_construction(bad):
     """The CUDA kernels take head_dim 64/80/96/128/256 and chunks of up to 64 tokens (cuda/kernels/shape_support.hpp):
     anything else is rejected when the store is built, naming the field, while the CPU backend takes it."""
