@@ -5,7 +5,8 @@
 
 A configuration is BATCHxSEQ_LENxBUDGET, optionally followed by :host (values in pinned host memory, the default),
 :device (values in device memory, value_store="device"), :host_fp8 or :device_fp8 (fp8 values: e4m3 codes and a
-float32 scale per chunk and head, half the bytes).
+float32 scale per chunk and head, half the bytes), and optionally by +f32 (float32 low-rank factors instead of the
+default bfloat16 ones, e.g. 24x122880x2048:host+f32).
 
 For each configuration (batch B, context S, budget) and target temporal hit rate it reports:
   ours        mean time of store.decode for one layer (selection, rebuild, fetch, attention), B sequences
@@ -78,11 +79,12 @@ def run_case(args, device, batch, seq_len, budget, value_store, target_hit, band
     # The long random contexts are made on the device itself (host randn of B x 122880 x 1024 takes minutes).
     data_gen = torch.Generator(device=device).manual_seed(args.seed) if device.startswith("cuda") else gen
     capacity = seq_len + 4 * args.steps + 64
-    place, _, fp8 = value_store.partition("_")
+    values_on, _, factors = value_store.partition("+")
+    place, _, fp8 = values_on.partition("_")
     store = KVStore(1, hq, hkv, dim, max_batch=batch, max_seq_len=capacity, rank=args.rank, chunk_size=chunk,
                     budget=budget, outlier_chunks=48, local_chunks=4, generation_window=256, dtype="bfloat16",
                     device=device, rope_theta=500000.0, value_store=place,
-                    value_dtype="float8_e4m3" if fp8 else None)
+                    value_dtype="float8_e4m3" if fp8 else None, factor_dtype="float32" if factors == "f32" else None)
     slots = store.add_sequences(batch)
     keys_full, values_full = [], []
     for b in range(batch):  # one sequence at a time bounds host memory for the random data
@@ -145,10 +147,11 @@ def run_case(args, device, batch, seq_len, budget, value_store, target_hit, band
 
     memory_bw, link_bw = bandwidths
     landmark_bytes = batch * (seq_len // chunk) * hkv * dim * 2
-    run_bytes = chunk * dim + 4 if value_store.endswith("_fp8") else chunk * dim * 2
+    run_bytes = chunk * dim + 4 if values_on.endswith("_fp8") else chunk * dim * 2
     missed_bytes = batch * (1.0 - hit) * (budget // chunk) * hkv * run_bytes
     floor = landmark_bytes / memory_bw + missed_bytes / (memory_bw if value_store.startswith("device") else link_bw)
-    row = {"batch": batch, "seq_len": seq_len, "budget": budget, "value_store": value_store, "factor_dtype": "float32",
+    row = {"batch": batch, "seq_len": seq_len, "budget": budget, "value_store": values_on,
+           "factor_dtype": store.config["factor_dtype"],
            "target_hit": target_hit, "hit": hit,
            "query_correlation": a, "ours_ms": ours * 1e3, "full_ms": full * 1e3, "floor_ms": floor * 1e3,
            "ours_over_full": ours / full, "ours_over_floor": ours / floor}
@@ -202,12 +205,15 @@ def _kernel_profile(store, slots, queries, k_new, v_new) -> dict:
 
 
 def _parse_config(text: str) -> tuple:
-    """"24x122880x2048" or "8x122880x2048:device" -> (batch, seq_len, budget, value_store)."""
+    """"24x122880x2048", "8x122880x2048:device" or "24x122880x2048:host+f32" -> (batch, seq_len, budget, value_store
+    with the optional +f32 of float32 factors)."""
     shape, _, value_store = text.partition(":")
     batch, seq_len, budget = (int(x) for x in shape.split("x"))
-    if value_store not in ("", "host", "device", "host_fp8", "device_fp8"):
-        raise SystemExit(f"--config {text}: the value store must be :host, :device, :host_fp8 or :device_fp8")
-    return batch, seq_len, budget, value_store or "host"
+    place, _, factors = value_store.partition("+")
+    if place not in ("", "host", "device", "host_fp8", "device_fp8") or factors not in ("", "f32"):
+        raise SystemExit(f"--config {text}: the value store must be :host, :device, :host_fp8 or :device_fp8, "
+                         f"optionally followed by +f32 (float32 factors)")
+    return batch, seq_len, budget, (place or "host") + (f"+{factors}" if factors else "")
 
 
 def _commit() -> str:
@@ -248,7 +254,8 @@ def main(argv=None) -> int:
         configs = [_parse_config(c) for c in args.config]
     elif device.startswith("cuda"):
         configs = [(1, 122880, 2048, "host"), (24, 122880, 2048, "host"), (48, 61440, 1024, "host"),
-                   (24, 122880, 2048, "host_fp8"), (1, 122880, 2048, "device"), (8, 122880, 2048, "device")]
+                   (24, 122880, 2048, "host_fp8"), (1, 122880, 2048, "device"), (8, 122880, 2048, "device"),
+                   (24, 122880, 2048, "host+f32"), (8, 122880, 2048, "device+f32")]
     else:
         configs = [(1, 8192, 512, "host"), (2, 4096, 256, "host"), (2, 4096, 256, "device"),
                    (2, 4096, 256, "host_fp8")]
@@ -271,14 +278,15 @@ def main(argv=None) -> int:
             for name, us in r["kernels_us"].items():
                 print(f"  {us:9.1f}  {name}")
     graph = any("ours_graph_ms" in r for r in rows)
-    print("\n| B | S | budget | values | hit | ours (ms) | ours, graph (ms) | full attn (ms) | floor (ms) | ours/full | "
-          "ours/floor |" if graph else
-          "\n| B | S | budget | values | hit | ours (ms) | full attn (ms) | floor (ms) | ours/full | ours/floor |")
+    print("\n| B | S | budget | values, factors | hit | ours (ms) | ours, graph (ms) | full attn (ms) | floor (ms) | "
+          "ours/full | ours/floor |" if graph else
+          "\n| B | S | budget | values, factors | hit | ours (ms) | full attn (ms) | floor (ms) | ours/full | "
+          "ours/floor |")
     print("| --- " * (11 if graph else 10) + "|")
     for r in rows:
         g = f" {r['ours_graph_ms']:.3f} |" if graph else ""
         best = min(r["ours_ms"], r.get("ours_graph_ms", r["ours_ms"]))
-        print(f"| {r['batch']} | {r['seq_len']} | {r['budget']} | {r['value_store']} | {r['hit']:.2f} | {r['ours_ms']:.3f} |{g} "
+        print(f"| {r['batch']} | {r['seq_len']} | {r['budget']} | {r['value_store']}, {r['factor_dtype']} | {r['hit']:.2f} | {r['ours_ms']:.3f} |{g} "
               f"{r['full_ms']:.3f} | {r['floor_ms']:.3f} | {best / r['full_ms']:.2f} | {best * 1e3 / (r['floor_ms'] * 1e3):.1f} |")
     if graph:
         print("ratios use the faster of eager and graph-replayed steps")

@@ -15,12 +15,13 @@ def table(path: str) -> str:
     lines = [f"{data.get('gpu', '?')}, commit {data.get('commit', '?')}, tests of the same run: {data.get('tests')}; "
              f"memory copy {data['bandwidths'][0] / 1e12:.2f} TB/s, host→device {data['bandwidths'][1] / 1e9:.1f} GB/s",
              "",
-             "| B | S | budget | values | hit | ours (ms) | graph (ms) | full attn (ms) | floor (ms) | ours/full | ours/floor |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| B | S | budget | values | factors | hit | ours (ms) | graph (ms) | full attn (ms) | floor (ms) | ours/full | ours/floor |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in data["results"]:
         best = min(r["ours_ms"], r.get("ours_graph_ms", r["ours_ms"]))
         graph = f"{r['ours_graph_ms']:.3f}" if "ours_graph_ms" in r else "-"
-        lines.append(f"| {r['batch']} | {r['seq_len']} | {r['budget']} | {r.get('value_store', 'host')} | {r['hit']:.2f} | "
+        lines.append(f"| {r['batch']} | {r['seq_len']} | {r['budget']} | {r.get('value_store', 'host')} | "
+                     f"{r.get('factor_dtype', 'float32')} | {r['hit']:.2f} | "
                      f"{r['ours_ms']:.3f} | {graph} | {r['full_ms']:.3f} | {r['floor_ms']:.3f} | "
                      f"{best / r['full_ms']:.2f} | {best / r['floor_ms']:.1f} |")
     return "\n".join(lines)

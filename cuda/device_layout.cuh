@@ -36,6 +36,7 @@ struct dims {
   float attention_scaling;
   float softmax_scale;
   int value_fp8;       ///< 1: the value store holds e4m3 codes + a float32 scale per run (shadowkv/fp8.hpp)
+  int factor_bf16;     ///< 1: basis and coefficients are bf16 (config::factor_dtype()), 0: float32
 };
 
 /// Everything of one (slot, layer) on the device. Row-major, head-major where a kernel reads one head at a time.
@@ -49,9 +50,9 @@ struct layer_view {
   int ring_head;            ///< ring slot of the oldest generated token
   long long last_position;
 
-  // Low-rank keys (float32).
-  float* basis;                  ///< B [r, Hkv*D]
-  float* coefficients;           ///< A [max_chunks*C, r]
+  // Low-rank keys, float32 or bf16 (dims::factor_bf16).
+  void* basis;                   ///< B [r, Hkv*D]
+  void* coefficients;            ///< A [max_chunks*C, r]
   long long* context_positions;  ///< [max_chunks*C]
   // Selection data.
   void* landmarks;               ///< T [Hkv, max_chunks, D]

@@ -91,6 +91,23 @@ std::string value_format_name(value_format format) {
   return format == value_format::fp8_e4m3 ? "float8_e4m3" : "same";
 }
 
+factor_format parse_factor_format(const std::string& name) {
+  if (name.empty() || name == "auto") return factor_format::automatic;
+  if (name == "float32" || name == "fp32") return factor_format::float32;
+  if (name == "bfloat16" || name == "bf16") return factor_format::bfloat16;
+  throw invalid_argument(
+      detail::format_message("factor_dtype must be 'auto', 'float32' or 'bfloat16', got '", name, "'"));
+}
+
+std::string factor_format_name(factor_format format) {
+  switch (format) {
+    case factor_format::float32: return "float32";
+    case factor_format::bfloat16: return "bfloat16";
+    case factor_format::automatic: break;
+  }
+  return "auto";
+}
+
 std::string value_place_name(value_place place) { return place == value_place::device ? "device" : "host"; }
 
 }  // namespace shadowkv

@@ -110,8 +110,19 @@ cpu_layer_data cpu_backend::prefill_one(const batch_entry& entry, const prefill_
   };
 
   // Low-rank keys.
-  out.basis = leading_right_singular_vectors(keys_pre.data(), length, width, rank, config_.factorization);
-  out.coefficients = project_onto_basis(keys_pre.data(), context_tokens, width, out.basis.data(), rank);
+  // B is rounded to the factor dtype first and A is the projection onto B as held, so that a prefill and a later
+  // fold project onto the same basis; A is then rounded too (docs/semantics.md, "Low-rank factors").
+  const dtype factor_type = config_.factor_dtype();
+  out.basis = host_array(factor_type);
+  const std::vector<float> exact_basis =
+      leading_right_singular_vectors(keys_pre.data(), length, width, rank, config_.factorization);
+  out.basis.append(static_cast<std::int64_t>(exact_basis.size()), exact_basis.data());
+  std::vector<float> basis(exact_basis.size());
+  out.basis.load(0, out.basis.size(), basis.data());
+  const std::vector<float> coefficients =
+      project_onto_basis(keys_pre.data(), context_tokens, width, basis.data(), rank);
+  out.coefficients = host_array(factor_type);
+  out.coefficients.append(static_cast<std::int64_t>(coefficients.size()), coefficients.data());
   out.context_positions.assign(positions.begin(), positions.begin() + context_tokens);
 
   // Landmarks (means of the stored post-RoPE keys) and each chunk's minimum cosine to its own keys.
@@ -247,12 +258,14 @@ void cpu_backend::fold_oldest_generated_chunk(int layer, std::span<const batch_e
         d.exact_values.load(token * width + h * dim, dim, folded[e].values.data() + (h * chunk + i) * dim);
       }
     }
-    folded[e].coefficients = project_onto_basis(keys_pre.data(), chunk, width, d.basis.data(), rank);
+    std::vector<float> basis(static_cast<std::size_t>(d.basis.size()));
+    d.basis.load(0, d.basis.size(), basis.data());
+    folded[e].coefficients = project_onto_basis(keys_pre.data(), chunk, width, basis.data(), rank);
     folded[e].landmark.resize(static_cast<std::size_t>(width));
     for (std::int64_t j = 0; j < width; ++j) {
       folded[e].landmark[static_cast<std::size_t>(j)] = static_cast<float>(sums[static_cast<std::size_t>(j)] / static_cast<double>(chunk));
     }
-    d.coefficients.reserve(d.coefficients.size() + static_cast<std::size_t>(chunk * rank));
+    d.coefficients.reserve(d.coefficients.size() + chunk * rank);
     d.context_positions.reserve(d.context_positions.size() + static_cast<std::size_t>(chunk));
     d.landmarks.reserve(d.landmarks.size() + width);
     d.value_store.reserve_runs(d.value_store.runs() + heads);
@@ -262,7 +275,7 @@ void cpu_backend::fold_oldest_generated_chunk(int layer, std::span<const batch_e
   for (std::size_t e = 0; e < entries.size(); ++e) {
     cpu_layer_data& d = data(entries[e].slot, layer);
     const std::int64_t first = entries[e].state->local_len;
-    d.coefficients.insert(d.coefficients.end(), folded[e].coefficients.begin(), folded[e].coefficients.end());
+    d.coefficients.append(chunk * rank, folded[e].coefficients.data());
     d.context_positions.insert(d.context_positions.end(), d.exact_positions.begin() + first,
                                d.exact_positions.begin() + first + chunk);
     d.landmarks.append(width, folded[e].landmark.data());
@@ -432,8 +445,11 @@ void cpu_backend::rebuild_keys(int layer, std::span<const batch_entry> entries) 
   const std::int64_t chunk = config_.chunk_size;
   const std::int64_t budget = config_.budget_chunks;
   const std::int64_t rank = config_.rank;
+  std::vector<float>& basis = workspace_.basis;  // reserved by reserve_decode / reserve_selection
   for (const batch_entry& entry : entries) {
     cpu_layer_data& d = data(entry.slot, layer);
+    basis.resize(static_cast<std::size_t>(d.basis.size()));
+    d.basis.load(0, d.basis.size(), basis.data());
     for (std::int64_t h = 0; h < heads; ++h) {
       // Gather the rows of A of every missed chunk, then one GEMM with this head's columns of B.
       std::vector<std::int64_t>& missed_slots = workspace_.missed_slots;
@@ -447,12 +463,12 @@ void cpu_backend::rebuild_keys(int layer, std::span<const batch_entry> entries) 
       gathered.resize(static_cast<std::size_t>(rows * rank));
       for (std::size_t m = 0; m < missed_slots.size(); ++m) {
         const std::int64_t c = d.cache_chunks[static_cast<std::size_t>(h * budget + missed_slots[m])];
-        std::copy_n(d.coefficients.begin() + c * chunk * rank, chunk * rank,
-                    gathered.begin() + static_cast<std::ptrdiff_t>(m) * chunk * rank);
+        d.coefficients.load(c * chunk * rank, chunk * rank,
+                            gathered.data() + static_cast<std::ptrdiff_t>(m) * chunk * rank);
       }
       std::vector<float>& keys = workspace_.rebuilt;
       keys.resize(static_cast<std::size_t>(rows * dim));
-      gemm_row_major(gathered.data(), rank, d.basis.data() + h * dim, width, keys.data(), dim, rows, rank, dim);
+      gemm_row_major(gathered.data(), rank, basis.data() + h * dim, width, keys.data(), dim, rows, rank, dim);
       for (std::size_t m = 0; m < missed_slots.size(); ++m) {
         const std::int64_t s = missed_slots[m];
         const std::int64_t c = d.cache_chunks[static_cast<std::size_t>(h * budget + s)];
@@ -581,6 +597,7 @@ void cpu_backend::reserve_workspace(std::int64_t chunks, std::int64_t union_rows
   w.landmark.reserve(dim);
   w.missed_slots.reserve(budget);
   w.gathered.reserve(rows * static_cast<std::size_t>(config_.rank));
+  w.basis.reserve(static_cast<std::size_t>(config_.rank) * static_cast<std::size_t>(config_.kv_width()));
   w.rebuilt.reserve(rows * dim);
   w.union_rows.reserve(static_cast<std::size_t>(union_rows));
   w.weights.reserve(static_cast<std::size_t>(union_rows));
@@ -643,8 +660,8 @@ memory_report cpu_backend::memory(std::span<const layer_state* const> /*states*/
   const std::int64_t token_bytes = config_.kv_width() * 2 * static_cast<std::int64_t>(dtype_size(config_.kv_dtype));
   for (std::size_t slot = 0; slot < layers_.size(); ++slot) {
     for (const cpu_layer_data& d : layers_[slot]) {
-      if (d.basis.empty()) continue;
-      report.low_rank_factors += static_cast<std::int64_t>((d.basis.size() + d.coefficients.size()) * sizeof(float));
+      if (d.basis.size() == 0) continue;
+      report.low_rank_factors += d.basis.bytes() + d.coefficients.bytes();
       report.landmarks += d.landmarks.bytes();
       report.outliers += d.outlier_keys.bytes() + d.outlier_values.bytes();
       report.exact_tokens += d.exact_keys.bytes() + d.exact_values.bytes();

@@ -14,9 +14,10 @@ namespace shadowkv::detail {
 
 /// Everything stored for one (sequence, layer).
 struct cpu_layer_data {
-  // Low-rank keys: B = V_rᵀ [r, Hkv*D] and A [context tokens, r] (float32), with the tokens' positions.
-  std::vector<float> basis;
-  std::vector<float> coefficients;
+  // Low-rank keys: B = V_rᵀ [r, Hkv*D] and A [context tokens, r] in the factor dtype (config::factor_dtype()), with
+  // the tokens' positions.
+  host_array basis;
+  host_array coefficients;
   std::vector<std::int64_t> context_positions;
   host_array landmarks;    ///< [context chunks, Hkv, D]
   value_store_array value_store;  ///< [context chunks, Hkv, C, D]: one (chunk, head) is one contiguous run
@@ -61,6 +62,7 @@ struct cpu_workspace {
   std::vector<float> landmark;                        ///< [D]
   std::vector<std::int64_t> missed_slots;             ///< [k] rebuild_keys
   std::vector<float> gathered;                        ///< [k*C, r]
+  std::vector<float> basis;                           ///< [r, Hkv*D] B as float
   std::vector<float> rebuilt;                         ///< [k*C, D]
   std::vector<attention_source> union_rows;           ///< [outlier + exact + selected tokens] attend
   std::vector<double> weights;                        ///< [union rows]

@@ -11,6 +11,7 @@
 #include "shadowkv/errors.hpp"
 #include "shadowkv/rope.hpp"
 #include "sparse_attention.cuh"
+#include "factor_format.cuh"
 #include "value_format.cuh"
 #include "shape_support.hpp"
 
@@ -63,8 +64,9 @@ struct cuda_backend::layer_sizes {
   explicit layer_sizes(const dims& d, std::size_t element) {
     const std::size_t width = static_cast<std::size_t>(d.kv_heads) * d.head_dim;
     const std::size_t context_tokens = static_cast<std::size_t>(d.max_chunks) * d.chunk;
-    basis = align_up(static_cast<std::size_t>(d.rank) * width * sizeof(float));
-    coefficients = align_up(context_tokens * d.rank * sizeof(float));
+    const std::size_t factor = d.factor_bf16 != 0 ? 2 : sizeof(float);
+    basis = align_up(static_cast<std::size_t>(d.rank) * width * factor);
+    coefficients = align_up(context_tokens * d.rank * factor);
     context_positions = align_up(context_tokens * sizeof(long long));
     landmarks = align_up(static_cast<std::size_t>(d.max_chunks) * width * element);
     is_outlier = align_up(static_cast<std::size_t>(d.kv_heads) * d.max_chunks);
@@ -114,6 +116,7 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   dims_.attention_scaling = cfg.attention_scaling;
   dims_.softmax_scale = cfg.effective_softmax_scale();
   dims_.value_fp8 = cfg.values_as == value_format::fp8_e4m3 ? 1 : 0;
+  dims_.factor_bf16 = cfg.factor_dtype() == dtype::bfloat16 ? 1 : 0;
 
   own_stream_ = make_stream();
   copy_stream_ = make_stream();
@@ -145,8 +148,8 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   for (std::size_t i = 0; i < layers; ++i) {
     layer_view& v = host_views_[i];
     v = layer_view{};
-    v.basis = static_cast<float*>(take(sizes.basis));
-    v.coefficients = static_cast<float*>(take(sizes.coefficients));
+    v.basis = take(sizes.basis);
+    v.coefficients = take(sizes.coefficients);
     v.context_positions = static_cast<long long*>(take(sizes.context_positions));
     v.landmarks = take(sizes.landmarks);
     v.is_outlier = static_cast<std::uint8_t*>(take(sizes.is_outlier));
@@ -396,6 +399,20 @@ void cuda_backend::prefill_one(int layer, const batch_entry& entry, const prefil
                            stream_, device_memory_);
   device_buffer outlier_ids(std::max<std::size_t>(1, static_cast<std::size_t>(config_.num_kv_heads) * config_.outlier_chunks) *
                                 sizeof(int), stream_, device_memory_);
+  // bf16 factors are computed in float32 and rounded once: B first (the projection uses B as held), then A.
+  const bool bf16_factors = dims_.factor_bf16 != 0;
+  const int context_tokens = chunks * config_.chunk_size;
+  const std::size_t basis_elements = static_cast<std::size_t>(config_.rank) * width;
+  const std::size_t coefficient_elements = static_cast<std::size_t>(context_tokens) * config_.rank;
+  device_buffer basis32;
+  device_buffer coefficients32;
+  if (bf16_factors) {
+    basis32 = device_buffer(basis_elements * sizeof(float), stream_, device_memory_);
+    coefficients32 = device_buffer(std::max<std::size_t>(1, coefficient_elements) * sizeof(float), stream_,
+                                   device_memory_);
+  }
+  auto* basis = static_cast<float*>(bf16_factors ? basis32.data() : view.basis);
+  auto* coefficients = static_cast<float*>(bf16_factors ? coefficients32.data() : view.coefficients);
   const std::size_t value_bytes = static_cast<std::size_t>(chunks) * config_.chunk_size * width * element;
   // The prompt's values are packed chunk-major in the store's dtype: straight into a device value store, else into a
   // device staging buffer. fp8 quantizes that into the store's layout (codes, scales) — in place on the device, or
@@ -425,16 +442,22 @@ void cuda_backend::prefill_one(int layer, const batch_entry& entry, const prefil
                              len, inputs.keys_post_rope, static_cast<const float*>(inv_freq_.data()),
                              static_cast<float*>(keys_pre.data()), keys_post.data(),
                              static_cast<long long*>(positions.data()), stream_);
-  factorize(static_cast<const float*>(keys_pre.data()), len, view.basis);
+  factorize(static_cast<const float*>(keys_pre.data()), len, basis);
+  if (bf16_factors) {
+    launch_factors_to_bf16(basis, static_cast<long long>(basis_elements), view.basis, true, stream_);
+  }
   if (chunks > 0) {
     // A = K_ctx · Bᵀ: column-major Aᵀ[r, ctx] = (Bᵀ as column-major [width, r])ᵀ · Kᵀ[width, ctx].
     const float one = 1.0F;
     const float zero = 0.0F;
-    const int context_tokens = chunks * config_.chunk_size;
     SHADOWKV_CUBLAS_TRY(cublasSgemm(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, config_.rank, context_tokens,
-                                    static_cast<int>(width), &one, view.basis, static_cast<int>(width),
+                                    static_cast<int>(width), &one, basis, static_cast<int>(width),
                                     static_cast<const float*>(keys_pre.data()), static_cast<int>(width), &zero,
-                                    view.coefficients, config_.rank));
+                                    coefficients, config_.rank));
+    if (bf16_factors) {
+      launch_factors_to_bf16(coefficients, static_cast<long long>(coefficient_elements), view.coefficients, false,
+                             stream_);
+    }
   }
   launch_landmarks(dims_, kv_type_, keys_post.data(), chunks, view.landmarks, static_cast<float*>(min_cosine.data()),
                    stream_);
@@ -595,7 +618,8 @@ memory_report cuda_backend::memory(std::span<const layer_state* const> states) c
   const std::int64_t rank = config_.rank;
   for (const layer_state* state : states) {
     const std::int64_t context_tokens = state->context_chunks * chunk;
-    report.low_rank_factors += (context_tokens * rank + rank * width) * 4;
+    report.low_rank_factors +=
+        (context_tokens * rank + rank * width) * static_cast<std::int64_t>(dtype_size(config_.factor_dtype()));
     report.landmarks += state->context_chunks * width * e;
     report.outliers += state->outlier_chunks * chunk * width * 2 * e;
     report.exact_tokens += (state->local_len + state->generated_exact_len) * width * 2 * e;

@@ -1,5 +1,6 @@
-// Decode step 4 (misses only). Keys: a gather-GEMM on tensor cores (CuTe, 3xTF32 for fp32 accuracy) followed by RoPE
-// at each token's own position. Values: a copy of contiguous runs from the pinned value store.
+// Decode step 4 (misses only). Keys: a gather-GEMM on tensor cores (CuTe; 3xTF32 for fp32 accuracy on float32 factors,
+// one TF32 MMA on bf16 factors, whose products it computes exactly) followed by RoPE at each token's own position.
+// Values: a copy of contiguous runs from the value store.
 #include <cute/arch/copy_sm80.hpp>
 #include <cute/atom/mma_atom.hpp>
 #include <cute/tensor.hpp>
@@ -42,38 +43,44 @@ int splits_for(int batch, int kv_heads, int most) {
 //    a chunk, so every row of the tile has one destination row and one position.
 //  * N = D, the whole head: RoPE pairs dim i with i + rotary_dim/2 (or 2i with 2i+1), so the epilogue needs whole
 //    rows. D is a template parameter so that every partition below is static (D/16 MMA columns per warp pair).
-//  * K = 32 rank columns per stage: one 128-byte line of each A row, eight 16-byte cp.async; two stages, so that
-//    the gather of the next K tile overlaps the MMAs of this one. Rank tails are zero-filled (A and B both: a
-//    garbage B row times a zero A column could still be NaN).
+//  * K = 32 rank columns per stage: one 128-byte line of each float32 A row (eight 16-byte cp.async), or 64 bytes of a
+//    bf16 row; two stages, so that the gather of the next K tile overlaps the MMAs of this one. Rank tails are
+//    zero-filled (A and B both: a garbage B row times a zero A column could still be NaN).
 //  * 8 warps as 4 (M) x 2 (N) of the SM80 16x8x8 TF32 atom: a warp owns 16 rows and D/2 columns, D/4 fp32
 //    accumulators per thread (64 at D = 256, 32 at D = 128), twice: the running sum and the current K tile's.
-// Shared memory rows are padded so that the MMA operand loads are free of bank conflicts: an A row is 36 floats
-// (lanes (g, t) read row g, column t: bank 4g + t), a B row (fixed k, all D dims) is D + 8 floats (bank 8t + g, or
-// 24t + g at D = 80). Both pads keep rows 16-byte aligned for cp.async. The epilogue reuses the stage buffers as a
-// [64, D + 8] fp32 tile of the results.
+// Shared memory rows are padded so that the MMA operand loads are free of bank conflicts: a float32 A row is 36
+// floats (lanes (g, t) read row g, column t: bank 4g + t), a bf16 row 40 halves (word 20g + t/2); a B row (fixed k, all
+// D dims) is D + 8 elements (float: bank 8t + g, or 24t + g at D = 80; bf16: word 4t + g/2, or 12t + g/2). All pads
+// keep rows 16-byte aligned for cp.async. The epilogue reuses the stage buffers as a [64, D + 8] fp32 tile of the
+// results.
 //
 // Precision: the CPU backend (the oracle) computes this product with fp32 sgemm, and the parity tests compare at
-// fp32 tolerances, so plain TF32 (10-bit mantissa) is not enough. Each operand is split as x = big + small (big = x
-// rounded to tf32, small = the exact fp32 remainder rounded to tf32) and acc += small_a*big_b + big_a*small_b +
-// big_a*big_b: about 22 significant bits per product (what CUTLASS calls OpMultiplyAddFastF32). The tensor cores
-// accumulate each K tile (12 MMAs) from zero; the tiles are summed with ordinary fp32 adds (see the main loop).
+// fp32 tolerances, so plain TF32 (10-bit mantissa) is not enough for float32 factors. Each operand is split as
+// x = big + small (big = x rounded to tf32, small = the exact fp32 remainder rounded to tf32) and acc +=
+// small_a*big_b + big_a*small_b + big_a*big_b: about 22 significant bits per product (what CUTLASS calls
+// OpMultiplyAddFastF32). A bf16 factor (8-bit mantissa) is a tf32 number as it is, so one MMA gives the exact product.
+// The tensor cores accumulate each K tile from zero; the tiles are summed with ordinary fp32 adds (see the main loop).
 constexpr int kRebuildRows = 64;      // M
 static_assert(kRebuildRows == kMaxChunkSize, "shape_support.hpp's chunk limit is the rebuild tile's rows");
 constexpr int kRebuildRankTile = 32;  // K per stage
 constexpr int kRebuildStages = 2;
 constexpr int kRebuildThreads = 256;  // 8 warps, 4 x 2 over (M, N)
 
-template <int D>
+// F: the factors' element type (float or __nv_bfloat16).
+template <typename F, int D>
 struct rebuild_tile {
   static_assert(D % 16 == 0, "D must be a multiple of 16 (two warps of n8 MMA atoms)");
-  static constexpr int a_stride = kRebuildRankTile + 4;  // floats per gathered A row in shared memory
-  static constexpr int b_stride = D + 8;                 // floats per B row (one rank index) in shared memory
+  static constexpr int vector = 16 / static_cast<int>(sizeof(F));  // elements per 16-byte copy
+  static constexpr int a_stride = kRebuildRankTile + vector;       // elements per gathered A row in shared memory
+  static constexpr int b_stride = D + 8;                           // elements per B row (one rank index)
+  static constexpr int c_stride = D + 8;                           // floats per row of the epilogue tile
   static constexpr int a_stage = kRebuildRows * a_stride;
   static constexpr int b_stage = kRebuildRankTile * b_stride;
-  static constexpr int c_floats = kRebuildRows * b_stride;  // epilogue tile, aliases the stages
-  static constexpr int floats = std::max(kRebuildStages * (a_stage + b_stage), c_floats);
+  static constexpr std::size_t stage_bytes = kRebuildStages * (a_stage + b_stage) * sizeof(F);
+  static constexpr std::size_t c_bytes = kRebuildRows * c_stride * sizeof(float);  // aliases the stages
+  static constexpr std::size_t tile_bytes = std::max(stage_bytes, c_bytes);
   // Then three tables of kRebuildRows long longs: coefficient row, destination offset and position of each row.
-  static constexpr std::size_t shared_bytes = floats * sizeof(float) + 3 * kRebuildRows * sizeof(long long);
+  static constexpr std::size_t shared_bytes = tile_bytes + 3 * kRebuildRows * sizeof(long long);
 
   // (row, rank, stage): rows padded to a_stride.
   using a_layout = decltype(cute::make_layout(
@@ -85,10 +92,11 @@ struct rebuild_tile {
       cute::make_stride(cute::Int<1>{}, cute::Int<b_stride>{}, cute::Int<b_stage>{})));
   // (row, dim): the results, row-major.
   using c_layout = decltype(cute::make_layout(cute::make_shape(cute::Int<kRebuildRows>{}, cute::Int<D>{}),
-                                              cute::make_stride(cute::Int<b_stride>{}, cute::Int<1>{})));
-  static_assert(a_stride % 4 == 0 && b_stride % 4 == 0 && a_stage % 4 == 0 && b_stage % 4 == 0,
+                                              cute::make_stride(cute::Int<c_stride>{}, cute::Int<1>{})));
+  static_assert((a_stride * sizeof(F)) % 16 == 0 && (b_stride * sizeof(F)) % 16 == 0 &&
+                    (a_stage * sizeof(F)) % 16 == 0 && (b_stage * sizeof(F)) % 16 == 0,
                 "16-byte cp.async needs 16-byte aligned shared rows");
-  static_assert((floats * sizeof(float)) % alignof(long long) == 0, "row tables follow the float tiles");
+  static_assert(tile_bytes % alignof(long long) == 0, "row tables follow the tiles");
 };
 
 /// x = big + small with both parts tf32 (low 13 mantissa bits zero) and x - big exact in fp32. Rounding is to
@@ -108,15 +116,21 @@ constexpr int rebuild_min_ctas_per_sm() {
   return D <= 128 ? 2 : 1;
 }
 
-template <typename T, int D>
+/// A tf32 operand from a factor element: float32 is split into big + small parts, bf16 is exact as it is.
+__device__ __forceinline__ cutlass::tfloat32_t exact_tf32(__nv_bfloat16 x) {
+  return cutlass::tfloat32_t::bitcast(__float_as_uint(__bfloat162float(x)));
+}
+
+template <typename T, typename F, int D>
 __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
     rebuild_keys_kernel(dims d, layer_view* views, const int* batch_slots, int layer, step_workspace workspace,
                         const float* inv_freq) {
   using namespace cute;
-  using tile = rebuild_tile<D>;
+  using tile = rebuild_tile<F, D>;
+  constexpr bool kSplitOperands = std::is_same_v<F, float>;
   extern __shared__ __align__(16) unsigned char shared_bytes[];
-  float* shared = reinterpret_cast<float*>(shared_bytes);
-  long long* row_token = reinterpret_cast<long long*>(shared + tile::floats);  // row of A; -1: padding row
+  F* shared = reinterpret_cast<F*>(shared_bytes);
+  long long* row_token = reinterpret_cast<long long*>(shared_bytes + tile::tile_bytes);  // row of A; -1: padding
   long long* row_target = row_token + kRebuildRows;    // element offset of the key row in this head's cache_keys
   long long* row_position = row_target + kRebuildRows;  // RoPE position
 
@@ -127,20 +141,21 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
   const int* miss_slots = workspace.miss_slots + static_cast<long long>(b * d.kv_heads + h) * d.budget;
   const int* cache_chunks = view->cache_chunks + static_cast<long long>(h) * d.budget;
   T* cache_keys = static_cast<T*>(view->cache_keys) + static_cast<long long>(h) * d.budget * d.chunk * D;
-  const float* coefficients = view->coefficients;  // A [max_chunks*C, r]
-  const float* basis = view->basis + h * D;        // B[:, h*D:(h+1)*D], row stride `width`
+  const F* coefficients = static_cast<const F*>(view->coefficients);  // A [max_chunks*C, r]
+  const F* basis = static_cast<const F*>(view->basis) + h * D;        // B[:, h*D:(h+1)*D], row stride `width`
   const long long width = static_cast<long long>(d.kv_heads) * D;
   const int rank = d.rank;
   const int group_chunks = kRebuildRows / d.chunk;
   const int k_tiles = (rank + kRebuildRankTile - 1) / kRebuildRankTile;
-  // 16-byte copies need 16-byte aligned sources: A rows are `rank` floats apart, B rows `width` (a multiple of 16).
-  const bool a_vectors = rank % 4 == 0 && reinterpret_cast<std::uintptr_t>(coefficients) % 16 == 0;
+  // 16-byte copies need 16-byte aligned sources: A rows are `rank` elements apart, B rows `width` (D a multiple of 16).
+  const bool a_vectors = rank % tile::vector == 0 && reinterpret_cast<std::uintptr_t>(coefficients) % 16 == 0;
   const bool b_vectors = reinterpret_cast<std::uintptr_t>(basis) % 16 == 0;
 
-  float* const b_stages = shared + kRebuildStages * tile::a_stage;
+  F* const b_stages = shared + kRebuildStages * tile::a_stage;
   Tensor sA = make_tensor(make_smem_ptr(shared), typename tile::a_layout{});    // (64, 32, 2)
   Tensor sB = make_tensor(make_smem_ptr(b_stages), typename tile::b_layout{});  // (D, 32, 2)
-  Tensor sC = make_tensor(make_smem_ptr(shared), typename tile::c_layout{});    // (64, D), aliases the stages
+  Tensor sC = make_tensor(make_smem_ptr(reinterpret_cast<float*>(shared_bytes)),
+                          typename tile::c_layout{});  // (64, D), aliases the stages
 
   TiledMMA mma = make_tiled_mma(SM80_16x8x8_F32TF32TF32F32_TN{}, Layout<Shape<_4, _2, _1>>{});
   static_assert(decltype(size(mma))::value == kRebuildThreads);
@@ -163,13 +178,13 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
   auto load_stage = [&](int k_tile, int stage) {
     const int k0 = k_tile * kRebuildRankTile;
     if (a_vectors) {
-      constexpr int per_row = kRebuildRankTile / 4;
+      constexpr int per_row = kRebuildRankTile / tile::vector;
       for (int v = static_cast<int>(threadIdx.x); v < kRebuildRows * per_row; v += kRebuildThreads) {
         const int row = v / per_row;
-        const int k = (v % per_row) * 4;
+        const int k = (v % per_row) * tile::vector;
         const long long token = row_token[row];
         const bool valid = token >= 0 && k0 + k < rank;
-        const float* source = valid ? coefficients + token * rank + k0 + k : coefficients;
+        const F* source = valid ? coefficients + token * rank + k0 + k : coefficients;
         SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint128_t>::copy(*reinterpret_cast<const uint128_t*>(source),
                                                          *reinterpret_cast<uint128_t*>(&sA(row, k, stage)), valid);
       }
@@ -179,19 +194,24 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
         const int k = e % kRebuildRankTile;
         const long long token = row_token[row];
         const bool valid = token >= 0 && k0 + k < rank;
-        const float* source = valid ? coefficients + token * rank + k0 + k : coefficients;
-        SM80_CP_ASYNC_CACHEALWAYS_ZFILL<std::uint32_t>::copy(*reinterpret_cast<const std::uint32_t*>(source),
-                                                             *reinterpret_cast<std::uint32_t*>(&sA(row, k, stage)),
-                                                             valid);
+        const F* source = valid ? coefficients + token * rank + k0 + k : coefficients;
+        if constexpr (kSplitOperands) {
+          SM80_CP_ASYNC_CACHEALWAYS_ZFILL<std::uint32_t>::copy(*reinterpret_cast<const std::uint32_t*>(source),
+                                                               *reinterpret_cast<std::uint32_t*>(&sA(row, k, stage)),
+                                                               valid);
+        } else {
+          // cp.async moves 4 bytes at least: 2-byte elements off the vector path are plain loads.
+          sA(row, k, stage) = valid ? *source : F(0.0F);
+        }
       }
     }
     if (b_vectors) {
-      constexpr int per_row = D / 4;
+      constexpr int per_row = D / tile::vector;
       for (int v = static_cast<int>(threadIdx.x); v < kRebuildRankTile * per_row; v += kRebuildThreads) {
         const int k = v / per_row;
-        const int n = (v % per_row) * 4;
+        const int n = (v % per_row) * tile::vector;
         const bool valid = k0 + k < rank;
-        const float* source = valid ? basis + (k0 + k) * width + n : basis;
+        const F* source = valid ? basis + (k0 + k) * width + n : basis;
         SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint128_t>::copy(*reinterpret_cast<const uint128_t*>(source),
                                                          *reinterpret_cast<uint128_t*>(&sB(n, k, stage)), valid);
       }
@@ -200,10 +220,14 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
         const int k = e / D;
         const int n = e % D;
         const bool valid = k0 + k < rank;
-        const float* source = valid ? basis + (k0 + k) * width + n : basis;
-        SM80_CP_ASYNC_CACHEALWAYS_ZFILL<std::uint32_t>::copy(*reinterpret_cast<const std::uint32_t*>(source),
-                                                             *reinterpret_cast<std::uint32_t*>(&sB(n, k, stage)),
-                                                             valid);
+        const F* source = valid ? basis + (k0 + k) * width + n : basis;
+        if constexpr (kSplitOperands) {
+          SM80_CP_ASYNC_CACHEALWAYS_ZFILL<std::uint32_t>::copy(*reinterpret_cast<const std::uint32_t*>(source),
+                                                               *reinterpret_cast<std::uint32_t*>(&sB(n, k, stage)),
+                                                               valid);
+        } else {
+          sB(n, k, stage) = valid ? *source : F(0.0F);
+        }
       }
     }
   };
@@ -247,16 +271,27 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
       clear(tile_sums);
       CUTE_UNROLL
       for (int kb = 0; kb < size<2>(tCsA); ++kb) {
-        CUTE_UNROLL
-        for (int i = 0; i < size(a_big); ++i) split_tf32(tCsA(_, _, kb, stage)(i), a_big(i), a_small(i));
-        CUTE_UNROLL
-        for (int n = 0; n < size<1>(tCsB); ++n) {
+        if constexpr (kSplitOperands) {
           CUTE_UNROLL
-          for (int i = 0; i < size(b_big); ++i) split_tf32(tCsB(_, n, kb, stage)(i), b_big(i), b_small(i));
-          // Small products first: they are added while the sum is still small.
-          gemm(mma, tile_sums(_, 0, n), a_small(_, 0), b_big, tile_sums(_, 0, n));
-          gemm(mma, tile_sums(_, 0, n), a_big(_, 0), b_small, tile_sums(_, 0, n));
-          gemm(mma, tile_sums(_, 0, n), a_big(_, 0), b_big, tile_sums(_, 0, n));
+          for (int i = 0; i < size(a_big); ++i) split_tf32(tCsA(_, _, kb, stage)(i), a_big(i), a_small(i));
+          CUTE_UNROLL
+          for (int n = 0; n < size<1>(tCsB); ++n) {
+            CUTE_UNROLL
+            for (int i = 0; i < size(b_big); ++i) split_tf32(tCsB(_, n, kb, stage)(i), b_big(i), b_small(i));
+            // Small products first: they are added while the sum is still small.
+            gemm(mma, tile_sums(_, 0, n), a_small(_, 0), b_big, tile_sums(_, 0, n));
+            gemm(mma, tile_sums(_, 0, n), a_big(_, 0), b_small, tile_sums(_, 0, n));
+            gemm(mma, tile_sums(_, 0, n), a_big(_, 0), b_big, tile_sums(_, 0, n));
+          }
+        } else {
+          CUTE_UNROLL
+          for (int i = 0; i < size(a_big); ++i) a_big(i) = exact_tf32(tCsA(_, _, kb, stage)(i));
+          CUTE_UNROLL
+          for (int n = 0; n < size<1>(tCsB); ++n) {
+            CUTE_UNROLL
+            for (int i = 0; i < size(b_big); ++i) b_big(i) = exact_tf32(tCsB(_, n, kb, stage)(i));
+            gemm(mma, tile_sums(_, 0, n), a_big(_, 0), b_big, tile_sums(_, 0, n));
+          }
         }
       }
       // Tensor cores round their fp32 sums toward zero, so one accumulator chained through all 3 * r / 8 MMAs drifts
@@ -301,19 +336,29 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
   }
 }
 
-template <typename T, int D>
+template <typename T, typename F, int D>
 void launch_rebuild_for(const dims& d, layer_view* views, const int* batch_slots, int layer, int batch,
                         const step_workspace& workspace, const float* inv_freq, cudaStream_t stream) {
-  using tile = rebuild_tile<D>;
-  // Above 48 KiB (D >= 128) the kernel needs the opt-in limit; set once per instantiation, not per launch.
-  static const bool large_shared_memory_allowed = shadowkv_allow_max_shared_memory(rebuild_keys_kernel<T, D>);
+  using tile = rebuild_tile<F, D>;
+  // Above 48 KiB the kernel needs the opt-in limit; set once per instantiation, not per launch.
+  static const bool large_shared_memory_allowed = shadowkv_allow_max_shared_memory(rebuild_keys_kernel<T, F, D>);
   (void)large_shared_memory_allowed;
   const int group_chunks = kRebuildRows / d.chunk;
   const int groups = (d.budget + group_chunks - 1) / group_chunks;
   const dim3 grid(static_cast<unsigned>(batch), static_cast<unsigned>(d.kv_heads),
                   static_cast<unsigned>(splits_for(batch, d.kv_heads, groups)));
-  rebuild_keys_kernel<T, D><<<grid, kRebuildThreads, tile::shared_bytes, stream>>>(d, views, batch_slots, layer,
-                                                                                    workspace, inv_freq);
+  rebuild_keys_kernel<T, F, D><<<grid, kRebuildThreads, tile::shared_bytes, stream>>>(d, views, batch_slots, layer,
+                                                                                       workspace, inv_freq);
+}
+
+template <typename T, int D>
+void launch_rebuild_for(const dims& d, layer_view* views, const int* batch_slots, int layer, int batch,
+                        const step_workspace& workspace, const float* inv_freq, cudaStream_t stream) {
+  if (d.factor_bf16 != 0) {
+    launch_rebuild_for<T, __nv_bfloat16, D>(d, views, batch_slots, layer, batch, workspace, inv_freq, stream);
+  } else {
+    launch_rebuild_for<T, float, D>(d, views, batch_slots, layer, batch, workspace, inv_freq, stream);
+  }
 }
 
 // One CTA per (entry, head); one warp per missed chunk at a time, 16-byte reads of the contiguous run.

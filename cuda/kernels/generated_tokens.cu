@@ -55,13 +55,22 @@ __global__ void advance_generated_kernel(dims d, layer_view* views, const int* b
     }
     __syncthreads();
     // Coefficients a = k_pre · V_r (B = V_rᵀ rows), context positions, landmark, values to the value store.
+    // The factors' element type (float32 or bf16): B is read as held, the new rows of A are rounded to it.
     for (int index = threadIdx.x; index < d.chunk * d.rank; index += blockDim.x) {
       const int i = index / d.rank;
       const int r = index % d.rank;
-      const float* basis_row = view->basis + static_cast<long long>(r) * width;
+      const long long row = static_cast<long long>(r) * width;
+      const long long target = (static_cast<long long>(chunk) * d.chunk + i) * d.rank + r;
       float sum = 0.0F;
-      for (int j = 0; j < width; ++j) sum += keys_pre[i * width + j] * basis_row[j];
-      view->coefficients[(static_cast<long long>(chunk) * d.chunk + i) * d.rank + r] = sum;
+      if (d.factor_bf16 != 0) {
+        const auto* basis_row = static_cast<const __nv_bfloat16*>(view->basis) + row;
+        for (int j = 0; j < width; ++j) sum += keys_pre[i * width + j] * __bfloat162float(basis_row[j]);
+        static_cast<__nv_bfloat16*>(view->coefficients)[target] = __float2bfloat16_rn(sum);
+      } else {
+        const float* basis_row = static_cast<const float*>(view->basis) + row;
+        for (int j = 0; j < width; ++j) sum += keys_pre[i * width + j] * basis_row[j];
+        static_cast<float*>(view->coefficients)[target] = sum;
+      }
     }
     for (int i = threadIdx.x; i < d.chunk; i += blockDim.x) {
       view->context_positions[static_cast<long long>(chunk) * d.chunk + i] =

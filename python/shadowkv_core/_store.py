@@ -189,6 +189,9 @@ class KVStore:
             one float32 scale per (chunk, KV head) — half of bf16's bytes in memory and over PCIe; values are
             dequantized to `dtype` when fetched. `value_store="host_fp8"` is short for value_store="host",
             value_dtype="float8_e4m3". Exact tokens (outliers, local window, generated) keep `dtype`.
+        factor_dtype: element type of the low-rank key factors A and B: None/"auto" (bfloat16 for bfloat16 and
+            float16 stores, float32 for float32 stores), "bfloat16" (half the bytes of the largest per-sequence
+            array; A and B are rounded once, docs/semantics.md "Low-rank factors") or "float32".
         device_value_budget: bytes of device memory the values of "auto" sequences may take together. Default:
             on CUDA, the device memory free after the store's own reservations less a margin (5%, at least 2 GiB),
             measured when the store is built — pass a budget when the model still needs memory after that; on the
@@ -223,6 +226,7 @@ class KVStore:
         value_store: str = "host",
         device_value_budget: Optional[int] = None,
         value_dtype: Optional[Any] = None,
+        factor_dtype: Optional[Any] = None,
     ) -> None:
         # Exact argument types first (docs/errors.md): integers within their C types, real numbers, strings.
         num_layers, num_q_heads = _integer("num_layers", num_layers), _integer("num_q_heads", num_q_heads)
@@ -288,6 +292,12 @@ class KVStore:
             if device_value_budget < 0:
                 raise ValueError(f"device_value_budget must be >= 0 bytes, got {device_value_budget}")
             cfg.device_value_budget = device_value_budget
+        if factor_dtype is not None:
+            factor_name = _dtype_name(factor_dtype)
+            factor_name = {"fp32": "float32", "float": "float32", "bf16": "bfloat16"}.get(factor_name, factor_name)
+            if factor_name not in ("auto", "float32", "bfloat16"):
+                raise ValueError(f"factor_dtype must be None, 'auto', 'float32' or 'bfloat16', got {factor_dtype!r}")
+            cfg.factor_format = factor_name
         self._config = cfg
         self._store = _core.Store(cfg, str(device))
 

@@ -574,8 +574,9 @@ def _evaluate(capture: Capture, budgets: Sequence[Any] = (64, 128, 256, 512, 102
              generation_window: int = 256, dtype: str = "float32", factorization: str = "gram", warm: bool = True,
              layers: Optional[Sequence[int]] = None, fractions: Sequence[float] = DEFAULT_FRACTIONS,
              mass: bool = True, verbose: bool = False, value_dtype: Optional[str] = None,
-             sink_chunks: int = 1) -> dict:
-    """`evaluate` without the thread setting. value_dtype: the store's value format (None: `dtype`; "float8_e4m3")."""
+             sink_chunks: int = 1, factor_dtype: Optional[str] = None) -> dict:
+    """`evaluate` without the thread setting. value_dtype: the store's value format (None: `dtype`; "float8_e4m3").
+    factor_dtype: the low-rank factors' element type (None: the store's default for `dtype`; "float32", "bfloat16")."""
     m = capture.meta
     hq, hkv, d = m["num_q_heads"], m["num_kv_heads"], m["head_dim"]
     g = hq // hkv
@@ -644,7 +645,8 @@ def _evaluate(capture: Capture, budgets: Sequence[Any] = (64, 128, 256, 512, 102
                             attention_scaling=m["attention_scaling"], softmax_scale=scale, rank=rank,
                             chunk_size=chunk_size, budget=b, outlier_chunks=outlier_chunks, sink_chunks=sink_chunks,
                             local_chunks=local_chunks, generation_window=generation_window,
-                            factorization=factorization, dtype=dtype, device="cpu", value_dtype=value_dtype)
+                            factorization=factorization, dtype=dtype, device="cpu", value_dtype=value_dtype,
+                            factor_dtype=factor_dtype)
             slot = store.add_sequences(1)[0]
             positions = torch.arange(S, dtype=torch.int64)[None]
             for i, layer in enumerate(layers):
@@ -720,7 +722,7 @@ def _evaluate(capture: Capture, budgets: Sequence[Any] = (64, 128, 256, 512, 102
                       f"hit rate {o['hit_rate']:.3f} ({elapsed:.1f}s)", file=sys.stderr, flush=True)
     config = dict(chunk_size=chunk_size, outlier_chunks=outlier_chunks, local_chunks=local_chunks,
                   generation_window=generation_window, dtype=dtype, value_dtype=value_dtype or dtype,
-                  sink_chunks=sink_chunks,
+                  sink_chunks=sink_chunks, factor_dtype=factor_dtype or "auto",
                   factorization=factorization, warm=warm,
                   budgets=[str(b) for b in budgets], ranks=rank_values, layers=layers, prompt_len=S, steps=T,
                   full_budget_tokens=full_budget, full_rank=full_rank)
@@ -905,6 +907,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--factorization", default="gram", choices=["gram", "svd"])
     parser.add_argument("--sink-chunks", type=int, default=1, help="outlier chunks that are the prompt's first chunks")
     parser.add_argument("--value-dtype", default=None, help="value store format (default: --dtype; or float8_e4m3)")
+    parser.add_argument("--factor-dtype", default=None, choices=["auto", "float32", "bfloat16"],
+                        help="element type of the low-rank factors (default auto: bfloat16 for 16-bit --dtype)")
     parser.add_argument("--no-warm", action="store_true", help="do not warm the selection with the last prompt query")
     parser.add_argument("--no-mass", action="store_true", help="skip the attention-mass columns")
     parser.add_argument("--json", help="write the result JSON here")
@@ -956,7 +960,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     result = evaluate(capture, budgets=_parse_budgets(args.budgets), ranks=ranks, chunk_size=args.chunk_size,
                       outlier_chunks=args.outlier_chunks, local_chunks=args.local_chunks,
                       generation_window=args.generation_window, dtype=args.dtype, factorization=args.factorization,
-                      value_dtype=args.value_dtype, sink_chunks=args.sink_chunks, warm=not args.no_warm,
+                      value_dtype=args.value_dtype, sink_chunks=args.sink_chunks, factor_dtype=args.factor_dtype,
+                      warm=not args.no_warm,
                       mass=not args.no_mass, verbose=True)
     times["evaluate_s"] = time.perf_counter() - t0
     times["total_s"] = time.perf_counter() - started

@@ -170,6 +170,11 @@ NB_MODULE(_core, m) {
       .def_prop_rw(
           "value_format", [](const shadowkv::config& c) { return shadowkv::value_format_name(c.values_as); },
           [](shadowkv::config& c, const std::string& name) { c.values_as = shadowkv::parse_value_format(name); })
+      .def_prop_rw(
+          "factor_format", [](const shadowkv::config& c) { return shadowkv::factor_format_name(c.factors_as); },
+          [](shadowkv::config& c, const std::string& name) { c.factors_as = shadowkv::parse_factor_format(name); })
+      .def_prop_ro("factor_dtype",
+                   [](const shadowkv::config& c) { return std::string(shadowkv::dtype_name(c.factor_dtype())); })
       .def("validate", &shadowkv::config::validate);
 
   nb::class_<shadowkv::kv_store>(m, "Store")

@@ -172,11 +172,32 @@ TEST(Config, ParseHelpers) {
   EXPECT_EQ(shadowkv::parse_value_store("host"), value_store_policy::host);
   EXPECT_EQ(shadowkv::parse_value_store("gpu"), value_store_policy::device);
   EXPECT_THROW((void)shadowkv::parse_value_store("disk"), shadowkv::invalid_argument);
+  EXPECT_EQ(shadowkv::parse_factor_format("auto"), shadowkv::factor_format::automatic);
+  EXPECT_EQ(shadowkv::parse_factor_format("bf16"), shadowkv::factor_format::bfloat16);
+  EXPECT_EQ(shadowkv::parse_factor_format(shadowkv::factor_format_name(shadowkv::factor_format::float32)),
+            shadowkv::factor_format::float32);
+  EXPECT_THROW((void)shadowkv::parse_factor_format("float16"), shadowkv::invalid_argument);
   EXPECT_EQ(shadowkv::parse_device("cpu"), (shadowkv::device{shadowkv::device_type::cpu, 0}));
   EXPECT_EQ(shadowkv::parse_device("cuda:3"), (shadowkv::device{shadowkv::device_type::cuda, 3}));
   EXPECT_EQ(shadowkv::to_string(shadowkv::parse_device("cuda:1")), "cuda:1");
   EXPECT_THROW((void)shadowkv::parse_device("cuda:x"), shadowkv::invalid_argument);
   EXPECT_THROW((void)shadowkv::parse_device("tpu"), shadowkv::invalid_argument);
+}
+
+TEST(Config, FactorDtypeFollowsTheStoreUnlessSet) {
+  shadowkv::config cfg;
+  EXPECT_EQ(cfg.factors_as, shadowkv::factor_format::automatic);
+  cfg.kv_dtype = shadowkv::dtype::bfloat16;
+  EXPECT_EQ(cfg.factor_dtype(), shadowkv::dtype::bfloat16);
+  cfg.kv_dtype = shadowkv::dtype::float16;
+  EXPECT_EQ(cfg.factor_dtype(), shadowkv::dtype::bfloat16);  // bf16's range: A's entries are as large as the keys
+  cfg.kv_dtype = shadowkv::dtype::float32;
+  EXPECT_EQ(cfg.factor_dtype(), shadowkv::dtype::float32);
+  cfg.factors_as = shadowkv::factor_format::bfloat16;
+  EXPECT_EQ(cfg.factor_dtype(), shadowkv::dtype::bfloat16);
+  cfg.kv_dtype = shadowkv::dtype::bfloat16;
+  cfg.factors_as = shadowkv::factor_format::float32;
+  EXPECT_EQ(cfg.factor_dtype(), shadowkv::dtype::float32);
 }
 
 TEST(Config, DefaultsWithModelShapesAreValid) {

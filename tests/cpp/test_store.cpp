@@ -1090,7 +1090,8 @@ memory_report expected_memory(const config& cfg, const std::vector<memory_expect
     const std::int64_t ctx_chunks = n + folds.folds;
     const std::int64_t outliers = std::min<std::int64_t>(cfg.outlier_chunks, n);
     const std::int64_t local = layer.prompt_len - n * c;
-    report.low_rank_factors += (ctx_chunks * c * r + r * width) * 4;
+    report.low_rank_factors +=
+        (ctx_chunks * c * r + r * width) * static_cast<std::int64_t>(shadowkv::dtype_size(cfg.factor_dtype()));
     report.landmarks += ctx_chunks * width * e;
     report.outliers += outliers * c * width * 2 * e;
     report.exact_tokens += (local + folds.generated_exact) * width * 2 * e;

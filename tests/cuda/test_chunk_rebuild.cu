@@ -75,7 +75,8 @@ struct case_config {
   int kv_type = shadowkv::cuda::element_f32;
   int budget = 16;       ///< chunks per head
   miss_pattern pattern = miss_pattern::ragged;
-  bool misaligned = false;  ///< A and B start 4 bytes past a 16-byte boundary (the kernel's 4-byte copy path)
+  bool bf16_factors = false;  ///< A and B held as bf16 (dims::factor_bf16): one exact TF32 MMA instead of 3xTF32
+  bool misaligned = false;  ///< A and B start one element past a 16-byte boundary (the kernel's scalar copy path)
   bool graph = false;       ///< capture once, replay with a second set of miss lists
 
   [[nodiscard]] int full_rank() const { return rank > 0 ? rank : kv_heads * head_dim; }
@@ -85,7 +86,8 @@ struct case_config {
     s << "seed=" << seed << " B=" << batch << " Hkv=" << kv_heads << " D=" << head_dim << " C=" << chunk
       << " r=" << full_rank() << (rank > 0 ? "" : "(full)") << " rotary=" << rotary()
       << (interleaved ? " interleaved" : " half-split") << " scaling=" << attention_scaling << " theta=" << rope_theta
-      << " kv=" << type_name(kv_type) << " k=" << budget << " misses=" << pattern_name(pattern)
+      << " kv=" << type_name(kv_type) << (bf16_factors ? " factors=bf16" : " factors=f32") << " k=" << budget
+      << " misses=" << pattern_name(pattern)
       << (misaligned ? " misaligned" : "") << (graph ? " graph" : "");
     return s.str();
   }
@@ -94,7 +96,7 @@ struct case_config {
 /// Host mirror of one (slot, layer) entry and its device buffers.
 struct host_entry {
   int slot = 0;
-  std::vector<float> coefficients;         // A [max_chunks*C, r]
+  std::vector<float> coefficients;         // A [max_chunks*C, r] (the values as held: rounded for bf16 factors)
   std::vector<float> basis;                // B [r, Hkv*D]
   std::vector<long long> positions;        // [max_chunks*C]
   std::vector<int> cache_chunks;           // [Hkv, k]
@@ -230,7 +232,10 @@ void run_case(const case_config& cfg) {
 
   const std::size_t key_elements = static_cast<std::size_t>(Hkv) * k * C * D;
   const std::size_t key_bytes = key_elements * element_bytes(cfg.kv_type);
-  const std::size_t pad = cfg.misaligned ? 1 : 0;  // floats
+  const std::size_t pad = cfg.misaligned ? 1 : 0;  // factor elements
+  const int factor_type = cfg.bf16_factors ? shadowkv::cuda::element_bf16 : shadowkv::cuda::element_f32;
+  const std::size_t factor_bytes = element_bytes(factor_type);
+  d.factor_bf16 = cfg.bf16_factors ? 1 : 0;
   std::vector<host_entry> entries(static_cast<std::size_t>(B));
   std::vector<layer_view> views(static_cast<std::size_t>(slots) * num_layers);
   std::memset(views.data(), 0, views.size() * sizeof(layer_view));
@@ -243,10 +248,10 @@ void run_case(const case_config& cfg) {
     e.slot = batch_slots[static_cast<std::size_t>(b)];
     e.coefficients.resize(tokens * r);
     for (std::size_t i = 0; i < e.coefficients.size(); ++i) {
-      e.coefficients[i] = normal(rng) * column_scale[i % static_cast<std::size_t>(r)];
+      e.coefficients[i] = round_through(factor_type, normal(rng) * column_scale[i % static_cast<std::size_t>(r)]);
     }
     e.basis.resize(static_cast<std::size_t>(r) * width);
-    for (float& x : e.basis) x = normal(rng) * basis_scale;
+    for (float& x : e.basis) x = round_through(factor_type, normal(rng) * basis_scale);
     e.positions.resize(tokens);
     const long long offset = std::uniform_int_distribution<long long>(0, 200000)(rng);
     for (std::size_t t = 0; t < tokens; ++t) {
@@ -262,18 +267,22 @@ void run_case(const case_config& cfg) {
       std::copy_n(ids.begin(), k, e.cache_chunks.begin() + static_cast<std::ptrdiff_t>(h) * k);
     }
 
-    e.coefficients_device = device_buffer((e.coefficients.size() + pad) * sizeof(float));
-    e.basis_device = device_buffer((e.basis.size() + pad) * sizeof(float));
+    e.coefficients_device = device_buffer((e.coefficients.size() + pad) * factor_bytes);
+    e.basis_device = device_buffer((e.basis.size() + pad) * factor_bytes);
     e.positions_device = device_buffer(e.positions.size() * sizeof(long long));
     e.cache_chunks_device = device_buffer(e.cache_chunks.size() * sizeof(int));
     e.cache_keys_device = device_buffer(key_bytes);
     ASSERT_TRUE(e.coefficients_device.ok() && e.basis_device.ok() && e.positions_device.ok() &&
                 e.cache_chunks_device.ok() && e.cache_keys_device.ok());
-    float* coefficients = e.coefficients_device.get<float>() + pad;
-    float* basis = e.basis_device.get<float>() + pad;
-    CUDA_OK(cudaMemcpy(coefficients, e.coefficients.data(), e.coefficients.size() * sizeof(float),
-                       cudaMemcpyHostToDevice));
-    CUDA_OK(cudaMemcpy(basis, e.basis.data(), e.basis.size() * sizeof(float), cudaMemcpyHostToDevice));
+    auto* coefficients = e.coefficients_device.get<unsigned char>() + pad * factor_bytes;
+    auto* basis = e.basis_device.get<unsigned char>() + pad * factor_bytes;
+    const auto upload_factors = [&](unsigned char* target, const std::vector<float>& values) {
+      std::vector<unsigned char> bytes(values.size() * factor_bytes);
+      for (std::size_t i = 0; i < values.size(); ++i) store_element(factor_type, bytes, i, values[i]);
+      return cudaMemcpy(target, bytes.data(), bytes.size(), cudaMemcpyHostToDevice);
+    };
+    CUDA_OK(upload_factors(coefficients, e.coefficients));
+    CUDA_OK(upload_factors(basis, e.basis));
     CUDA_OK(cudaMemcpy(e.positions_device.get(), e.positions.data(), e.positions.size() * sizeof(long long),
                        cudaMemcpyHostToDevice));
     CUDA_OK(cudaMemcpy(e.cache_chunks_device.get(), e.cache_chunks.data(), e.cache_chunks.size() * sizeof(int),
@@ -464,6 +473,7 @@ TEST_F(ChunkRebuild, HeadDimsChunksRanksAndTypes) {
           cfg.kv_type = type;
           cfg.budget = budget_for(chunk);
           cfg.pattern = patterns[index % 5];
+          cfg.bf16_factors = (index / 5) % 2 == 1;
           run_case(cfg);
           if (HasFatalFailure()) return;
           ++index;
@@ -489,6 +499,7 @@ TEST_F(ChunkRebuild, MissPatterns) {
         cfg.kv_type = shadowkv::cuda::element_bf16;
         cfg.budget = 40;
         cfg.pattern = pattern;
+        cfg.bf16_factors = batch == 3;
         run_case(cfg);
         if (HasFatalFailure()) return;
       }
@@ -538,6 +549,7 @@ TEST_F(ChunkRebuild, RanksOffTheVectorPath) {
       cfg.chunk = 8;
       cfg.rank = rank;
       cfg.kv_type = rank % 2 == 0 ? shadowkv::cuda::element_f32 : shadowkv::cuda::element_f16;
+      cfg.bf16_factors = head_dim == 96;  // bf16 rows of a rank off 8: element-wise loads
       cfg.budget = 20;
       cfg.pattern = miss_pattern::ragged;
       run_case(cfg);
@@ -547,21 +559,24 @@ TEST_F(ChunkRebuild, RanksOffTheVectorPath) {
 }
 
 TEST_F(ChunkRebuild, MisalignedFactors) {
-  // A and B 4 bytes past a 16-byte boundary: both operands take the 4-byte copy path.
+  // A and B one element past a 16-byte boundary: both operands take the scalar copy path, for both factor formats.
   std::uint64_t seed = 401;
   for (int type : kTypes) {
-    case_config cfg;
-    cfg.seed = seed++;
-    cfg.batch = 3;
-    cfg.kv_heads = 2;
-    cfg.head_dim = 128;
-    cfg.chunk = 8;
-    cfg.rank = 160;
-    cfg.kv_type = type;
-    cfg.budget = 24;
-    cfg.misaligned = true;
-    run_case(cfg);
-    if (HasFatalFailure()) return;
+    for (bool bf16_factors : {false, true}) {
+      case_config cfg;
+      cfg.seed = seed++;
+      cfg.batch = 3;
+      cfg.kv_heads = 2;
+      cfg.head_dim = 128;
+      cfg.chunk = 8;
+      cfg.rank = 160;
+      cfg.kv_type = type;
+      cfg.bf16_factors = bf16_factors;
+      cfg.budget = 24;
+      cfg.misaligned = true;
+      run_case(cfg);
+      if (HasFatalFailure()) return;
+    }
   }
 }
 

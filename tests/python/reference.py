@@ -2,7 +2,7 @@
 
 One sequence, one layer. Every step below names the section of docs/semantics.md it implements, so the two can be
 read side by side. The reference rounds to the storage dtype exactly where the semantics say the store does
-(exact keys/values, landmarks, rebuilt keys: ``dtype``; the factors A and B: float32), and does all arithmetic in
+(exact keys/values, landmarks, rebuilt keys: ``dtype``; the factors A and B: the factor dtype), and does all arithmetic in
 float64. It is written for clarity, not speed; the shapes in the tests are small.
 
 Conventions: keys and values are ``[T, Hkv, D]``; queries ``[Hq, D]`` (or ``[Tq, Hq, D]`` for prefill's q_last);
@@ -152,6 +152,7 @@ class RefConfig:
     generation_window: int = 256       # tokens; a multiple of chunk_size
     factorization: str = "gram"        # "gram" or "svd"
     dtype: str = "float32"
+    factor_dtype: Optional[str] = None  # None/"auto": bfloat16 for 16-bit dtypes, float32 for float32 (semantics.md)
 
     @classmethod
     def from_kwargs(cls, **kw) -> "RefConfig":
@@ -173,6 +174,13 @@ class RefConfig:
         assert self.num_q_heads % self.num_kv_heads == 0
         assert self.rotary_dim % 2 == 0 and self.rotary_dim <= self.head_dim
         assert self.inv_freq.numel() == self.rotary_dim // 2
+
+    @property
+    def factor_storage(self) -> str:
+        """The element type A and B are held in (semantics.md "Low-rank factors")."""
+        if self.factor_dtype in (None, "auto"):
+            return "float32" if self.dtype == "float32" else "bfloat16"
+        return self.factor_dtype
 
     @property
     def group(self) -> int:
@@ -268,13 +276,14 @@ class ReferenceStore:
         self.prompt_len = S
         self.n_prompt_chunks = n
 
-        # 2. K_pre (float32), factorisation, A for context rows (A, B float32)
+        # 2. K_pre (float32), factorisation, A for context rows (A, B in the factor dtype)
         k_pre = self._unrope(keys, positions) if keys_post_rope else keys
         k_pre = round_to(k_pre, F32)
         k_flat = k_pre.reshape(S, hkv * d)
         v_r = self._factorise(k_flat)
-        self.B = round_to(v_r.T.contiguous(), F32)                         # [r, Hkv*D]
-        self.A = round_to(k_flat[: n * C] @ self.B.T, F32)                # [n*C, r]
+        factor = c.factor_storage
+        self.B = round_to(v_r.T.contiguous(), factor)                      # [r, Hkv*D]
+        self.A = round_to(round_to(k_flat[: n * C] @ self.B.T, F32), factor)  # [n*C, r]
         self.ctx_positions = positions[: n * C].clone()
 
         # 3. exact post-RoPE keys (rounded), landmarks
@@ -377,7 +386,7 @@ class ReferenceStore:
         C = c.chunk_size
         keys, values, pos = self.gen_keys[:C], self.gen_values[:C], self.gen_positions[:C]
         k_pre = self._unrope(keys, pos).reshape(C, -1)                     # un-RoPE of the stored exact keys
-        a = round_to(k_pre @ self.B.T, F32)
+        a = round_to(round_to(k_pre @ self.B.T, F32), self.cfg.factor_storage)
         self.A = torch.cat([self.A, a])
         self.ctx_positions = torch.cat([self.ctx_positions, pos])
         self.landmarks = torch.cat([self.landmarks, self._store(keys.mean(dim=0))[None]])
@@ -449,7 +458,7 @@ class ReferenceStore:
         info = self.sequence_info()
         n_ctx = info["context_chunks"]
         rep = dict(
-            low_rank_factors=(n_ctx * C * r + r * hkv * d) * 4,
+            low_rank_factors=(n_ctx * C * r + r * hkv * d) * dtype_bytes(c.factor_storage),
             landmarks=n_ctx * hkv * d * e,
             outliers=min(c.outlier_chunks, self.n_prompt_chunks) * C * hkv * d * 2 * e,
             exact_tokens=(info["local_len"] + info["generated_exact_len"]) * hkv * d * 2 * e,

@@ -38,6 +38,9 @@ WINDOW = 16
 PLACEMENT = {1: "host", 2: "device", 3: "auto", 4: "device", 5: "auto"}
 # The value format per case: fp8 (e4m3 codes + a scale per run) with host, device and auto placement.
 VALUE_DTYPE = {1: "float8_e4m3", 2: "float8_e4m3", 3: None, 4: None, 5: "float8_e4m3"}
+# The factors' element type per case (None: the default, bf16 for the bf16 cases): float32 factors in a bf16 store keep
+# the 3xTF32 rebuild covered next to the bf16 one; bf16 factors in a float32 store isolate their rounding.
+FACTOR_DTYPE = {1: None, 2: "float32", 3: "bfloat16", 4: None, 5: None}
 
 
 def _sequence_value_bytes(hkv, d, dtype, value_dtype, layers=2, max_len=2048, chunk=8):
@@ -56,7 +59,7 @@ def test_cuda_matches_cpu(case):
     kw = dict(num_layers=2, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, max_batch=4, max_seq_len=2048,
               rope_theta=10000.0, rope_style=style, rotary_dim=rotary, rank=rank, chunk_size=8, budget=budget * 8,
               outlier_chunks=3, local_chunks=2, generation_window=WINDOW, dtype=dtype, value_store=PLACEMENT[seed],
-              value_dtype=VALUE_DTYPE[seed])
+              value_dtype=VALUE_DTYPE[seed], factor_dtype=FACTOR_DTYPE[seed])
     if PLACEMENT[seed] == "auto":
         kw["device_value_budget"] = _sequence_value_bytes(hkv, d, dtype, VALUE_DTYPE[seed])
     stores = {dev: _make(kw, dev) for dev in ("cpu", "cuda:0")}
@@ -79,7 +82,9 @@ def test_cuda_matches_cpu(case):
             cpu_out = stores["cpu"].outlier_chunks(layer, slots["cpu"][b])
             gpu_out = stores["cuda:0"].outlier_chunks(layer, slots["cuda:0"][b])
             assert cpu_out == gpu_out, f"outliers differ (seed={seed}, layer={layer}, row={b})"
-    tolerance = 2e-2 if dtype == "bfloat16" else 2e-4
+    # bf16 factors in a float32 store: the two backends' float32 bases differ in the last bits, so an element near a
+    # bf16 rounding boundary may round to neighbouring values (2^-8 apart) on the two — legitimately.
+    tolerance = 2e-2 if dtype == "bfloat16" else (1e-3 if FACTOR_DTYPE[seed] == "bfloat16" else 2e-4)
     worst = 0.0
     for step in range(STEPS):
         q = H.randn(g, batch, hq, d, scale=2.0)

@@ -34,6 +34,13 @@ enum class value_format : std::uint8_t {
   fp8_e4m3,  ///< e4m3 codes with one float32 scale per (chunk, KV head) run (shadowkv/fp8.hpp): half of bf16's bytes
 };
 
+/// The element type of the low-rank key factors A and B.
+enum class factor_format : std::uint8_t {
+  automatic,  ///< bfloat16 for bfloat16/float16 stores, float32 for float32 stores (`config::factor_dtype()`)
+  float32,    ///< exact products of the factorisation (the rebuild runs 3xTF32 on CUDA)
+  bfloat16,   ///< half the bytes; A and B are rounded once, the rebuild's products are then exact in float32
+};
+
 /// Where one sequence's values are.
 enum class value_place : std::uint8_t { host, device };
 
@@ -69,6 +76,7 @@ struct config {
   dtype kv_dtype = dtype::bfloat16;  ///< storage precision of keys, values and landmarks
   value_store_policy value_store = value_store_policy::host;
   value_format values_as = value_format::same;  ///< format of the value store (exact tokens keep kv_dtype)
+  factor_format factors_as = factor_format::automatic;  ///< element type of A and B (see factor_dtype())
   /// Bytes of device memory the value stores of `auto_place` sequences may take together; -1: the backend's
   /// default (CUDA: device memory free after the store's reservations, less a margin; CPU: no limit).
   std::int64_t device_value_budget = -1;
@@ -86,6 +94,12 @@ struct config {
   [[nodiscard]] std::int64_t value_run_bytes() const noexcept {
     const std::int64_t run = static_cast<std::int64_t>(chunk_size) * head_dim;
     return values_as == value_format::fp8_e4m3 ? run + 4 : run * static_cast<std::int64_t>(dtype_size(kv_dtype));
+  }
+  /// The element type A and B are held in: `factors_as`, with `automatic` resolved from kv_dtype.
+  [[nodiscard]] dtype factor_dtype() const noexcept {
+    if (factors_as == factor_format::float32) return dtype::float32;
+    if (factors_as == factor_format::bfloat16) return dtype::bfloat16;
+    return kv_dtype == dtype::float32 ? dtype::float32 : dtype::bfloat16;
   }
   [[nodiscard]] std::int64_t budget_tokens() const noexcept {
     return static_cast<std::int64_t>(budget_chunks) * chunk_size;
@@ -108,5 +122,9 @@ std::string value_place_name(value_place place);
 value_format parse_value_format(const std::string& name);
 /// "same" or "float8_e4m3".
 std::string value_format_name(value_format format);
+/// Parses "auto" (or ""), "float32"/"fp32" or "bfloat16"/"bf16"; throws invalid_argument otherwise.
+factor_format parse_factor_format(const std::string& name);
+/// "auto", "float32" or "bfloat16".
+std::string factor_format_name(factor_format format);
 
 }  // namespace shadowkv
