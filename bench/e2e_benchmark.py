@@ -316,10 +316,11 @@ def store_bytes_per_sequence(cfg, max_len: int, kw: dict, e: int) -> tuple:
     layout in cuda/backend/cuda_backend.cpp (layer_sizes) — an estimate to start the search."""
     chunk, rank = kw["chunk_size"], kw["rank"]
     width = cfg.num_kv_heads * cfg.head_dim
+    factor = {"float32": 4, "bfloat16": 2}.get(kw.get("factor_dtype"), 4 if e == 4 else 2)  # "auto": bf16 for 16-bit
     chunks = max_len // chunk
     tokens = chunks * chunk
     local_cap = (kw["local_chunks"] + 1) * chunk - 1
-    device = (rank * width * 4 + tokens * rank * 4 + tokens * 8 + chunks * width * e + cfg.num_kv_heads * chunks
+    device = (rank * width * factor + tokens * rank * factor + tokens * 8 + chunks * width * e + cfg.num_kv_heads * chunks
               + 2 * kw["outlier_chunks"] * chunk * width * e + 2 * (local_cap + kw["generation_window"]) * width * e
               + (local_cap + kw["generation_window"]) * 8 + cfg.num_kv_heads * (kw["budget"] // chunk) * 4
               + cfg.num_kv_heads * chunks * 4 + 2 * kw["budget"] * width * e)
@@ -394,6 +395,8 @@ def store_kwargs(args) -> dict:
         kw["value_store"] = args.value_store
     if args.device_value_budget_gib is not None:
         kw["device_value_budget"] = int(args.device_value_budget_gib * GiB)
+    if args.factor_dtype is not None:
+        kw["factor_dtype"] = args.factor_dtype
     return kw
 
 
@@ -412,7 +415,7 @@ def run_method(method: str, model, dev: Device, args, seq_len: int, prompt: torc
     host_reserve = args.host_reserve_gib * GiB
     label = "full attention, bf16 KV cache" if method == "full" else (
         f"KVStore rank {skw['rank']}, budget {skw['budget']}, values: {skw.get('value_store', 'build default')}"
-        + (" fp8" if skw.get("value_dtype") else "")
+        + (" fp8" if skw.get("value_dtype") else "") + f", factors {skw.get('factor_dtype', 'auto')}"
         + (f" ({args.device_value_budget_gib:g} GiB on device)" if args.device_value_budget_gib is not None else ""))
     result = {"method": method, "label": label, "max_len": max_len, "reserve_bytes": int(reserve),
               "prefill_activation_estimate_bytes": int(activation), "host_reserve_bytes": int(host_reserve)}
@@ -767,7 +770,7 @@ def main(argv=None) -> int:
                    help="store_fp8: the store with fp8 values (value_dtype='float8_e4m3')")
     p.add_argument("--seq-len", nargs="+", type=int, help="context lengths (default 122880; --tiny: 512)")
     p.add_argument("--max-batch", type=int, help="cap on the batch of every method (default: none; --tiny: 4)")
-    p.add_argument("--store-max-batch", type=int, default=32, help="the store's first cap (it reserves at build)")
+    p.add_argument("--store-max-batch", type=int, default=48, help="the store's first cap (it reserves at build)")
     p.add_argument("--batches", nargs="+", type=int, help="sweep batches (default: powers of two + the largest)")
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--warmup", type=int, default=3)
@@ -781,6 +784,8 @@ def main(argv=None) -> int:
     p.add_argument("--reserve-gib", type=float, help="device memory kept free for activations (default: estimate)")
     p.add_argument("--host-reserve-gib", type=float, default=12.0, help="host memory that must stay available")
     p.add_argument("--value-store", choices=["host", "device", "auto"], help="KVStore value_store (default: build's)")
+    p.add_argument("--factor-dtype", choices=["auto", "float32", "bfloat16"],
+                   help="KVStore factor_dtype (default: the store's, bf16 factors for a bf16 model)")
     p.add_argument("--device-value-budget-gib", type=float, help="KVStore device_value_budget in GiB")
     p.add_argument("--rank", type=int, default=160)
     p.add_argument("--budget", type=int, default=2048)
