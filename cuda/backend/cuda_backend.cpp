@@ -126,6 +126,7 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   cublas_ = make_cublas();
   cusolver_ = make_cusolver();
   stream_ = own_stream_;
+  SHADOWKV_CUDA_TRY(cudaDeviceGetAttribute(&multiprocessors_, cudaDevAttrMultiProcessorCount, device_index));
 
   // Reserve everything up front.
   const std::size_t element = dtype_size(cfg.kv_dtype);
@@ -325,17 +326,19 @@ void cuda_backend::factorize(const float* keys_pre, int rows, float* basis) {
   device_buffer info_buffer(sizeof(int), stream_, device_memory_);
   info = static_cast<int*>(info_buffer.data());
   if (config_.factorization == factorization_method::gram || rows < n) {
-    // Gram matrix KᵀK (float32, cuBLAS), leading eigenvectors in float64 (cuSOLVER), as the CPU backend.
-    // (Row-major K[rows, n] is the column-major matrix Kᵀ[n, rows]; SYRK gives Kᵀ·K.)
-    device_buffer gram(static_cast<std::size_t>(n) * n * sizeof(float), stream_, device_memory_);
+    // Gram matrix KᵀK, leading eigenvectors in float64 (cuSOLVER), as the CPU backend. The Gram matrix is split-K
+    // (prompt_kernels.cuh, gram_split): one batched SGEMM computes the lower block triangle of each row slice's
+    // partial KᵀK in float32, a kernel adds the partials in float64. One SYRK over all rows left a 1024 x 1024 output
+    // of a few dozen tiles to 132 SMs for 6 ms; the split fills the GPU, skips the upper blocks, and sums fewer
+    // float32 terms per element than one SYRK (more accurate, not less).
+    // (Row-major K[rows, n] is the column-major matrix Kᵀ[n, rows]; block (i, j) of a slice is Kᵀ_i · Kᵀ_jᵀ.)
+    // All workspace first, so that a failed allocation leaves nothing enqueued.
+    const gram_split split = plan_gram_split(n, rows, multiprocessors_);
+    const std::size_t entries = static_cast<std::size_t>(split.entries());
+    device_buffer partials(std::max<std::size_t>(1, gram_partial_bytes(split, n)), stream_, device_memory_);
+    device_buffer pointers(std::max<std::size_t>(1, 3 * entries * sizeof(void*)), stream_, device_memory_);
     device_buffer gram64(static_cast<std::size_t>(n) * n * sizeof(double), stream_, device_memory_);
     device_buffer eigenvalues(static_cast<std::size_t>(n) * sizeof(double), stream_, device_memory_);
-    const float one = 1.0F;
-    const float zero = 0.0F;
-    SHADOWKV_CUBLAS_TRY(cublasSsyrk(cublas_, CUBLAS_FILL_MODE_LOWER, CUBLAS_OP_N, n, rows, &one, keys_pre, n, &zero,
-                                    static_cast<float*>(gram.data()), n));
-    launch_keys_to_double(static_cast<const float*>(gram.data()), n, n, false, static_cast<double*>(gram64.data()),
-                          stream_);
     int found = 0;
     int lwork = 0;
     SHADOWKV_CUSOLVER_TRY(cusolverDnDsyevdx_bufferSize(
@@ -343,10 +346,30 @@ void cuda_backend::factorize(const float* keys_pre, int rows, float* basis) {
         static_cast<double*>(gram64.data()), n, 0.0, 0.0, n - rank + 1, n, &found,
         static_cast<double*>(eigenvalues.data()), &lwork));
     device_buffer work(static_cast<std::size_t>(lwork) * sizeof(double), stream_, device_memory_);
+
+    auto** a_blocks = static_cast<const float**>(pointers.data());
+    const float** b_blocks = a_blocks + entries;
+    auto** c_blocks = static_cast<float**>(static_cast<void*>(b_blocks + entries));
+    if (entries > 0) {
+      launch_gram_block_pointers(keys_pre, n, split, static_cast<float*>(partials.data()), a_blocks, b_blocks,
+                                 c_blocks, stream_);
+      const float one = 1.0F;
+      const float zero = 0.0F;
+      SHADOWKV_CUBLAS_TRY(cublasSgemmBatched(cublas_, CUBLAS_OP_N, CUBLAS_OP_T, split.block, split.block,
+                                             split.slice_rows, &one, a_blocks, n, b_blocks, n, &zero, c_blocks, n,
+                                             static_cast<int>(entries)));
+    }
+    launch_sum_gram_partials(static_cast<const float*>(partials.data()), keys_pre, rows, n, split,
+                             static_cast<double*>(gram64.data()), stream_);
     SHADOWKV_CUSOLVER_TRY(cusolverDnDsyevdx(cusolver_, CUSOLVER_EIG_MODE_VECTOR, CUSOLVER_EIG_RANGE_I,
                                             CUBLAS_FILL_MODE_LOWER, n, static_cast<double*>(gram64.data()), n, 0.0,
                                             0.0, n - rank + 1, n, &found, static_cast<double*>(eigenvalues.data()),
                                             static_cast<double*>(work.data()), lwork, info));
+    // This wait stays: info decides whether the call throws, and the layer (basis, coefficients, landmarks,
+    // counters) is written only after it, so a failed eigensolver leaves the layer as it was. Checking info later
+    // (before the counters) would need every later write, cuBLAS's A = K·Bᵀ included, to be conditional on it. What
+    // it costs is small: the host waits for work it queued anyway, and the GPU idles only while the next launches
+    // reach it (tens of microseconds against the ~10 ms queued before the wait).
     int status = 0;
     SHADOWKV_CUDA_TRY(cudaMemcpyAsync(&status, info, sizeof(int), cudaMemcpyDeviceToHost, stream_));
     SHADOWKV_CUDA_TRY(cudaStreamSynchronize(stream_));

@@ -68,6 +68,7 @@ class cuda_backend final : public backend {
   int device_;
   dims dims_{};
   int kv_type_;
+  int multiprocessors_ = 1;             ///< SMs of the device (sizes the split-K Gram matrix)
   cudaStream_t stream_ = nullptr;       ///< the current call's compute stream (caller's or own_stream_)
   bool caller_stream_ = false;
   // Handles before buffers: members are destroyed in reverse order, so the buffers (freed on own_stream_) go first.
