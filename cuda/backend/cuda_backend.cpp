@@ -120,7 +120,7 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
 
   own_stream_ = make_stream();
   copy_stream_ = make_stream();
-  selected_event_ = make_event();
+  for (event_handle& event : part_selected_events_) event = make_event();
   fetched_event_ = make_event();
   values_ready_event_ = make_event();
   cublas_ = make_cublas();
@@ -559,19 +559,57 @@ void cuda_backend::append_token(int layer, std::span<const batch_entry> entries,
                            static_cast<const float*>(inv_freq_.data()), stream_);
 }
 
-void cuda_backend::select_chunks(int layer, std::span<const batch_entry> entries, const tensor_view& queries) {
-  upload_batch(entries);
-  launch_select_chunks(dims_, kv_type_, static_cast<layer_view*>(views_.data()),
-                       static_cast<const int*>(batch_slots_.data()), layer, static_cast<int>(entries.size()),
-                       as_strided(queries), static_cast<int>(queries.shape[1]), workspace_, stream_);
-  SHADOWKV_CUDA_TRY(cudaEventRecord(selected_event_, stream_));
+std::vector<cuda_backend::batch_part> cuda_backend::pipeline_parts(std::span<const batch_entry> entries) const {
+  const int batch = static_cast<int>(entries.size());
+  const bool any_host_values = std::any_of(entries.begin(), entries.end(), [this](const batch_entry& entry) {
+    return values_on_[static_cast<std::size_t>(entry.slot)] == value_place::host;
+  });
+  const int count = any_host_values ? std::clamp(batch / 4, 1, kMaxPipelineParts) : 1;
+  std::vector<batch_part> parts(static_cast<std::size_t>(count));
+  for (int p = 0; p < count; ++p) {
+    parts[static_cast<std::size_t>(p)].first = p * batch / count;
+    parts[static_cast<std::size_t>(p)].count = (p + 1) * batch / count - p * batch / count;
+  }
+  return parts;
 }
 
-void cuda_backend::fetch_values(int layer, std::span<const batch_entry> entries) {
-  SHADOWKV_CUDA_TRY(cudaStreamWaitEvent(copy_stream_, selected_event_, 0));
-  launch_fetch_values(dims_, kv_type_, static_cast<layer_view*>(views_.data()),
-                      static_cast<const int*>(batch_slots_.data()), layer, static_cast<int>(entries.size()), workspace_,
-                      copy_stream_);
+step_workspace cuda_backend::workspace_from(int first) const {
+  const long long b = first;
+  step_workspace part = workspace_;
+  part.logits += b * config_.num_q_heads * dims_.max_chunks;
+  part.scores += b * config_.num_kv_heads * dims_.max_chunks;
+  part.selected += b * config_.num_kv_heads * config_.budget_chunks;
+  part.miss_slots += b * config_.num_kv_heads * config_.budget_chunks;
+  part.miss_counts += b * config_.num_kv_heads;
+  part.partial += b * config_.num_q_heads * workspace_.max_splits * (config_.head_dim + 2);
+  return part;
+}
+
+void cuda_backend::select_chunks(int layer, std::span<const batch_entry> entries, const tensor_view& queries) {
+  upload_batch(entries);
+  parts_ = pipeline_parts(entries);
+  const strided_tensor all_queries = as_strided(queries);
+  const std::size_t element = dtype_size(queries.float_type);
+  for (std::size_t p = 0; p < parts_.size(); ++p) {
+    const batch_part& part = parts_[p];
+    strided_tensor part_queries = all_queries;
+    part_queries.data = static_cast<const std::uint8_t*>(all_queries.data) +
+                        static_cast<std::ptrdiff_t>(part.first) * all_queries.stride[0] * static_cast<std::ptrdiff_t>(element);
+    launch_select_chunks(dims_, kv_type_, static_cast<layer_view*>(views_.data()),
+                         static_cast<const int*>(batch_slots_.data()) + part.first, layer, part.count, part_queries,
+                         static_cast<int>(queries.shape[1]), workspace_from(part.first), stream_);
+    SHADOWKV_CUDA_TRY(cudaEventRecord(part_selected_events_[p], stream_));
+  }
+}
+
+void cuda_backend::fetch_values(int layer, std::span<const batch_entry> /*entries*/) {
+  for (std::size_t p = 0; p < parts_.size(); ++p) {
+    const batch_part& part = parts_[p];
+    SHADOWKV_CUDA_TRY(cudaStreamWaitEvent(copy_stream_, part_selected_events_[p], 0));
+    launch_fetch_values(dims_, kv_type_, static_cast<layer_view*>(views_.data()),
+                        static_cast<const int*>(batch_slots_.data()) + part.first, layer, part.count,
+                        workspace_from(part.first), copy_stream_);
+  }
   SHADOWKV_CUDA_TRY(cudaEventRecord(fetched_event_, copy_stream_));
 }
 

@@ -4,9 +4,11 @@
 // sized from max_seq_len and the decode workspace for max_batch sequences, so a decode step allocates nothing. A
 // sequence's value store (all layers, at max_seq_len) is allocated when it joins (open_sequence), in device memory
 // or pinned, mapped host memory, and freed when it leaves. A decode step runs on the caller's stream (compute) and a copy stream of the backend's own:
-//   compute: advance_generated (fold + append) -> select_chunks -> [event selected] -> rebuild_keys -> [wait fetched]
-//            -> sparse attention
-//   copy:    [wait selected] -> fetch_values -> [event fetched]
+//   compute: advance_generated (fold + append) -> select part 1 -> [event] -> ... -> select part P -> [event]
+//            -> rebuild_keys -> [wait fetched] -> sparse attention
+//   copy:    [wait part 1 selected] -> fetch part 1 -> ... -> [wait part P selected] -> fetch part P -> [event fetched]
+// With values in host memory the batch is cut into parts (pipeline_parts), so that the PCIe fetch of one part runs
+// while the next part is selected: the step then costs about max(selection, fetch) instead of their sum.
 // Counters of each (slot, layer) live in device layer_views and advance on the device, so the host never reads
 // device memory inside a step (see device_layout.cuh).
 #pragma once
@@ -15,6 +17,7 @@
 #include <cuda_runtime_api.h>
 #include <cusolverDn.h>
 
+#include <array>
 #include <cstdint>
 #include <vector>
 
@@ -63,6 +66,17 @@ class cuda_backend final : public backend {
   [[nodiscard]] layer_view& host_view(int slot, int layer) { return host_views_[static_cast<std::size_t>(slot * config_.num_layers + layer)]; }
   [[nodiscard]] const layer_view& host_view(int slot, int layer) const { return host_views_[static_cast<std::size_t>(slot * config_.num_layers + layer)]; }
   [[nodiscard]] layer_view* device_view(int slot, int layer) const;
+  /// Consecutive entries of a decode batch, selected and fetched as one unit of the pipeline.
+  struct batch_part {
+    int first = 0;
+    int count = 0;
+  };
+  static constexpr int kMaxPipelineParts = 4;
+  /// The pipeline's parts for this batch: one part when every sequence's values are in device memory (the fetch is
+  /// a device-to-device copy, nothing to hide) or the batch is small; else up to kMaxPipelineParts of >= 4 entries.
+  [[nodiscard]] std::vector<batch_part> pipeline_parts(std::span<const batch_entry> entries) const;
+  /// The decode workspace seen from batch entry `first` on (every per-entry array offset by `first` rows).
+  [[nodiscard]] step_workspace workspace_from(int first) const;
 
   config config_;
   int device_;
@@ -74,7 +88,7 @@ class cuda_backend final : public backend {
   // Handles before buffers: members are destroyed in reverse order, so the buffers (freed on own_stream_) go first.
   stream_handle own_stream_;
   stream_handle copy_stream_;
-  event_handle selected_event_;
+  std::array<event_handle, kMaxPipelineParts> part_selected_events_;  ///< part p selected (the copy stream waits)
   event_handle fetched_event_;
   event_handle values_ready_event_;
   cublas_handle cublas_;
@@ -100,6 +114,7 @@ class cuda_backend final : public backend {
   std::vector<int> uploaded_slots_;
   step_workspace workspace_{};
   std::int64_t batch_size_ = 0;
+  std::vector<batch_part> parts_;  ///< this step's pipeline parts: set by select_chunks, used by fetch_values
 };
 
 }  // namespace shadowkv::cuda
