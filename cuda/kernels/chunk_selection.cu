@@ -865,7 +865,7 @@ void launch_for_type(const dims& d, const layer_view* views, const int* batch_sl
   } else {
     geo.mode = tokens == 1 ? kFromLogits : kInKernel;
   }
-  // Decode with partials: the register kernel of landmark_logits.cu where it covers the shape.
+  // Decode with partials: the streaming kernel of landmark_logits.cu where it covers the shape.
   const bool decode_kernel = tokens == 1 && geo.mode == kFromScores && logit_geo.tiles > 0 &&
                              launch_decode_landmark_logits(d, kv_type_of<T>(), views, batch_slots, layer, batch,
                                                            queries, logit_geo.tile_rows, logit_geo.tiles,

@@ -4,7 +4,11 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <map>
+#include <mutex>
 #include <type_traits>
+#include <utility>
 
 #include "cuda_check.hpp"
 #include "dispatch.cuh"
@@ -15,174 +19,481 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int kMaxTilesPerCta = 16;
+// CTAs per multiprocessor that the register budget must allow: four (64 registers a thread, 32 warps) up to four
+// query heads a KV head; with eight, the CTA's shared memory (~60 KiB: the copy rings, q and the tile logits of
+// eight heads) leaves room for three on an H100/H200 anyway, so the registers may grow to 80.
+template <int kG>
+constexpr int min_ctas_per_multiprocessor() {
+  return kG <= 4 ? 4 : 3;
+}
+// Batches in a warp's copy ring: two are in flight while the warp computes the third, also across tile boundaries,
+// block barriers and tile epilogues.
+constexpr int kStages = 3;
+// Sequence entries in shared memory are reserved in multiples of this, so that the dynamic shared memory size (and
+// the cached occupancy that depends on it) changes only every kSequenceRounding sequences of batch size.
+constexpr int kSequenceRounding = 32;
 constexpr float kNegativeInfinity = -__builtin_huge_valf();
 
-// T: landmark element type; kRowBytes: bytes of one landmark row (head_dim * sizeof(T)); kG: query heads per KV head
-// held in registers (>= dims.group).
+/// How a warp covers landmark rows of T, kRowBytes each, for kG query heads. A lane reads two 16-byte vectors of a row
+/// (vectors part and part + kLanesPerRow: each warp-wide copy covers whole 32-byte sectors) and two rows per batch, so
+/// a batch is 2 KiB a warp and the two rows share every shared-memory read of q (q stays out of registers). Two
+/// vectors a lane keep a row to 4-16 lanes, so summing it over its lanes takes few shuffles.
 template <typename T, int kRowBytes, int kG>
-__global__ void __launch_bounds__(kThreads) decode_landmark_logits_kernel(const dims d, const layer_view* views,
-                                                                          const int* batch_slots, const int layer,
-                                                                          const strided_tensor queries,
-                                                                          const int tile_rows, const int tiles,
-                                                                          float* logits, float* scores) {
-  constexpr int kElements = vector16<T>::elements;
-  constexpr int kVectorsPerRow = kRowBytes / 16;
-  constexpr int kLanesPerRow = kVectorsPerRow < 32 ? kVectorsPerRow : 32;
-  constexpr int kVectorsPerLane = kVectorsPerRow / kLanesPerRow;
-  constexpr int kRowsPerWarp = 32 / kLanesPerRow;
-  constexpr int kRowsPerPass = kWarps * kRowsPerWarp;
-  constexpr int kUnroll = 8 / kVectorsPerLane;  // rows in flight per lane: 8 (or 4) 16-byte loads
-  constexpr int kDims = kRowBytes / static_cast<int>(sizeof(T));
-  __shared__ float q_shared[kG][kDims];
-  extern __shared__ float tile_logits[];  // [kG][tile_rows]
+struct row_split {
+  static constexpr int kElements = vector16<T>::elements;  // per 16-byte vector
+  static constexpr int kDims = kRowBytes / static_cast<int>(sizeof(T));
+  static constexpr int kVectorsPerLane = 2;  // of each row
+  static constexpr int kLanesPerRow = kRowBytes / 16 / kVectorsPerLane;
+  static constexpr int kRowGroups = 32 / kLanesPerRow;  // rows side by side in one warp-wide copy
+  static constexpr int kRowsPerLane = 2;                // per batch
+  static constexpr int kBatchRows = kRowGroups * kRowsPerLane;
+  static constexpr int kSlots = kRowsPerLane * kVectorsPerLane;  // 16-byte copies a lane makes per batch
+  static constexpr int kSums = kRowsPerLane * kG;                 // dot products a lane accumulates per batch
+  // After the reduction over a row's lanes: whole sums a lane holds (when there are fewer sums than lanes, every
+  // lane holds one, shared by kLanesPerRow / kSums lanes).
+  static constexpr int kKept = kSums >= kLanesPerRow ? kSums / kLanesPerRow : 1;
+  static_assert(kRowBytes % 32 == 0 && kLanesPerRow >= 2 && kLanesPerRow <= 32, "row of 64-1024 bytes");
+  static_assert(kElements % 4 == 0, "q is read as float4");
+};
 
-  const int h = blockIdx.y;
-  const int b = blockIdx.z;
-  const layer_view* view = views + static_cast<long long>(batch_slots[b]) * d.num_layers + layer;
-  const int n = context_chunks_of(view, d);
-  int tile = blockIdx.x;
-  if (tile * tile_rows >= n) return;
+/// One sequence of the batch as the CTA sees it.
+struct sequence_entry {
+  const void* landmarks;         ///< T [Hkv, max_chunks, D]
+  const std::uint8_t* outliers;  ///< [Hkv, max_chunks]
+  int context_chunks;
+  int first_tile;  ///< live tiles of the sequences before this one (every head's); the last entry holds the total
+};
 
-  for (int i = threadIdx.x; i < kG * kDims; i += kThreads) {
-    const int g = i / kDims;
-    const int e = i - g * kDims;
-    float value = 0.0F;
-    if (g < d.group) {
-      const long long j = static_cast<long long>(h) * d.group + g;
-      value = load_any(queries.data, queries.type, b * queries.stride[0] + j * queries.stride[2] + e * queries.stride[3]);
+/// One live tile of the CTA's share: rows [index * tile_rows, index * tile_rows + rows) of head `head` of batch entry
+/// `sequence`.
+struct tile_descriptor {
+  const void* source;            ///< T: the tile's first landmark row
+  const std::uint8_t* outliers;  ///< the tile's first outlier flag
+  int rows;
+  int sequence;
+  int head;
+  int index;
+};
+
+// The CTA's tile descriptors live in a ring in shared memory (the warps would otherwise each keep two tile cursors in
+// registers): the first kDescribedAhead are written before the main loop, then one thread writes descriptor
+// t + kDescribedAhead right after the barrier that ends tile t. It is visible to every warp after the barrier ending
+// tile t + 1, and first read in tile t + 3 (the copies run at most two tiles ahead of the arithmetic). In use at
+// once: t (its epilogue) to t + kDescribedAhead, six slots of eight.
+constexpr int kDescriptorSlots = 8;
+constexpr int kDescribedAhead = 5;
+
+/// Dynamic shared memory of one CTA: byte offsets, each 16-byte aligned.
+struct shared_layout {
+  int rings;        ///< uint4 [kWarps][kStages][kSlots][32]: each lane's own copy ring
+  int queries;      ///< float [kG][kDims], in the order the lanes read them (see stage_queries)
+  int tile_logits;  ///< float [2][kG][tile_rows]: this tile's logits and the previous tile's, still being written out
+  int descriptors;  ///< tile_descriptor [kDescriptorSlots]
+  int sequences;    ///< sequence_entry [batch + 1, rounded up]
+  int bytes;
+};
+
+template <typename Split, int kG>
+__host__ __device__ shared_layout shared_layout_for(int tile_rows, int batch) {
+  auto align16 = [](int bytes) { return (bytes + 15) / 16 * 16; };
+  shared_layout layout{};
+  layout.rings = 0;
+  layout.queries = layout.rings + kWarps * kStages * Split::kSlots * 32 * 16;
+  layout.tile_logits = layout.queries + align16(kG * Split::kDims * 4);
+  layout.descriptors = layout.tile_logits + align16(2 * kG * tile_rows * 4);
+  layout.sequences = layout.descriptors + align16(kDescriptorSlots * static_cast<int>(sizeof(tile_descriptor)));
+  const int entries = (batch + 1 + kSequenceRounding - 1) / kSequenceRounding * kSequenceRounding;
+  layout.bytes = layout.sequences + entries * static_cast<int>(sizeof(sequence_entry));
+  return layout;
+}
+
+/// 16-byte asynchronous copy global -> shared (bypassing L1); zeros instead when !live.
+__device__ __forceinline__ void copy16_async(void* shared_destination, const void* global_source, bool live) {
+  const unsigned destination = static_cast<unsigned>(__cvta_generic_to_shared(shared_destination));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(destination), "l"(global_source),
+               "r"(live ? 16 : 0)
+               : "memory");
+}
+
+__device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+/// Waits until at most kPending of this thread's copy groups are still in flight.
+template <int kPending>
+__device__ __forceinline__ void wait_copies() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+/// Sums each of the kSums values over the lanes of a row group (kOffset: half their number; `part`: the lane's index
+/// among them): a reduce-scatter. Each round halves the values a lane holds (a lane keeps the upper half when its
+/// offset bit is set and receives its partner's copy of that half), so the shuffles total about kSums instead of
+/// kSums * log2(lanes). Afterwards lane `part` holds the sums [part * kKept, (part + 1) * kKept) in v[0, kKept); with
+/// fewer values than lanes the last rounds are butterflies and lanes holding the same index hold the same sum. Every
+/// value is summed by the same tree over the lanes (pairs at offset kLanesPerRow / 2 first, then half that, ...),
+/// whichever lane ends with it, so equal rows give bit-equal sums.
+template <int kOffset, int kCount, int kSums>
+__device__ __forceinline__ void reduce_scatter(float (&v)[kSums], int part) {
+  if constexpr (kOffset > 0) {
+    if constexpr (kCount > 1) {
+      constexpr int kHalf = kCount / 2;
+      const bool upper = (part & kOffset) != 0;
+#pragma unroll
+      for (int i = 0; i < kHalf; ++i) {
+        const float keep = upper ? v[i + kHalf] : v[i];
+        const float give = upper ? v[i] : v[i + kHalf];
+        v[i] = keep + __shfl_xor_sync(0xffffffffU, give, kOffset);
+      }
+      reduce_scatter<kOffset / 2, kHalf>(v, part);
+    } else {
+      v[0] += __shfl_xor_sync(0xffffffffU, v[0], kOffset);
+      reduce_scatter<kOffset / 2, 1>(v, part);
     }
-    q_shared[g][e] = value;
   }
-  __syncthreads();
+}
+
+/// The live tile at position `live_index` of the batch's enumeration (sequence-major, then head, then tile).
+template <int kDims, typename T>
+__device__ tile_descriptor describe_tile(const sequence_entry* sequences, int batch, int live_index, int tile_rows,
+                                         const dims& d) {
+  // The last entry that starts at or before live_index; empty sequences start where the next one does, so this one
+  // is not empty.
+  int low = 0;
+  int high = batch - 1;
+  while (low < high) {
+    const int middle = (low + high + 1) / 2;
+    if (sequences[middle].first_tile <= live_index) {
+      low = middle;
+    } else {
+      high = middle - 1;
+    }
+  }
+  const sequence_entry& sequence = sequences[low];
+  const int per_head = (sequence.context_chunks + tile_rows - 1) / tile_rows;
+  const int within = live_index - sequence.first_tile;
+  tile_descriptor tile;
+  tile.sequence = low;
+  tile.head = within / per_head;
+  tile.index = within - tile.head * per_head;
+  tile.rows = min(tile_rows, sequence.context_chunks - tile.index * tile_rows);
+  const long long first_row =
+      static_cast<long long>(tile.head) * d.max_chunks + static_cast<long long>(tile.index) * tile_rows;
+  tile.source = static_cast<const T*>(sequence.landmarks) + first_row * kDims;
+  tile.outliers = sequence.outliers + first_row;
+  return tile;
+}
+
+// A persistent grid: CTA x takes a contiguous share of the batch's live tiles (sequence-major, then head, then tile;
+// the shares differ by at most one tile, whatever the context lengths), so there is no partial last wave and a CTA
+// mostly stays on one (sequence, head) and its q. The 8 warps split each tile into batches of kBatchRows rows
+// (warp w takes batches w, w + 8, ...). Every lane copies its own slices of the rows into its own ring slots with
+// cp.async, kStages - 1 batches ahead, and reads back only what it copied: no barrier guards the ring, and the copies
+// need no registers, so the bytes in flight (2 KiB a batch, two batches a warp) do not compete with the arithmetic
+// for registers. One block barrier per tile hands the tile's logits (double-buffered in shared memory) to the
+// epilogue: coalesced logit writes and the tile's softmax partial per query head, one warp per head; the copies of
+// the next batches are in flight meanwhile.
+template <typename T, int kRowBytes, int kG>
+__global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG>())
+    decode_landmark_logits_kernel(const dims d, const layer_view* views, const int* batch_slots, const int layer,
+                                  const int batch, const strided_tensor queries, const int tile_rows, const int tiles,
+                                  float* logits, float* scores) {
+  using split = row_split<T, kRowBytes, kG>;
+  constexpr int kLanesPerRow = split::kLanesPerRow;
+  constexpr int kVectorsPerLane = split::kVectorsPerLane;
+  constexpr int kQuads = split::kElements / 4;  // float4 of q per 16-byte vector of landmarks
+  extern __shared__ __align__(16) unsigned char shared[];
+  const shared_layout layout = shared_layout_for<split, kG>(tile_rows, batch);
+  uint4* rings = reinterpret_cast<uint4*>(shared + layout.rings);
+  float* q_shared = reinterpret_cast<float*>(shared + layout.queries);
+  float* tile_logits = reinterpret_cast<float*>(shared + layout.tile_logits);
+  tile_descriptor* descriptors = reinterpret_cast<tile_descriptor*>(shared + layout.descriptors);
+  sequence_entry* sequences = reinterpret_cast<sequence_entry*>(shared + layout.sequences);
 
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
-  const int sub = lane / kLanesPerRow;   // row of this lane within the warp's rows
-  const int part = lane % kLanesPerRow;  // its 16-byte vectors: part, part + kLanesPerRow, ...
-  float q[kG][kVectorsPerLane * kElements];
+  const int part = lane % kLanesPerRow;       // which vectors of a row this lane reads
+  const int row_group = lane / kLanesPerRow;  // which of the rows side by side
+
+  for (int b = threadIdx.x; b < batch; b += kThreads) {
+    const layer_view* view = views + static_cast<long long>(batch_slots[b]) * d.num_layers + layer;
+    sequences[b].landmarks = view->landmarks;
+    sequences[b].outliers = view->is_outlier;
+    sequences[b].context_chunks = context_chunks_of(view, d);
+  }
+  __syncthreads();
+  // The CTA's share [share_edge(x), share_edge(x + 1)) of the live tiles, once warp 0 has counted them.
+  auto share_edge = [&](int cta) {
+    return static_cast<int>(static_cast<long long>(cta) * sequences[batch].first_tile / gridDim.x);
+  };
+  if (warp == 0) {
+    int before = 0;
+    for (int first = 0; first <= batch; first += 32) {
+      const int b = first + lane;
+      const int count = b < batch ? d.kv_heads * ((sequences[b].context_chunks + tile_rows - 1) / tile_rows) : 0;
+      int inclusive = count;
 #pragma unroll
-  for (int g = 0; g < kG; ++g) {
-#pragma unroll
-    for (int k = 0; k < kVectorsPerLane; ++k) {
-#pragma unroll
-      for (int e = 0; e < kElements; ++e) q[g][k * kElements + e] = q_shared[g][(part + k * kLanesPerRow) * kElements + e];
+      for (int offset = 1; offset < 32; offset <<= 1) {
+        const int other = __shfl_up_sync(0xffffffffU, inclusive, offset);
+        if (lane >= offset) inclusive += other;
+      }
+      if (b <= batch) sequences[b].first_tile = before + inclusive - count;
+      before += __shfl_sync(0xffffffffU, inclusive, 31);
+    }
+    __syncwarp();
+    const int begin = share_edge(blockIdx.x);
+    if (lane < kDescribedAhead && begin + lane < share_edge(blockIdx.x + 1)) {
+      descriptors[lane] = describe_tile<split::kDims, T>(sequences, batch, begin + lane, tile_rows, d);
     }
   }
+  __syncthreads();
+  const int begin = share_edge(blockIdx.x);
+  const int tiles_here = share_edge(blockIdx.x + 1) - begin;
+  if (tiles_here == 0) return;
 
-  const T* head_landmarks = static_cast<const T*>(view->landmarks) + static_cast<long long>(h) * d.max_chunks * kDims;
-  const std::uint8_t* head_outliers = view->is_outlier + static_cast<long long>(h) * d.max_chunks;
-  const int group = d.group;
-  for (; tile * tile_rows < n; tile += gridDim.x) {
-    const int first = tile * tile_rows;
-    const int rows = min(tile_rows, n - first);
-    for (int base = 0; base < tile_rows; base += kRowsPerPass * kUnroll) {
-      uint4 raw[kUnroll][kVectorsPerLane];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int row = base + u * kRowsPerPass + warp * kRowsPerWarp + sub;
-        const uint4* source = reinterpret_cast<const uint4*>(head_landmarks + static_cast<long long>(first + row) * kDims);
-#pragma unroll
-        for (int k = 0; k < kVectorsPerLane; ++k) {
-          raw[u][k] = row < rows ? __ldg(source + part + k * kLanesPerRow) : make_uint4(0, 0, 0, 0);
-        }
+  // q of (sequence, head) as float, ordered [g][k][quad][part][4]: for one (g, k, quad) the lanes of a row group
+  // read kLanesPerRow consecutive float4 (no bank conflicts), and the row groups read the same ones (broadcasts).
+  auto stage_queries = [&](const tile_descriptor& tile) {
+#pragma unroll 1
+    for (int i = threadIdx.x; i < kG * split::kDims; i += kThreads) {
+      const int g = i / split::kDims;
+      const int e = i - g * split::kDims;
+      float value = 0.0F;
+      if (g < d.group) {
+        const long long j = static_cast<long long>(tile.head) * d.group + g;
+        value = load_any(queries.data, queries.type,
+                         tile.sequence * queries.stride[0] + j * queries.stride[2] + e * queries.stride[3]);
       }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int row = base + u * kRowsPerPass + warp * kRowsPerWarp + sub;
-        float acc[kG];
-#pragma unroll
-        for (int g = 0; g < kG; ++g) acc[g] = 0.0F;
-#pragma unroll
-        for (int k = 0; k < kVectorsPerLane; ++k) {
-          float x[kElements];
-          vector16<T>::to_floats(raw[u][k], x);
-#pragma unroll
-          for (int g = 0; g < kG; ++g) {
-#pragma unroll
-            for (int e = 0; e < kElements; ++e) acc[g] = fmaf(q[g][k * kElements + e], x[e], acc[g]);
-          }
-        }
-        // Sum over the row's lanes: the same butterfly for every row, so equal rows give equal logits.
-#pragma unroll
-        for (int g = 0; g < kG; ++g) {
-#pragma unroll
-          for (int offset = kLanesPerRow / 2; offset > 0; offset >>= 1) {
-            acc[g] += __shfl_xor_sync(0xffffffffU, acc[g], offset);
-          }
-        }
-        if (part == 0 && row < tile_rows) {
-          const bool live = row < rows && head_outliers[first + row] == 0;
-#pragma unroll
-          for (int g = 0; g < kG; ++g) tile_logits[g * tile_rows + row] = live ? d.softmax_scale * acc[g] : kNegativeInfinity;
-        }
-      }
+      const int vector = e / split::kElements;
+      const int within = e - vector * split::kElements;
+      const int k = vector / kLanesPerRow;
+      const int owner = vector - k * kLanesPerRow;
+      q_shared[(((g * kVectorsPerLane + k) * kQuads + within / 4) * kLanesPerRow + owner) * 4 + within % 4] = value;
     }
-    __syncthreads();
-    for (int i = threadIdx.x; i < group * rows; i += kThreads) {
-      const int g = i / rows;
-      const int r = i - g * rows;
-      const long long j = static_cast<long long>(b) * d.q_heads + static_cast<long long>(h) * group + g;
-      logits[j * d.max_chunks + first + r] = tile_logits[g * tile_rows + r];
-    }
-    // The tile's softmax partial per query head (rows past the context count as -inf, as in chunk_selection.cu).
-    for (int g = warp; g < group; g += kWarps) {
+  };
+
+  // Logits of the tile to global memory, and its softmax partial (max, sum exp) per query head (rows past the
+  // context are not in it, as in chunk_selection.cu: they would add -inf to the max and 0 to the sum).
+  auto write_tile = [&](const tile_descriptor& tile, const float* tile_buffer) {
+    for (int g = warp; g < d.group; g += kWarps) {
+      const float* row_logits = tile_buffer + g * tile_rows;
+      const long long j =
+          static_cast<long long>(tile.sequence) * d.q_heads + static_cast<long long>(tile.head) * d.group + g;
+      float* out = logits + j * d.max_chunks + static_cast<long long>(tile.index) * tile_rows;
       float m = kNegativeInfinity;
-      for (int r = lane; r < tile_rows; r += 32) m = fmaxf(m, tile_logits[g * tile_rows + r]);
+      for (int r = lane; r < tile.rows; r += 32) {
+        const float x = row_logits[r];
+        out[r] = x;
+        m = fmaxf(m, x);
+      }
 #pragma unroll
       for (int offset = 16; offset > 0; offset >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffU, m, offset));
       float s = 0.0F;
-      for (int r = lane; r < tile_rows; r += 32) {
-        const float x = tile_logits[g * tile_rows + r];
+      for (int r = lane; r < tile.rows; r += 32) {
+        const float x = row_logits[r];
         s += x == kNegativeInfinity ? 0.0F : expf(x - m);
       }
 #pragma unroll
       for (int offset = 16; offset > 0; offset >>= 1) s += __shfl_xor_sync(0xffffffffU, s, offset);
       if (lane == 0) {
-        float* partial = scores + (static_cast<long long>(b) * d.kv_heads + h) * d.max_chunks +
-                         (static_cast<long long>(g) * tiles + tile) * 2;
+        float* partial = scores + (static_cast<long long>(tile.sequence) * d.kv_heads + tile.head) * d.max_chunks +
+                         (static_cast<long long>(g) * tiles + tile.index) * 2;
         partial[0] = m;
         partial[1] = s;
       }
     }
-    __syncthreads();  // tile_logits is reused by the next tile
+  };
+
+  const int batches_per_tile = (tile_rows + split::kBatchRows - 1) / split::kBatchRows;
+  const int steps_per_tile = (batches_per_tile + kWarps - 1) / kWarps;  // batches of each warp per tile
+  uint4* warp_ring = rings + warp * kStages * split::kSlots * 32 + lane;  // slot i of stage s: [(s * kSlots + i) * 32]
+
+  // The copy side runs kStages - 1 steps ahead of the arithmetic over the same sequence of (tile, batch).
+  int copy_ordinal = 0;
+  int copy_sub = 0;  // the warp's batch within the tile
+  auto issue_copies = [&](int copy_stage) {
+    if (copy_ordinal < tiles_here) {
+      const tile_descriptor& tile = descriptors[copy_ordinal % kDescriptorSlots];
+      const int rows = tile.rows;
+      const int first_row = (warp + copy_sub * kWarps) * split::kBatchRows;
+      if (first_row < rows) {
+        const T* tile_source = static_cast<const T*>(tile.source);
+        uint4* ring = warp_ring + copy_stage * split::kSlots * 32;
+#pragma unroll
+        for (int u = 0; u < split::kRowsPerLane; ++u) {
+          const int row = first_row + u * split::kRowGroups + row_group;
+          const bool live = row < rows;  // else zeros: those sums are computed and never stored
+          const T* source =
+              tile_source + static_cast<long long>(live ? row : 0) * split::kDims + part * split::kElements;
+#pragma unroll
+          for (int k = 0; k < kVectorsPerLane; ++k) {
+            copy16_async(ring + (u * kVectorsPerLane + k) * 32, source + k * kLanesPerRow * split::kElements, live);
+          }
+        }
+      }
+      if (++copy_sub == steps_per_tile) {
+        copy_sub = 0;
+        ++copy_ordinal;
+      }
+    }
+    commit_copies();  // possibly empty: one group per step keeps the wait count fixed
+  };
+
+#pragma unroll
+  for (int stage = 0; stage < kStages - 1; ++stage) issue_copies(stage);
+  stage_queries(descriptors[0]);
+  __syncthreads();
+
+  // Of the kSums sums (index u * kG + g), the ones this lane keeps after the reduction, and so the row it stores.
+  int kept_first = 0;
+  bool keeps = true;
+  if constexpr (split::kSums >= kLanesPerRow) {
+    static_assert(kG % split::kKept == 0, "a lane's kept sums belong to one row");
+    kept_first = part * split::kKept;
+  } else {
+    kept_first = part / (kLanesPerRow / split::kSums);
+    keeps = part % (kLanesPerRow / split::kSums) == 0;
   }
+  const int kept_row_offset = (kept_first / kG) * split::kRowGroups + row_group;
+
+  int stage = 0;
+  for (int ordinal = 0; ordinal < tiles_here; ++ordinal) {
+    const tile_descriptor& tile = descriptors[ordinal % kDescriptorSlots];
+    float* buffer = tile_logits + (ordinal & 1) * kG * tile_rows;
+    for (int sub = 0; sub < steps_per_tile; ++sub) {
+      // Refills the stage that the previous step read (its values were consumed before this point).
+      issue_copies(stage == 0 ? kStages - 1 : stage - 1);
+      wait_copies<kStages - 1>();  // this lane's copies for this step have landed
+      const int rows = tile.rows;
+      const int first_row = (warp + sub * kWarps) * split::kBatchRows;
+      if (first_row < rows) {
+        const int kept_row = first_row + kept_row_offset;
+        const bool kept_live = keeps && kept_row < rows;
+        // Loaded before the arithmetic so that its latency hides behind it.
+        const bool outlier = kept_live && __ldg(tile.outliers + kept_row) != 0;
+
+        const uint4* ring = warp_ring + stage * split::kSlots * 32;
+        const float4* q_vectors = reinterpret_cast<const float4*>(q_shared) + part;
+        float sums[split::kSums];
+#pragma unroll
+        for (int i = 0; i < split::kSums; ++i) sums[i] = 0.0F;
+        // Each lane sums its 2 * kElements elements of a row in the same order for every row.
+#pragma unroll
+        for (int k = 0; k < kVectorsPerLane; ++k) {
+          float x[split::kRowsPerLane][split::kElements];
+#pragma unroll
+          for (int u = 0; u < split::kRowsPerLane; ++u) {
+            vector16<T>::to_floats(ring[(u * kVectorsPerLane + k) * 32], x[u]);
+          }
+#pragma unroll
+          for (int quad = 0; quad < kQuads; ++quad) {
+#pragma unroll
+            for (int g = 0; g < kG; ++g) {
+              const float4 q = q_vectors[((g * kVectorsPerLane + k) * kQuads + quad) * kLanesPerRow];
+#pragma unroll
+              for (int u = 0; u < split::kRowsPerLane; ++u) {
+                float& sum = sums[u * kG + g];
+                sum = fmaf(q.x, x[u][4 * quad + 0], sum);
+                sum = fmaf(q.y, x[u][4 * quad + 1], sum);
+                sum = fmaf(q.z, x[u][4 * quad + 2], sum);
+                sum = fmaf(q.w, x[u][4 * quad + 3], sum);
+              }
+            }
+          }
+        }
+        reduce_scatter<kLanesPerRow / 2, split::kSums>(sums, part);
+        if (kept_live) {
+#pragma unroll
+          for (int i = 0; i < split::kKept; ++i) {
+            const int g = (kept_first + i) % kG;
+            if (g < d.group) buffer[g * tile_rows + kept_row] = outlier ? kNegativeInfinity : d.softmax_scale * sums[i];
+          }
+        }
+      }
+      stage = stage + 1 == kStages ? 0 : stage + 1;
+    }
+
+    const bool more = ordinal + 1 < tiles_here;
+    const tile_descriptor& next = descriptors[(ordinal + 1) % kDescriptorSlots];
+    const bool new_queries = more && (next.sequence != tile.sequence || next.head != tile.head);
+    // Every warp's rows of this tile are in `buffer`; every warp is done with q_shared, with the epilogue of the
+    // other buffer (the previous tile), which the next tile overwrites, and with descriptor slot
+    // (ordinal + kDescribedAhead) % kDescriptorSlots.
+    __syncthreads();
+    if (threadIdx.x == 0 && ordinal + kDescribedAhead < tiles_here) {
+      descriptors[(ordinal + kDescribedAhead) % kDescriptorSlots] =
+          describe_tile<split::kDims, T>(sequences, batch, begin + ordinal + kDescribedAhead, tile_rows, d);
+    }
+    if (new_queries) stage_queries(next);
+    write_tile(tile, buffer);
+    if (new_queries) __syncthreads();
+  }
+}
+
+/// CTAs of the instantiation that fit on one multiprocessor of the current device with `shared_bytes` of dynamic
+/// shared memory; 0 if it does not fit. Host-side queries and attributes on every launch are a slow path, so the
+/// answer is kept per (device, size); a query also lets the kernel use the device's opt-in shared memory (one fixed
+/// value, so concurrent launches of other sizes never see it lowered) and asks for the largest shared-memory carveout,
+/// so that the launch gets the residency the grid is sized for (one CTA short per multiprocessor would leave a
+/// second wave of whole shares).
+template <typename T, int kRowBytes, int kG>
+int resident_ctas(int shared_bytes) {
+  static std::mutex mutex;
+  static std::map<std::pair<int, int>, int> known;  // (device, shared bytes) -> CTAs per multiprocessor
+  int device = 0;
+  SHADOWKV_CUDA_TRY(cudaGetDevice(&device));
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto found = known.find({device, shared_bytes});
+  if (found != known.end()) return found->second;
+  auto kernel = decode_landmark_logits_kernel<T, kRowBytes, kG>;
+  int optin = 0;
+  SHADOWKV_CUDA_TRY(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  int ctas = 0;
+  if (shared_bytes <= optin) {
+    SHADOWKV_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin));
+    SHADOWKV_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                           cudaSharedmemCarveoutMaxShared));
+    SHADOWKV_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, kThreads,
+                                                                    static_cast<std::size_t>(shared_bytes)));
+  }
+  known.emplace(std::make_pair(device, shared_bytes), ctas);
+  return ctas;
 }
 
 template <typename T, int kRowBytes, int kG>
-void launch_with(const dims& d, const layer_view* views, const int* batch_slots, int layer, int batch,
+bool launch_with(const dims& d, const layer_view* views, const int* batch_slots, int layer, int batch,
                  const strided_tensor& queries, int tile_rows, int tiles, int multiprocessors, float* logits,
                  float* scores, cudaStream_t stream) {
-  // About four resident CTAs per multiprocessor's worth of tiles per CTA; strided tiles keep short contexts spread.
-  const long long work = static_cast<long long>(batch) * d.kv_heads * tiles;
-  const long long slots = static_cast<long long>(std::max(multiprocessors, 1)) * 4;
-  const long long per_cta = std::min<long long>(std::max<long long>((work + slots - 1) / slots, 1), kMaxTilesPerCta);
-  const dim3 grid(static_cast<unsigned>((tiles + per_cta - 1) / per_cta), static_cast<unsigned>(d.kv_heads),
-                  static_cast<unsigned>(batch));
-  const std::size_t shared = static_cast<std::size_t>(kG) * tile_rows * sizeof(float);
-  decode_landmark_logits_kernel<T, kRowBytes, kG><<<grid, kThreads, shared, stream>>>(d, views, batch_slots, layer,
-                                                                                      queries, tile_rows, tiles,
-                                                                                      logits, scores);
+  using split = row_split<T, kRowBytes, kG>;
+  const shared_layout layout = shared_layout_for<split, kG>(tile_rows, batch);
+  const int per_multiprocessor = resident_ctas<T, kRowBytes, kG>(layout.bytes);
+  if (per_multiprocessor < 1) return false;
+  // Exactly the resident CTAs (one wave), fewer only when there are fewer tiles than that even with every chunk live.
+  const long long most_tiles = static_cast<long long>(batch) * d.kv_heads * tiles;
+  const long long ctas =
+      std::min<long long>(static_cast<long long>(per_multiprocessor) * std::max(multiprocessors, 1), most_tiles);
+  decode_landmark_logits_kernel<T, kRowBytes, kG>
+      <<<static_cast<unsigned>(ctas), kThreads, static_cast<std::size_t>(layout.bytes), stream>>>(
+          d, views, batch_slots, layer, batch, queries, tile_rows, tiles, logits, scores);
   SHADOWKV_CUDA_CHECK_LAUNCH();
+  return true;
 }
 
 template <typename T, int kRowBytes>
-void launch_for_group(const dims& d, const layer_view* views, const int* batch_slots, int layer, int batch,
+bool launch_for_group(const dims& d, const layer_view* views, const int* batch_slots, int layer, int batch,
                       const strided_tensor& queries, int tile_rows, int tiles, int multiprocessors, float* logits,
                       float* scores, cudaStream_t stream) {
   if (d.group == 1) {
-    launch_with<T, kRowBytes, 1>(d, views, batch_slots, layer, batch, queries, tile_rows, tiles, multiprocessors,
-                                 logits, scores, stream);
-  } else if (d.group == 2) {
-    launch_with<T, kRowBytes, 2>(d, views, batch_slots, layer, batch, queries, tile_rows, tiles, multiprocessors,
-                                 logits, scores, stream);
-  } else if (d.group <= 4) {
-    launch_with<T, kRowBytes, 4>(d, views, batch_slots, layer, batch, queries, tile_rows, tiles, multiprocessors,
-                                 logits, scores, stream);
-  } else {
-    launch_with<T, kRowBytes, 8>(d, views, batch_slots, layer, batch, queries, tile_rows, tiles, multiprocessors,
-                                 logits, scores, stream);
+    return launch_with<T, kRowBytes, 1>(d, views, batch_slots, layer, batch, queries, tile_rows, tiles,
+                                        multiprocessors, logits, scores, stream);
   }
+  if (d.group == 2) {
+    return launch_with<T, kRowBytes, 2>(d, views, batch_slots, layer, batch, queries, tile_rows, tiles,
+                                        multiprocessors, logits, scores, stream);
+  }
+  if (d.group <= 4) {
+    return launch_with<T, kRowBytes, 4>(d, views, batch_slots, layer, batch, queries, tile_rows, tiles,
+                                        multiprocessors, logits, scores, stream);
+  }
+  return launch_with<T, kRowBytes, 8>(d, views, batch_slots, layer, batch, queries, tile_rows, tiles, multiprocessors,
+                                      logits, scores, stream);
 }
 
 }  // namespace
@@ -197,19 +508,16 @@ bool launch_decode_landmark_logits(const dims& d, int kv_type, const layer_view*
     const int row_bytes = d.head_dim * static_cast<int>(sizeof(T));
     switch (row_bytes) {
       case 128:
-        launch_for_group<T, 128>(d, views, batch_slots, layer, batch, queries, tile_rows, tiles, multiprocessors,
-                                 logits, scores, stream);
-        launched = true;
+        launched = launch_for_group<T, 128>(d, views, batch_slots, layer, batch, queries, tile_rows, tiles,
+                                            multiprocessors, logits, scores, stream);
         break;
       case 256:
-        launch_for_group<T, 256>(d, views, batch_slots, layer, batch, queries, tile_rows, tiles, multiprocessors,
-                                 logits, scores, stream);
-        launched = true;
+        launched = launch_for_group<T, 256>(d, views, batch_slots, layer, batch, queries, tile_rows, tiles,
+                                            multiprocessors, logits, scores, stream);
         break;
       case 512:
-        launch_for_group<T, 512>(d, views, batch_slots, layer, batch, queries, tile_rows, tiles, multiprocessors,
-                                 logits, scores, stream);
-        launched = true;
+        launched = launch_for_group<T, 512>(d, views, batch_slots, layer, batch, queries, tile_rows, tiles,
+                                            multiprocessors, logits, scores, stream);
         break;
       default: break;
     }

@@ -1,10 +1,12 @@
-// Landmark logits of one decode step (one query token), read straight from global memory into registers.
+// Landmark logits of one decode step (one query token), streamed through shared memory by one wave of CTAs.
 //
 // The same outputs as kernel 1 of chunk_selection.cu in its decode mode (kLogits with tile partials), which stages
-// tiles in shared memory and measured ~3x the landmark bytes' time at HBM speed on an H200 (B=8: 176 µs for 60 µs of
-// bytes). Here a warp reads whole rows with 16-byte loads (a row is 128-512 bytes: 8-32 lanes), several rows per lane
-// in flight, keeps its slice of the G queries in registers and sums a row over its lanes with shuffles; a tile's
-// logits go through shared memory once, for coalesced writes and the tile's softmax partial.
+// whole tiles per CTA in shared memory and measured ~3x the landmark bytes' time at HBM speed on an H200 (B=8: 176 µs
+// for 60 µs of bytes). Here one wave of CTAs splits the batch's live tiles evenly; each lane streams its own slices
+// of landmark rows into a private cp.async ring two batches ahead (the bytes in flight cost no registers), reads q
+// from shared memory as broadcasts, and sums a row over its 4-16 lanes with a reduce-scatter of shuffles; one block
+// barrier per tile hands the tile's logits to the epilogue (coalesced writes and the tile's softmax partial) while
+// the next copies are in flight.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -636,6 +636,29 @@ TEST_F(ChunkSelection, SmallAndLargeChunkCapacity) {
   }
 }
 
+TEST_F(ChunkSelection, LongRaggedContextsGiveEachCtaSeveralTiles) {
+  // The decode logits kernel runs one wave of CTAs, each over a contiguous share of the batch's live tiles: with
+  // contexts of up to 60000 chunks a share holds several tiles, crosses heads and sequences (q restaged within the
+  // share) and ends inside partial tiles of ragged lengths. G = 8 also takes the 80-register instantiations.
+  const int shapes[][3] = {{4, 128, 2}, {8, 64, 1}};  // group, head_dim, kv type (bf16, f16)
+  std::uint64_t seed = 71;
+  for (const auto& shape : shapes) {
+    case_config cfg = random_case(seed);
+    cfg.seed = seed++;
+    cfg.batch = 4;
+    cfg.kv_heads = 2;
+    cfg.group = shape[0];
+    cfg.head_dim = shape[1];
+    cfg.kv_type = shape[2];
+    cfg.tokens = 1;
+    cfg.max_chunks = 60000;
+    cfg.max_context = 60000;
+    cfg.budget = 256;
+    run_case(cfg);
+    if (HasFatalFailure()) return;
+  }
+}
+
 TEST_F(ChunkSelection, BudgetBeyondCandidates) {
   case_config cfg = random_case(51);
   cfg.max_context = 200;
