@@ -42,6 +42,8 @@ void config::validate() const {
   SHADOWKV_EXPECTS(generation_window >= chunk_size && generation_window % chunk_size == 0,
                    "generation_window must be a positive multiple of chunk_size (", chunk_size, "), got ",
                    generation_window);
+  SHADOWKV_EXPECTS(decode_pipeline_parts >= 0 && decode_pipeline_parts <= 8,
+                   "decode_pipeline_parts must be in [0, 8] (0: the backend's choice), got ", decode_pipeline_parts);
   SHADOWKV_EXPECTS(device_value_budget >= -1, "device_value_budget must be >= 0 bytes (or -1: the backend's default), got ",
                    device_value_budget);
 }

@@ -564,7 +564,9 @@ std::vector<cuda_backend::batch_part> cuda_backend::pipeline_parts(std::span<con
   const bool any_host_values = std::any_of(entries.begin(), entries.end(), [this](const batch_entry& entry) {
     return values_on_[static_cast<std::size_t>(entry.slot)] == value_place::host;
   });
-  const int count = any_host_values ? std::clamp(batch / 4, 1, kMaxPipelineParts) : 1;
+  const int chosen = any_host_values ? std::clamp(batch / 4, 1, 4) : 1;
+  const int count = std::clamp(config_.decode_pipeline_parts > 0 ? config_.decode_pipeline_parts : chosen, 1,
+                               std::max(1, batch));
   std::vector<batch_part> parts(static_cast<std::size_t>(count));
   for (int p = 0; p < count; ++p) {
     parts[static_cast<std::size_t>(p)].first = p * batch / count;

@@ -71,9 +71,10 @@ class cuda_backend final : public backend {
     int first = 0;
     int count = 0;
   };
-  static constexpr int kMaxPipelineParts = 4;
-  /// The pipeline's parts for this batch: one part when every sequence's values are in device memory (the fetch is
-  /// a device-to-device copy, nothing to hide) or the batch is small; else up to kMaxPipelineParts of >= 4 entries.
+  static constexpr int kMaxPipelineParts = 8;  ///< config::decode_pipeline_parts' limit
+  /// The pipeline's parts for this batch: config::decode_pipeline_parts when set (at most the batch); otherwise one
+  /// part when every sequence's values are in device memory (the fetch is a device-to-device copy, nothing to hide),
+  /// else up to 4 parts of >= 4 entries.
   [[nodiscard]] std::vector<batch_part> pipeline_parts(std::span<const batch_entry> entries) const;
   /// The decode workspace seen from batch entry `first` on (every per-entry array offset by `first` rows).
   [[nodiscard]] step_workspace workspace_from(int first) const;

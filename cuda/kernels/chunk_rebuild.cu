@@ -390,23 +390,44 @@ __global__ void fetch_values_kernel(dims d, layer_view* views, const int* batch_
       const float scale = view->value_scales[source_run];
       const std::uint8_t* from = codes + source_run * run;
       if (run % 16 == 0) {
-        for (long long i = 16LL * lane; i < run; i += 16LL * 32) {
-          const uint4 packed = *reinterpret_cast<const uint4*>(from + i);
-          const std::uint32_t words[4] = {packed.x, packed.y, packed.z, packed.w};
+        // Two 16-byte loads a lane in flight before any store (the source is host memory across PCIe).
+        constexpr long long kStride = 16LL * 32;
+        for (long long i0 = 16LL * lane; i0 < run; i0 += 2 * kStride) {
+          uint4 packed[2];
 #pragma unroll
-          for (int k = 0; k < 16; ++k) {
-            const auto code = static_cast<std::uint8_t>(words[k / 4] >> (8 * (k % 4)));
-            target[i + k] = from_float<T>(fp8::decode_e4m3(code) * scale);
+          for (int u = 0; u < 2; ++u) {
+            if (i0 + u * kStride < run) packed[u] = *reinterpret_cast<const uint4*>(from + i0 + u * kStride);
+          }
+#pragma unroll
+          for (int u = 0; u < 2; ++u) {
+            if (i0 + u * kStride >= run) break;
+            const std::uint32_t words[4] = {packed[u].x, packed[u].y, packed[u].z, packed[u].w};
+#pragma unroll
+            for (int k = 0; k < 16; ++k) {
+              const auto code = static_cast<std::uint8_t>(words[k / 4] >> (8 * (k % 4)));
+              target[i0 + u * kStride + k] = from_float<T>(fp8::decode_e4m3(code) * scale);
+            }
           }
         }
       } else {
         for (long long i = lane; i < run; i += 32) target[i] = from_float<T>(fp8::decode_e4m3(from[i]) * scale);
       }
     } else if (vectorised) {
+      // Four 16-byte loads a lane in flight before any store: a 2 KiB run (C = 8, D = 128, bf16) in one round trip.
       const long long vectors = run * static_cast<long long>(sizeof(T)) / 16;
       const int4* from = reinterpret_cast<const int4*>(source);
       int4* to = reinterpret_cast<int4*>(target);
-      for (long long i = lane; i < vectors; i += 32) to[i] = from[i];
+      for (long long i0 = lane; i0 < vectors; i0 += 4 * 32) {
+        int4 loaded[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          if (i0 + 32 * u < vectors) loaded[u] = from[i0 + 32 * u];
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          if (i0 + 32 * u < vectors) to[i0 + 32 * u] = loaded[u];
+        }
+      }
     } else {
       for (long long i = lane; i < run; i += 32) target[i] = source[i];
     }
@@ -450,8 +471,11 @@ void launch_fetch_values(const dims& d, int kv_type, layer_view* views, const in
                          const step_workspace& workspace, cudaStream_t stream) {
   shadowkv_dispatch_element(kv_type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    // 8 warps per CTA, one missed chunk per warp at a time: enough warps in flight to cover PCIe latency.
-    const int splits = splits_for(batch, d.kv_heads, (d.budget + 7) / 8);
+    // 8 warps per CTA, one missed chunk per warp at a time, up to 4 loads a lane in flight: about 64 CTAs (1 MiB in
+    // flight) cover PCIe latency, and leave the other multiprocessors to the selection and the key rebuild, which run
+    // beside the fetch (cuda_backend.hpp).
+    const int pairs = std::max(1, batch * d.kv_heads);
+    const int splits = std::max(1, std::min((64 + pairs - 1) / pairs, (d.budget + 7) / 8));
     fetch_values_kernel<T><<<dim3(batch, d.kv_heads, splits), 256, 0, stream>>>(d, views, batch_slots, layer,
                                                                                 workspace);
   });

@@ -192,6 +192,9 @@ class KVStore:
         factor_dtype: element type of the low-rank key factors A and B: None/"auto" (bfloat16 for bfloat16 and
             float16 stores, float32 for float32 stores), "bfloat16" (half the bytes of the largest per-sequence
             array; A and B are rounded once, docs/semantics.md "Low-rank factors") or "float32".
+        decode_pipeline_parts: on CUDA with values in host memory, the decode batch is cut into parts so that the
+            PCIe fetch of one part overlaps the selection of the next: 0 (default) lets the backend choose (up to 4
+            parts of at least 4 sequences), 1 turns it off, 2-8 force that many (never more than the batch).
         device_value_budget: bytes of device memory the values of "auto" sequences may take together. Default:
             on CUDA, the device memory free after the store's own reservations less a margin (5%, at least 2 GiB),
             measured when the store is built — pass a budget when the model still needs memory after that; on the
@@ -227,6 +230,7 @@ class KVStore:
         device_value_budget: Optional[int] = None,
         value_dtype: Optional[Any] = None,
         factor_dtype: Optional[Any] = None,
+        decode_pipeline_parts: int = 0,
     ) -> None:
         # Exact argument types first (docs/errors.md): integers within their C types, real numbers, strings.
         num_layers, num_q_heads = _integer("num_layers", num_layers), _integer("num_q_heads", num_q_heads)
@@ -292,6 +296,7 @@ class KVStore:
             if device_value_budget < 0:
                 raise ValueError(f"device_value_budget must be >= 0 bytes, got {device_value_budget}")
             cfg.device_value_budget = device_value_budget
+        cfg.decode_pipeline_parts = _integer("decode_pipeline_parts", decode_pipeline_parts)
         if factor_dtype is not None:
             factor_name = _dtype_name(factor_dtype)
             factor_name = {"fp32": "float32", "float": "float32", "bf16": "bfloat16"}.get(factor_name, factor_name)

@@ -167,6 +167,7 @@ NB_MODULE(_core, m) {
           [](const shadowkv::config& c) { return shadowkv::value_store_name(c.value_store); },
           [](shadowkv::config& c, const std::string& name) { c.value_store = shadowkv::parse_value_store(name); })
       .def_rw("device_value_budget", &shadowkv::config::device_value_budget)
+      .def_rw("decode_pipeline_parts", &shadowkv::config::decode_pipeline_parts)
       .def_prop_rw(
           "value_format", [](const shadowkv::config& c) { return shadowkv::value_format_name(c.values_as); },
           [](shadowkv::config& c, const std::string& name) { c.values_as = shadowkv::parse_value_format(name); })

@@ -247,3 +247,34 @@ def test_cuda_rejects_shapes_its_kernels_cannot_serve_at_construction(bad):
     with pytest.raises(ValueError, match=field):
         KVStore(**kw, device="cuda:0")
     KVStore(**kw, device="cpu")  # the reference takes it
+
+
+def test_cuda_pipelined_decode_equals_unpipelined():
+    """Cutting the batch into parts (decode_pipeline_parts, cuda_backend.hpp) changes only the order of the work:
+    outputs, selections and statistics are bit-identical to one part, with host (pinned) and fp8 values."""
+    seed, hq, hkv, d, steps = 31, 8, 2, 128, 12
+    lengths = [900, 530, 1200, 610, 770, 1000, 480]
+    g = H.generator(seed)
+    for value_dtype in (None, "float8_e4m3"):
+        kw = dict(num_layers=1, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, max_batch=len(lengths), max_seq_len=2048,
+                  rank=64, chunk_size=8, budget=128, outlier_chunks=2, local_chunks=2, generation_window=16,
+                  dtype="bfloat16", device="cuda:0", value_store="host", value_dtype=value_dtype)
+        stores = {parts: KVStore(**kw, decode_pipeline_parts=parts) for parts in (1, 3)}
+        keys = torch.zeros(len(lengths), max(lengths), hkv, d)
+        values = torch.zeros_like(keys)
+        for b, n in enumerate(lengths):
+            keys[b, :n] = H.structured_keys(g, n, hkv, d)
+            values[b, :n] = H.randn(g, n, hkv, d)
+        slots = {}
+        for parts, store in stores.items():
+            slots[parts] = store.add_sequences(len(lengths))
+            store.prefill(0, slots[parts], keys.cuda(), values.cuda(), lengths=lengths)
+        for step in range(steps):
+            q = H.randn(g, len(lengths), hq, d, scale=2.0).cuda()
+            k_new, v_new = H.randn(g, len(lengths), hkv, d).cuda(), H.randn(g, len(lengths), hkv, d).cuda()
+            outs = {parts: store.decode(0, slots[parts], q, k_new, v_new) for parts, store in stores.items()}
+            assert torch.equal(outs[1], outs[3]), f"step {step}: pipelined output differs ({value_dtype})"
+            for b in range(len(lengths)):
+                assert stores[1].selected_chunks(0, slots[1][b]) == stores[3].selected_chunks(0, slots[3][b])
+        H.assert_nontrivial(outs[3].float(), "pipelined output", seed)
+        assert stores[1].stats() == stores[3].stats()

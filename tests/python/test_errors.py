@@ -260,3 +260,13 @@ def test_valid_edge_configs_construct():
                       dict(rope_style="interleaved"), dict(factorization="svd")):
         store = make_store(config("cpu", **overrides))
         assert store.add_sequences(1) == [0], f"config {overrides}"
+
+
+def test_decode_pipeline_parts_is_range_checked():
+    from shadowkv_core import KVStore
+    for bad in (-1, 9):
+        with pytest.raises(ValueError, match="decode_pipeline_parts"):
+            KVStore(1, 4, 2, 64, rank=32, decode_pipeline_parts=bad)
+    with pytest.raises(TypeError, match="decode_pipeline_parts"):
+        KVStore(1, 4, 2, 64, rank=32, decode_pipeline_parts=2.0)
+    assert KVStore(1, 4, 2, 64, rank=32, decode_pipeline_parts=3).config["decode_pipeline_parts"] == 3

@@ -80,6 +80,9 @@ struct config {
   /// Bytes of device memory the value stores of `auto_place` sequences may take together; -1: the backend's
   /// default (CUDA: device memory free after the store's reservations, less a margin; CPU: no limit).
   std::int64_t device_value_budget = -1;
+  /// Parts a decode batch is cut into so that the value fetch of one part overlaps the selection of the next
+  /// (CUDA backend with host values; other backends ignore it): 0 = the backend's choice, 1 = no pipelining, up to 8.
+  int decode_pipeline_parts = 0;
 
   /// Throws invalid_argument naming the first field (and its value) that is out of range.
   void validate() const;
