@@ -561,11 +561,11 @@ void cuda_backend::append_token(int layer, std::span<const batch_entry> entries,
 
 std::vector<cuda_backend::batch_part> cuda_backend::pipeline_parts(std::span<const batch_entry> entries) const {
   const int batch = static_cast<int>(entries.size());
-  const bool any_host_values = std::any_of(entries.begin(), entries.end(), [this](const batch_entry& entry) {
-    return values_on_[static_cast<std::size_t>(entry.slot)] == value_place::host;
-  });
-  const int chosen = any_host_values ? std::clamp(batch / 4, 1, 4) : 1;
-  const int count = std::clamp(config_.decode_pipeline_parts > 0 ? config_.decode_pipeline_parts : chosen, 1,
+  // The backend's choice is one part: measured on the H200 (bench/NOTES.md, 45e32d4), 4 parts at B=24 took 1.41 ms
+  // where one took 1.35: the fetch kernels of earlier parts hold multiprocessors, so the one-wave landmark-logits
+  // kernels of later parts run in a second wave (790 us instead of 226 us in all). Kept as an option until the logits
+  // kernel takes its tiles dynamically and the fetch leaves the multiprocessors free.
+  const int count = std::clamp(config_.decode_pipeline_parts > 0 ? config_.decode_pipeline_parts : 1, 1,
                                std::max(1, batch));
   std::vector<batch_part> parts(static_cast<std::size_t>(count));
   for (int p = 0; p < count; ++p) {

@@ -7,8 +7,8 @@
 //   compute: advance_generated (fold + append) -> select part 1 -> [event] -> ... -> select part P -> [event]
 //            -> rebuild_keys -> [wait fetched] -> sparse attention
 //   copy:    [wait part 1 selected] -> fetch part 1 -> ... -> [wait part P selected] -> fetch part P -> [event fetched]
-// With values in host memory the batch is cut into parts (pipeline_parts), so that the PCIe fetch of one part runs
-// while the next part is selected: the step then costs about max(selection, fetch) instead of their sum.
+// With decode_pipeline_parts > 1 the batch is cut into parts (pipeline_parts), so that the PCIe fetch of one part
+// runs while the next part is selected (off by default: measured slower, see pipeline_parts).
 // Counters of each (slot, layer) live in device layer_views and advance on the device, so the host never reads
 // device memory inside a step (see device_layout.cuh).
 #pragma once
@@ -72,9 +72,8 @@ class cuda_backend final : public backend {
     int count = 0;
   };
   static constexpr int kMaxPipelineParts = 8;  ///< config::decode_pipeline_parts' limit
-  /// The pipeline's parts for this batch: config::decode_pipeline_parts when set (at most the batch); otherwise one
-  /// part when every sequence's values are in device memory (the fetch is a device-to-device copy, nothing to hide),
-  /// else up to 4 parts of >= 4 entries.
+  /// The pipeline's parts for this batch: config::decode_pipeline_parts when set (at most the batch), else one (see
+  /// the measurement in pipeline_parts).
   [[nodiscard]] std::vector<batch_part> pipeline_parts(std::span<const batch_entry> entries) const;
   /// The decode workspace seen from batch entry `first` on (every per-entry array offset by `first` rows).
   [[nodiscard]] step_workspace workspace_from(int first) const;

@@ -192,9 +192,9 @@ class KVStore:
         factor_dtype: element type of the low-rank key factors A and B: None/"auto" (bfloat16 for bfloat16 and
             float16 stores, float32 for float32 stores), "bfloat16" (half the bytes of the largest per-sequence
             array; A and B are rounded once, docs/semantics.md "Low-rank factors") or "float32".
-        decode_pipeline_parts: on CUDA with values in host memory, the decode batch is cut into parts so that the
-            PCIe fetch of one part overlaps the selection of the next: 0 (default) lets the backend choose (up to 4
-            parts of at least 4 sequences), 1 turns it off, 2-8 force that many (never more than the batch).
+        decode_pipeline_parts: on CUDA, cut the decode batch into this many parts (2-8, never more than the batch) so
+            that the PCIe fetch of one part overlaps the selection of the next. 0 (default) lets the backend choose:
+            one part today, since 4 parts measured slower at B=24 (bench/NOTES.md).
         device_value_budget: bytes of device memory the values of "auto" sequences may take together. Default:
             on CUDA, the device memory free after the store's own reservations less a margin (5%, at least 2 GiB),
             measured when the store is built — pass a budget when the model still needs memory after that; on the
