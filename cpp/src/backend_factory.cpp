@@ -33,6 +33,7 @@ build_info get_build_info() {
   info.cuda_backend = true;
   info.backends.push_back("cuda");
   info.cuda_devices = detail::cuda_device_count();
+  info.cuda_architectures = detail::compiled_cuda_architectures();
 #endif
   return info;
 }

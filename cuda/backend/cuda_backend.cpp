@@ -6,6 +6,7 @@
 #include "chunk_rebuild.cuh"
 #include "chunk_selection.cuh"
 #include "cuda_check.hpp"
+#include "cuda_runtime_info.hpp"
 #include "generated_tokens.cuh"
 #include "prompt_kernels.cuh"
 #include "shadowkv/errors.hpp"
@@ -97,6 +98,7 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   SHADOWKV_EXPECTS(device_index >= 0 && device_index < count, "device cuda:", device_index,
                    " is not available: this machine has ", count, " CUDA device(s)");
   check_kernel_support(cfg);
+  shadowkv::detail::check_cuda_architecture(device_index);  // a GPU the build has no code for: ValueError, now
   device_guard guard(device_);
 
   dims_.num_layers = cfg.num_layers;

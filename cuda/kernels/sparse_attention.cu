@@ -11,8 +11,9 @@
 //    split's share is a contiguous range of ceil(N / splits) rows of the N actual rows, so a short sequence in a
 //    ragged batch costs what it holds.
 //    Rows stream through a multi-stage shared-memory pipeline (cp.async, 16 bytes per copy, 2-8 stages in <= 40 KiB
-//    per CTA, so the bytes in flight do not cost registers): a stage holds the K and V rows of one compute step and
-//    the producing threads note which of its rows are tokens. A row is read from shared
+//    of dynamic shared memory per CTA, or 2 stages when they need more, so the bytes in flight do not cost
+//    registers): a stage holds the K and V rows of one compute step and the producing threads note which of its rows
+//    are tokens. A row is read from shared
 //    memory by a *row slot* of L lanes (L = the row's 16-byte vectors rounded up to a power of two, at most 32),
 //    each lane holding one or two 16-byte vectors of it and, in registers, the matching slice of its query heads
 //    (pre-scaled by softmax_scale * log2 e) and their online-softmax state (max, sum, acc) in float32. A query tile
@@ -33,7 +34,9 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <type_traits>
 
@@ -58,8 +61,11 @@ constexpr int kMinRowsPerSplit = 64;
 /// count, so that the split count (and with it the rounding of the result) depends only on the dims and the batch.
 constexpr int kTargetCtas = 132 * 3;
 constexpr int kMaxHeadTile = 8;
-/// Shared memory for the K/V pipeline stages of one CTA (with the few static bytes, under the 48 KiB default).
+/// Shared memory for the K/V pipeline stages of one CTA. At least two stages are kept, so a step larger than half of
+/// this (fp32, D = 256, 4 heads per lane: 32 KiB) takes more (64 KiB, over the 48 KiB default; see launch_split).
 constexpr int kPipelineBytes = 40 * 1024;
+/// Shared memory (static and dynamic) a CTA may use without the opt-in attribute.
+constexpr int kDefaultSharedBytes = 48 * 1024;
 constexpr float kLog2e = 1.4426950408889634F;
 
 constexpr int next_power_of_two(int n) { return n <= 1 ? 1 : 2 * next_power_of_two((n + 1) / 2); }
@@ -97,7 +103,9 @@ struct cta_layout {
   static constexpr int stages = std::max(2, std::min(8, kPipelineBytes / stage_bytes));
   static constexpr int pipeline_bytes = stages * stage_bytes;
   static constexpr int reduction_bytes = units * HeadTile * (D + 2) * static_cast<int>(sizeof(float));
-  static constexpr int shared_bytes = std::max(pipeline_bytes, reduction_bytes);
+  static constexpr int shared_bytes = std::max(pipeline_bytes, reduction_bytes);  ///< dynamic, at launch
+  /// The kernel's static shared arrays (warp_last_filled, row_is_token), with room for their alignment.
+  static constexpr int static_bytes = kWarps * static_cast<int>(sizeof(int)) + stages * step_rows + 16;
 };
 
 /// 16-byte asynchronous copy global -> shared, cached in L2 only (the rows are read once).
@@ -174,7 +182,9 @@ __global__ void __launch_bounds__(kThreads, 3)
   constexpr int kStages = layout::stages;
 
   // Pipeline stages [stage][K|V][step row][D] of T; after the row loop the same bytes hold the reduction.
-  __shared__ __align__(16) unsigned char storage[layout::shared_bytes];
+  // layout::shared_bytes of dynamic shared memory: one instantiation (fp32, D = 256, HeadTile 4) needs 64 KiB, over
+  // the 48 KiB that static shared memory may take on every target but sm_90a.
+  extern __shared__ __align__(16) unsigned char storage[];
   __shared__ int warp_last_filled[kWarps];
   __shared__ unsigned char row_is_token[kStages][kStepRows];  // written with the copies, read by the consumers
   T* const stage_rows = reinterpret_cast<T*>(storage);
@@ -535,11 +545,28 @@ struct split_launch {
   cudaStream_t stream;
 };
 
+/// Above 48 KiB a kernel needs the opt-in limit. The attribute belongs to each device's copy of the kernel, so it is
+/// set once per device (`devices`: a bit per device index, one word per instantiation), not once per process and not
+/// on every launch (a slow path); after the first launch on a device this costs a cudaGetDevice.
+template <typename Kernel>
+void allow_large_shared_memory(Kernel kernel, std::atomic<std::uint64_t>& devices) {
+  int device = 0;
+  SHADOWKV_CUDA_TRY(cudaGetDevice(&device));
+  const std::uint64_t bit = device < 64 ? std::uint64_t{1} << device : 0;  // beyond 64 devices: every launch
+  if ((devices.load(std::memory_order_acquire) & bit) != 0) return;
+  if (shadowkv_allow_max_shared_memory(kernel)) devices.fetch_or(bit, std::memory_order_acq_rel);
+}
+
 template <typename T, int D, int HeadTile>
 void launch_split(const split_launch& a) {
+  using layout = cta_layout<T, D, HeadTile>;
+  if constexpr (layout::shared_bytes + layout::static_bytes > kDefaultSharedBytes) {
+    static std::atomic<std::uint64_t> allowed_on_devices{0};
+    allow_large_shared_memory(sparse_attention_split_kernel<T, D, HeadTile>, allowed_on_devices);
+  }
   const dim3 grid(static_cast<unsigned>(a.splits), static_cast<unsigned>(a.d.kv_heads), static_cast<unsigned>(a.batch));
-  sparse_attention_split_kernel<T, D, HeadTile>
-      <<<grid, kThreads, 0, a.stream>>>(a.d, a.views, a.batch_slots, a.layer, a.q, a.partial, a.splits, a.max_splits);
+  sparse_attention_split_kernel<T, D, HeadTile><<<grid, kThreads, layout::shared_bytes, a.stream>>>(
+      a.d, a.views, a.batch_slots, a.layer, a.q, a.partial, a.splits, a.max_splits);
   SHADOWKV_CUDA_CHECK_LAUNCH();
 }
 

@@ -92,7 +92,8 @@ def _inv_freq(values: Any) -> list:
 
 
 def build_info() -> dict:
-    """What this build contains: version, whether CUDA was compiled, backends, visible CUDA devices, BLAS."""
+    """What this build contains: version, whether CUDA was compiled, backends, visible CUDA devices, BLAS, and the
+    CUDA architectures the kernels were compiled for (CMake's syntax, e.g. ``["90a-real", "90-virtual"]``)."""
     return _core.build_info()
 
 

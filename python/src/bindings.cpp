@@ -253,6 +253,7 @@ NB_MODULE(_core, m) {
     d["cuda_devices"] = info.cuda_devices;
     d["backends"] = info.backends;
     d["blas"] = info.blas;
+    d["cuda_architectures"] = info.cuda_architectures;
     return d;
   });
 }

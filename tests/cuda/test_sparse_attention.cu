@@ -592,6 +592,25 @@ TEST(SparseAttention, MatchesReferenceOnNamedShapes) {
     c.group = 5;
     cases.push_back(c);
   }
+  {  // float32, head_dim 256, 3-4 query heads per KV head: the one instantiation that takes more than the 48 KiB
+     // default of shared memory (64 KiB of pipeline stages, dynamic, with the opt-in attribute); group 3 leaves its
+     // head tile part empty.
+    attention_case c;
+    c.seed = 1007;
+    c.batch = 2;
+    c.kv_heads = 2;
+    c.group = 4;
+    c.head_dim = 256;
+    c.kv_type = c.q_type = c.out_type = element_f32;
+    c.budget = 24;
+    c.max_outliers = 3;
+    c.window = 32;
+    cases.push_back(c);
+    c.seed = 1008;
+    c.group = 3;
+    c.max_splits = 1;  // one CTA walks every row: many pipeline steps through the two 32 KiB stages
+    cases.push_back(c);
+  }
   {  // One split only: the whole row list in one CTA per head.
     attention_case c;
     c.seed = 1006;
