@@ -52,16 +52,15 @@ __device__ __forceinline__ long long load_index_any(const void* data, int bits, 
                     : static_cast<const long long*>(data)[offset];
 }
 
-/// Rotates the pair (x1, x2) of rotary index i to `position` (inverse: un-rotates), exactly as the CPU backend:
-/// float32 angle, accurately evaluated cos/sin, attention_scaling on cos/sin (divided out when inverting).
-__device__ __forceinline__ void rope_pair(float& x1, float& x2, float inv_freq, long long position, float scaling,
-                                          bool inverse) {
+/// The float64 cos/sin of RoPE for (inv_freq, position, scaling), exactly as the CPU backend: float32 angle,
+/// accurately evaluated cos/sin, attention_scaling on cos/sin (divided out when inverting). Separate from the rotation
+/// so that one token's coefficients can serve all heads (prompt_kernels.cu).
+__device__ __forceinline__ void rope_coefficients(float inv_freq, long long position, float scaling, bool inverse,
+                                                  double& cos_a, double& sin_a) {
   const float angle = static_cast<float>(position) * inv_freq;
   double s;
   double c;
   sincos(static_cast<double>(angle), &s, &c);
-  double cos_a;
-  double sin_a;
   if (inverse) {
     cos_a = c / scaling;
     sin_a = -s / scaling;
@@ -69,10 +68,23 @@ __device__ __forceinline__ void rope_pair(float& x1, float& x2, float inv_freq, 
     cos_a = static_cast<double>(static_cast<float>(c) * scaling);
     sin_a = static_cast<double>(static_cast<float>(s) * scaling);
   }
+}
+
+/// Rotates (x1, x2) by precomputed coefficients (rope_coefficients), in float64, rounded to float.
+__device__ __forceinline__ void rotate_pair(float& x1, float& x2, double cos_a, double sin_a) {
   const double a = x1;
   const double b = x2;
   x1 = static_cast<float>(a * cos_a - b * sin_a);
   x2 = static_cast<float>(b * cos_a + a * sin_a);
+}
+
+/// Rotates the pair (x1, x2) of rotary index i to `position` (inverse: un-rotates), exactly as the CPU backend.
+__device__ __forceinline__ void rope_pair(float& x1, float& x2, float inv_freq, long long position, float scaling,
+                                          bool inverse) {
+  double cos_a;
+  double sin_a;
+  rope_coefficients(inv_freq, position, scaling, inverse, cos_a, sin_a);
+  rotate_pair(x1, x2, cos_a, sin_a);
 }
 
 /// Dimension paired with rotary index i: (first, second).

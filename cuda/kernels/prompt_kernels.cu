@@ -44,31 +44,6 @@ constexpr int kGramMinSliceRows = 512;  // shorter slices spend more on each CTA
 // tile's heads (the float64 sincos was the kernel's main arithmetic when every (token, head, dim) computed its own),
 // then 16-byte stores of both outputs, whose tile rows are contiguous runs of tile_heads * D elements.
 
-/// The float64 cos/sin that rope_pair (element_access.cuh) uses for (inv_freq, position, scaling, inverse).
-/// Split from the rotation so a token's coefficients serve all heads; the operations are rope_pair's, in its order.
-__device__ __forceinline__ void rope_coefficients(float inv_freq, long long position, float scaling, bool inverse,
-                                                  double& cos_a, double& sin_a) {
-  const float angle = static_cast<float>(position) * inv_freq;
-  double s;
-  double c;
-  sincos(static_cast<double>(angle), &s, &c);
-  if (inverse) {
-    cos_a = c / scaling;
-    sin_a = -s / scaling;
-  } else {
-    cos_a = static_cast<double>(static_cast<float>(c) * scaling);
-    sin_a = static_cast<double>(static_cast<float>(s) * scaling);
-  }
-}
-
-/// rope_pair's rotation of (x1, x2) by precomputed coefficients.
-__device__ __forceinline__ void rotate_pair(float& x1, float& x2, double cos_a, double sin_a) {
-  const double a = x1;
-  const double b = x2;
-  x1 = static_cast<float>(a * cos_a - b * sin_a);
-  x2 = static_cast<float>(b * cos_a + a * sin_a);
-}
-
 /// 16 bytes of a caller tensor of runtime element type `type` as floats (4 or 8 of them).
 __device__ __forceinline__ int vector_to_floats(const uint4& raw, int type, float* out) {
   switch (type) {
