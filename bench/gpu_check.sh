@@ -3,6 +3,7 @@
 # benchmark and the micro-benchmarks, and write bench/results/<date>-<commit>.json and <date>-<commit>-micro.json
 # (also to $OUT when set). Prints short tables last.
 #   bash bench/gpu_check.sh [--quick]      (--quick: tests only, no benchmarks; SKIP_MICRO=1: no micro-benchmarks)
+#   bash bench/gpu_check.sh --sanitize     (build, then compute-sanitizer instead of tests and benchmarks; see below)
 # The micro-benchmarks need Google Benchmark: the system's, or a copy in .device/benchmark made by
 # bench/carry_benchmark.sh on a machine that has it (carry that ignored folder along).
 set -uo pipefail
@@ -13,6 +14,7 @@ commit="${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 stamp="$(date -u +%Y-%m-%d)"
 result="bench/results/${stamp}-${commit}.json"
 jobs="$(nproc)"
+mode="${1:-}"
 status=0
 step() { echo; echo "=== $* ==="; }
 
@@ -31,6 +33,151 @@ cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DSHADOWKV_CUDA=ON -
 build_rc=$?
 tail -30 "$out_dir/cmake.log" | grep -E "error|Error|warning: |FAILED" | head -40
 [ $build_rc -eq 0 ] || { echo "BUILD FAILED"; tail -60 "$out_dir/cmake.log"; exit 1; }
+
+# --sanitize: compute-sanitizer memcheck, racecheck and initcheck over every CUDA test executable of the build
+# (tests/cuda/test_*) and over a short decode run (bench/probes/sanitize_decode.py: two small stores, ragged prefill,
+# 20 steps with folds, fp8 device values and bf16 host values, a graph replay, rejected NaN inputs). Runs go in order
+# of value (memcheck first) within SANITIZE_BUDGET_S (default 290 s) of sanitizer time, ending at the latest
+# SANITIZE_DEADLINE_S (560) after the script started; each run has its own cap and a run left without time is listed
+# as skipped. Racecheck (slow: every shared-memory access is tracked) runs a subset
+# of each test executable (SANITIZE_RACECHECK_FILTER overrides it, as a --gtest_filter for every executable). Writes
+# the counts to $out_dir/sanitize-summary.txt and bench/results/<date>-<commit>-sanitize.txt; one log per run in
+# $out_dir/sanitize/. Exit status 1 when any run reports an error or fails.
+if [ "$mode" = "--sanitize" ]; then
+  step "compute-sanitizer"
+  sanitizer="$(command -v compute-sanitizer || true)"
+  [ -n "$sanitizer" ] || sanitizer="$(dirname "$(command -v nvcc)")/compute-sanitizer"
+  [ -x "$sanitizer" ] || { echo "compute-sanitizer not found (PATH, next to nvcc)"; exit 1; }
+  "$sanitizer" --version | tail -1
+  cp build/gpu/_core*.so python/shadowkv_core/
+  export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+  logs="$out_dir/sanitize"
+  mkdir -p "$logs"
+  table="$logs/runs.tsv"
+  : >"$table"
+  # Sanitizer time: SANITIZE_BUDGET_S, and no later than SANITIZE_DEADLINE_S after this script started (default 560 s:
+  # the whole command, build included, stays inside a 10-minute limit).
+  started=$SECONDS
+  budget="${SANITIZE_BUDGET_S:-290}"
+  until_deadline=$(( ${SANITIZE_DEADLINE_S:-560} - SECONDS ))
+  [ "$until_deadline" -lt "$budget" ] && budget=$until_deadline
+  echo "sanitizer budget: $budget s"
+  mapfile -t executables < <(find build/gpu/tests/cuda -maxdepth 1 -type f -name 'test_*' -perm -u+x | sort)
+  # The racecheck subset: each executable's smaller named cases (the random sweeps run under memcheck/initcheck).
+  race_filter() {
+    if [ -n "${SANITIZE_RACECHECK_FILTER:-}" ]; then echo "$SANITIZE_RACECHECK_FILTER"; return; fi
+    case "$(basename "$1")" in
+      test_chunk_rebuild) echo "ChunkRebuild.OddChunkSizes:ChunkRebuild.MisalignedFactors:ChunkRebuild.CapturedInGraph" ;;
+      test_chunk_selection) echo "ChunkSelection.EqualLandmarksTieToSmallerIds:ChunkSelection.EmptyContextFreesEverySlot:ChunkSelection.BudgetBeyondCandidates" ;;
+      test_sparse_attention) echo "SparseAttention.MatchesReferenceOnNamedShapes" ;;
+      test_prompt_kernels) echo "PromptKernels.PickOutliers*:PromptKernels.LandmarksMatchTheCpuMaths:PromptKernels.ScatterPromptWritesEveryArray" ;;
+      *) echo "*" ;;
+    esac
+  }
+  # run TOOL NAME CAP_S COMMAND...: one sanitizer run, its log, and a row of the table (tool, target, rc, seconds).
+  run() {
+    local tool="$1" name="$2" cap="$3"
+    shift 3
+    local left=$((budget - (SECONDS - started)))
+    local log="$logs/$tool-$name.log"
+    if [ "$left" -lt 15 ]; then
+      printf '%s\t%s\tskipped\t0\n' "$tool" "$name" >>"$table"
+      echo "  $tool $name: skipped (sanitizer budget of ${budget} s spent)"
+      return
+    fi
+    [ "$cap" -gt "$left" ] && cap=$left
+    local t0=$SECONDS
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$cap" "$sanitizer" --tool "$tool" --error-exitcode 99 --print-limit 100 \
+      "$@" >"$log" 2>&1
+    local rc=$?
+    printf '%s\t%s\t%s\t%s\n' "$tool" "$name" "$rc" "$((SECONDS - t0))" >>"$table"
+    echo "  $tool $name: rc=$rc, $((SECONDS - t0)) s, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -1)"
+  }
+  probe=(python3 bench/probes/sanitize_decode.py)
+  for exe in "${executables[@]}"; do run memcheck "$(basename "$exe")" 60 "$exe"; done
+  run memcheck sanitize_decode 150 "${probe[@]}"
+  run racecheck sanitize_decode 150 "${probe[@]}"
+  for exe in "${executables[@]}"; do
+    run racecheck "$(basename "$exe")" 90 "$exe" --gtest_filter="$(race_filter "$exe")"
+  done
+  run initcheck sanitize_decode 150 "${probe[@]}"
+  for exe in "${executables[@]}"; do run initcheck "$(basename "$exe")" 60 "$exe"; done
+
+  sanitize_result="bench/results/${stamp}-${commit}-sanitize.txt"
+  python3 - "$table" "$logs" "$commit" "$stamp" "$("$sanitizer" --version | tail -1)" \
+    "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" >"$out_dir/sanitize-summary.txt" <<'PY'
+import collections, os, re, sys
+table, logs, commit, stamp, version, gpu = sys.argv[1:7]
+
+
+def short_name(signature):
+    """`ns::(anonymous namespace)::kernel<float>(const T*, int)` -> `kernel<float>`: no parameters, scopes, return."""
+    name = signature.strip()
+    if name.endswith(")"):  # drop the parameter list (balanced from the end)
+        depth = 0
+        for i in range(len(name) - 1, -1, -1):
+            depth += {")": 1, "(": -1}.get(name[i], 0)
+            if depth == 0:
+                name = name[:i]
+                break
+    depth, cut = 0, 0
+    for i, c in enumerate(name):  # the last scope or space outside template brackets and parentheses
+        depth += {"<": 1, "(": 1, ">": -1, ")": -1}.get(c, 0)
+        if depth == 0 and (c == " " or name.startswith("::", i)):
+            cut = i + (2 if c == ":" else 1)
+    return name[cut:] or signature
+print(f"compute-sanitizer runs of {commit} ({stamp}) on {gpu}; {version}")
+print("errors: the tool's ERROR SUMMARY (racecheck: its hazard errors; warnings apart); rc: the run's exit status "
+      "(0 clean, 99 errors reported, 124 timed out, other: the program failed); kernels: where errors were reported")
+print()
+print(f"{'tool':<10} {'target':<24} {'errors':>6} {'warn':>5} {'rc':>7} {'s':>4}  kernels / first error")
+totals = collections.Counter()
+failed, skipped = [], []
+for line in open(table):
+    tool, name, rc, seconds = line.rstrip("\n").split("\t")
+    path = os.path.join(logs, f"{tool}-{name}.log")
+    text = open(path, errors="replace").read() if os.path.exists(path) else ""
+    errors, warnings = None, 0
+    m = re.search(r"ERROR SUMMARY: (\d+) error", text)
+    if m:
+        errors = int(m.group(1))
+    m = re.search(r"RACECHECK SUMMARY: \d+ hazards? displayed \((\d+) errors?, (\d+) warnings?\)", text)
+    if m:
+        errors = int(m.group(1)) if errors is None else errors
+        warnings = int(m.group(2))
+    # The device functions named in the reports ("at <function>+0x<offset> in <file>:<line>").
+    kernels = collections.Counter(short_name(f) for f in re.findall(r"^=========.*?\bat (.+?)\+0x[0-9a-f]+ in ",
+                                                                    text, re.M))
+    first = next((l.strip("= ").strip() for l in text.splitlines()
+                  if re.match(r"=========\s+(Invalid|Race|Uninitialized|Error|Program hit|Malloc|Barrier|Cuda)", l)), "")
+    where = "; ".join(f"{k} x{n}" for k, n in kernels.most_common(4)) or first
+    if rc == "skipped":
+        shown = "skipped"
+    elif errors is None:
+        shown = "?"
+    else:
+        shown = str(errors)
+        totals[tool] += errors
+        totals[tool + " warnings"] += warnings
+    if rc == "skipped":
+        skipped.append(f"{tool} {name}")
+    elif rc != "0":
+        failed.append(f"{tool} {name} (rc {rc})")
+    print(f"{tool:<10} {name:<24} {shown:>6} {warnings:>5} {rc:>7} {seconds:>4}  {where[:160]}")
+print()
+print("total errors: " + ", ".join(f"{t} {totals[t]}" for t in ("memcheck", "racecheck", "initcheck"))
+      + f" (racecheck warnings {totals['racecheck warnings']})")
+print("runs not clean: " + (", ".join(failed) if failed else "none"))
+print("runs skipped (no sanitizer time left): " + (", ".join(skipped) if skipped else "none"))
+PY
+  cp "$out_dir/sanitize-summary.txt" "$sanitize_result"
+  cp "$sanitize_result" "$out_dir/" 2>/dev/null
+  cat "$out_dir/sanitize-summary.txt"
+  echo
+  echo "gpu_check --sanitize: $((SECONDS - started)) s of sanitizer runs; summary $sanitize_result, logs $logs"
+  grep -q "^runs not clean: none" "$out_dir/sanitize-summary.txt" || status=1
+  exit $status
+fi
 
 step "C++ tests (CPU and GPU kernels)"
 ctest --test-dir build/gpu --output-on-failure -j"$jobs" >"$out_dir/ctest.log" 2>&1
@@ -79,7 +226,7 @@ PY
 )"
 echo "tests: $tests_json"
 
-if [ "${1:-}" != "--quick" ]; then
+if [ "$mode" != "--quick" ]; then
   step "step benchmark"
   COMMIT="$commit" timeout 400 python3 bench/step_benchmark.py --profile --json "$result" 2>&1 | tee "$out_dir/bench.log" | tail -16
   if [ -f "$result" ]; then
@@ -93,7 +240,7 @@ PY
   fi
 
 fi
-if [ "${1:-}" != "--quick" ] && [ -z "${SKIP_MICRO:-}" ]; then
+if [ "$mode" != "--quick" ] && [ -z "${SKIP_MICRO:-}" ]; then
   step "micro-benchmarks (Google Benchmark, bench/micro: one op at a time, the value-fetch comparison)"
   micro_result="bench/results/${stamp}-${commit}-micro.json"
   carried="$PWD/.device/benchmark/usr/lib/x86_64-linux-gnu"

@@ -44,6 +44,9 @@ void config::validate() const {
                    generation_window);
   SHADOWKV_EXPECTS(decode_pipeline_parts >= 0 && decode_pipeline_parts <= 8,
                    "decode_pipeline_parts must be in [0, 8] (0: the backend's choice), got ", decode_pipeline_parts);
+  SHADOWKV_EXPECTS(check_finite == finite_check::automatic || check_finite == finite_check::prefill ||
+                       check_finite == finite_check::always,
+                   "check_finite must be auto, prefill or always, got the value ", static_cast<int>(check_finite));
   SHADOWKV_EXPECTS(device_value_budget >= -1, "device_value_budget must be >= 0 bytes (or -1: the backend's default), got ",
                    device_value_budget);
 }
@@ -106,6 +109,23 @@ std::string factor_format_name(factor_format format) {
     case factor_format::float32: return "float32";
     case factor_format::bfloat16: return "bfloat16";
     case factor_format::automatic: break;
+  }
+  return "auto";
+}
+
+finite_check parse_finite_check(const std::string& name) {
+  if (name.empty() || name == "auto") return finite_check::automatic;
+  if (name == "prefill") return finite_check::prefill;
+  if (name == "always") return finite_check::always;
+  throw invalid_argument(
+      detail::format_message("check_finite must be 'auto', 'prefill' or 'always', got '", name, "'"));
+}
+
+std::string finite_check_name(finite_check check) {
+  switch (check) {
+    case finite_check::prefill: return "prefill";
+    case finite_check::always: return "always";
+    case finite_check::automatic: break;
   }
   return "auto";
 }

@@ -555,7 +555,7 @@ void cpu_backend::attend(int layer, std::span<const batch_entry> entries, const 
   }
 }
 
-bool cpu_backend::all_finite(const tensor_view& view) const {
+bool cpu_backend::all_finite(const tensor_view& view) {
   // Any rank up to 4, any strides: walk the view as [1, ..., 1, shape...].
   std::array<std::int64_t, max_tensor_rank> shape{1, 1, 1, 1};
   std::array<std::int64_t, max_tensor_rank> strides{0, 0, 0, 0};

@@ -95,7 +95,7 @@ class cpu_backend : public backend {
   [[nodiscard]] memory_report memory(std::span<const layer_state* const> states) const override;
   [[nodiscard]] store_stats selection_stats() const override { return stats_; }
   void reset_selection_stats() noexcept override { stats_ = {}; }
-  [[nodiscard]] bool all_finite(const tensor_view& view) const override;
+  [[nodiscard]] bool all_finite(const tensor_view& view) override;
   void reserve_decode(int layer, std::span<const batch_entry> entries) override;
   void reserve_selection(int layer, std::span<const batch_entry> entries) override;
 

@@ -3,7 +3,11 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <initializer_list>
+#include <optional>
 #include <set>
+#include <utility>
+#include <vector>
 
 #include "capacity.hpp"
 #include "fold_rule.hpp"
@@ -31,16 +35,43 @@ tensor_view row_of(const tensor_view& view, std::int64_t row, std::int64_t lengt
   return result;
 }
 
-// Throws invalid_argument naming the first row (and its slot) of `view` whose valid tokens (`lengths`, or all) hold
-// NaN or ±Inf (docs/semantics.md, "Non-finite inputs"). One backend check per tensor when every row is whole.
-void expect_all_finite(const backend& checker, const tensor_view& view, const char* name,
-                       std::span<const int> slots, std::span<const std::int64_t> lengths = {}) {
-  if (lengths.empty() && checker.all_finite(view)) return;
-  for (std::size_t b = 0; b < slots.size(); ++b) {
-    const tensor_view row = row_of(view, static_cast<std::int64_t>(b), lengths.empty() ? -1 : lengths[b]);
-    SHADOWKV_EXPECTS(checker.all_finite(row), name, " (slot ", slots[b], ", row ", b,
-                     "): NaN or infinite values found; the store accepts only finite inputs");
+// One input of a call to check for NaN/±Inf: the whole tensor, or (with `lengths`) each row cut to its valid tokens.
+struct finite_input {
+  const char* name;
+  const tensor_view* view;
+  std::span<const std::int64_t> lengths;
+};
+
+// Throws invalid_argument naming the first input, row and slot whose valid tokens hold NaN or ±Inf (docs/semantics.md,
+// "Non-finite inputs"). One backend question for all of a call's inputs (a device backend waits once); the row of a
+// whole tensor is looked for only when it holds something.
+void expect_all_finite(backend& checker, std::initializer_list<finite_input> inputs,
+                       std::span<const int> slots) {
+  std::vector<tensor_view> views;
+  std::vector<std::pair<const finite_input*, std::int64_t>> origin;  // (input, row), row -1: the whole tensor
+  for (const finite_input& input : inputs) {
+    if (input.lengths.empty()) {
+      views.push_back(*input.view);
+      origin.emplace_back(&input, -1);
+      continue;
+    }
+    for (std::size_t b = 0; b < slots.size(); ++b) {
+      views.push_back(row_of(*input.view, static_cast<std::int64_t>(b), input.lengths[b]));
+      origin.emplace_back(&input, static_cast<std::int64_t>(b));
+    }
   }
+  const std::optional<std::size_t> found = checker.find_non_finite(views);
+  if (!found) return;
+  const finite_input& input = *origin[*found].first;
+  std::int64_t row = origin[*found].second;
+  if (row < 0) {
+    std::vector<tensor_view> rows;
+    for (std::size_t b = 0; b < slots.size(); ++b) rows.push_back(row_of(*input.view, static_cast<std::int64_t>(b)));
+    row = static_cast<std::int64_t>(checker.find_non_finite(rows).value_or(0));
+  }
+  throw invalid_argument(detail::format_message(input.name, " (slot ", slots[static_cast<std::size_t>(row)], ", row ",
+                                                row, "): NaN or infinite values found; the store accepts only finite "
+                                                "inputs"));
 }
 
 }  // namespace
@@ -235,11 +266,14 @@ void kv_store::prefill(int layer, std::span<const int> slots, const tensor_view&
     entries[b] = {slots[b], static_cast<std::int64_t>(b), &new_states[b]};
   }
   backend_->use_stream(options.stream);
-  // Non-finite inputs would poison the factorisation and every later score: reject them (only the valid tokens).
-  expect_all_finite(*backend_, keys, "keys", slots, options.lengths);
-  expect_all_finite(*backend_, values, "values", slots, options.lengths);
-  if (!q_last.empty()) {
-    expect_all_finite(*backend_, q_last, "q_last", slots);
+  // Non-finite inputs would poison the factorisation and every later score: reject them (only the valid tokens), on
+  // every backend and whatever check_finite says.
+  if (q_last.empty()) {
+    expect_all_finite(*backend_, {{"keys", &keys, options.lengths}, {"values", &values, options.lengths}}, slots);
+  } else {
+    expect_all_finite(*backend_,
+                      {{"keys", &keys, options.lengths}, {"values", &values, options.lengths}, {"q_last", &q_last, {}}},
+                      slots);
     // The warm-up selection runs after the prompts are committed: allocate its workspace first.
     backend_->reserve_selection(layer, entries);
   }
@@ -302,12 +336,15 @@ void kv_store::decode(int layer, std::span<const int> slots, const tensor_view& 
   // While a CUDA graph is being captured nothing runs: the host counters stay as they are, and each replay is
   // accounted later (account_replayed_steps). Backends that capture keep their counters on the device.
   const bool recording = backend_->capturing();
-  // Reject non-finite inputs (while a graph is recorded the inputs hold no step's data yet: each replay's are the
-  // caller's responsibility). Then allocate everything the step needs before its first write.
-  if (!recording) {
-    expect_all_finite(*backend_, q, "q", slots);
-    expect_all_finite(*backend_, k_new, "k_new", slots);
-    expect_all_finite(*backend_, v_new, "v_new", slots);
+  // Reject non-finite inputs where check_finite asks for it: "auto" checks them on backends whose check does not wait
+  // for the device (a CUDA check would stop the host from running ahead of the GPU on every layer). While a graph is
+  // recorded the inputs hold no step's data yet: each replay's are the caller's responsibility. Then allocate
+  // everything the step needs before its first write.
+  const bool check_inputs =
+      config_.check_finite == finite_check::always ||
+      (config_.check_finite == finite_check::automatic && !backend_->finite_check_waits());
+  if (check_inputs && !recording) {
+    expect_all_finite(*backend_, {{"q", &q, {}}, {"k_new", &k_new, {}}, {"v_new", &v_new, {}}}, slots);
   }
   backend_->reserve_decode(layer, entries);
   // 1. Fold the oldest generated chunk where the exact generated region is full.

@@ -15,6 +15,7 @@
 #include "factor_format.cuh"
 #include "value_format.cuh"
 #include "shape_support.hpp"
+#include "finite_check.cuh"
 
 namespace shadowkv::cuda {
 namespace {
@@ -720,6 +721,57 @@ void cuda_backend::reset_selection_stats() noexcept {
   (void)cudaStreamSynchronize(stream_);
   (void)cudaStreamSynchronize(copy_stream_);
   (void)cudaMemset(workspace_.counters, 0, 4 * sizeof(unsigned long long));
+}
+
+// --- non-finite inputs (docs/semantics.md, "Non-finite inputs") ----------------------------------------------------
+
+bool cuda_backend::all_finite(const tensor_view& view) {
+  return !find_non_finite(std::span<const tensor_view>(&view, 1)).has_value();
+}
+
+std::optional<std::size_t> cuda_backend::find_non_finite(std::span<const tensor_view> views) {
+  if (views.empty()) return std::nullopt;
+  device_guard guard(device_);
+  // The answer is read on the host, and a wait would end a capture: the store checks no decode input while a graph
+  // is recorded, and a prefill cannot be captured (it reads the eigensolver's info).
+  SHADOWKV_EXPECTS(!capturing(), "inputs cannot be checked for NaN/Inf while the call's stream is being captured "
+                   "into a CUDA graph (prefill is not capturable)");
+  if (finite_flags_.data() == nullptr) {
+    device_buffer flags(kFiniteFlags * sizeof(int), own_stream_, device_memory_);
+    host_buffer copy(kFiniteFlags * sizeof(int), host_memory_);
+    SHADOWKV_CUDA_TRY(cudaStreamSynchronize(own_stream_));  // allocated before stream_ uses it
+    finite_flags_ = std::move(flags);
+    finite_flags_host_ = std::move(copy);
+  }
+  auto* flags = static_cast<int*>(finite_flags_.data());
+  const auto* answers = static_cast<const int*>(finite_flags_host_.data());
+  std::array<finite_check_view, kFiniteFlags> batch{};
+  for (std::size_t first = 0; first < views.size(); first += kFiniteFlags) {
+    const std::size_t count = std::min<std::size_t>(kFiniteFlags, views.size() - first);
+    for (std::size_t i = 0; i < count; ++i) {
+      const tensor_view& view = views[first + i];
+      finite_check_view& target = batch[i];
+      target.data = view.data;
+      target.type = element_code(view.float_type);
+      target.rank = view.rank;
+      for (int dim = 0; dim < view.rank; ++dim) {
+        target.shape[dim] = view.shape[static_cast<std::size_t>(dim)];
+        target.stride[dim] = view.strides[static_cast<std::size_t>(dim)];
+      }
+    }
+    const std::size_t bytes = count * sizeof(int);
+    SHADOWKV_CUDA_TRY(cudaMemsetAsync(flags, 0, bytes, stream_));
+    launch_find_non_finite(batch.data(), static_cast<int>(count), flags, stream_);
+    SHADOWKV_CUDA_TRY(cudaMemcpyAsync(finite_flags_host_.data(), flags, bytes, cudaMemcpyDeviceToHost, stream_));
+    // The answer decides whether the call may write anything, so the host waits for it (and for the caller's work
+    // queued before it on this stream). A prefill waits for its eigensolver anyway; at decode this is the wait that
+    // check_finite="auto" leaves out on this backend.
+    SHADOWKV_CUDA_TRY(cudaStreamSynchronize(stream_));
+    for (std::size_t i = 0; i < count; ++i) {
+      if (answers[i] != 0) return first + i;
+    }
+  }
+  return std::nullopt;
 }
 
 }  // namespace shadowkv::cuda

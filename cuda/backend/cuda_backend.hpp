@@ -18,7 +18,10 @@
 #include <cusolverDn.h>
 
 #include <array>
+#include <cstddef>
 #include <cstdint>
+#include <optional>
+#include <span>
 #include <vector>
 
 #include "cuda_handles.hpp"
@@ -57,6 +60,10 @@ class cuda_backend final : public backend {
   [[nodiscard]] store_stats selection_stats() const override;
   void reset_selection_stats() noexcept override;
   [[nodiscard]] bool supports_replay() const override { return true; }
+  [[nodiscard]] bool all_finite(const tensor_view& view) override;
+  /// One kernel over all views, a copy of their flags to pinned memory and a wait on the call's stream.
+  [[nodiscard]] std::optional<std::size_t> find_non_finite(std::span<const tensor_view> views) override;
+  [[nodiscard]] bool finite_check_waits() const override { return true; }
 
  private:
   struct layer_sizes;  // bytes of each array of one (slot, layer)
@@ -115,6 +122,11 @@ class cuda_backend final : public backend {
   step_workspace workspace_{};
   std::int64_t batch_size_ = 0;
   std::vector<batch_part> parts_;  ///< this step's pipeline parts: set by select_chunks, used by fetch_values
+  // The finiteness check's flags, one int per view of a batch (device) and their copy (pinned host), allocated on the
+  // first check and kept. Declared last: freed (on own_stream_) before the handles go.
+  static constexpr int kFiniteFlags = 64;
+  device_buffer finite_flags_;
+  host_buffer finite_flags_host_;
 };
 
 }  // namespace shadowkv::cuda

@@ -200,6 +200,11 @@ class KVStore:
             on CUDA, the device memory free after the store's own reservations less a margin (5%, at least 2 GiB),
             measured when the store is built — pass a budget when the model still needs memory after that; on the
             CPU, no limit.
+        check_finite: which inputs are checked for NaN/±Inf (ValueError, nothing changed; docs/semantics.md
+            "Non-finite inputs"): "auto" (default: prefill inputs always; decode inputs on the CPU, not on CUDA, where
+            the check waits for the GPU on every call), "prefill" (prefill inputs only) or "always" (decode inputs too;
+            on CUDA one stream synchronisation per decode call). An unchecked NaN/Inf at decode is stored as given
+            and makes that sequence's outputs non-finite; other sequences are not affected.
     """
 
     def __init__(
@@ -232,6 +237,7 @@ class KVStore:
         value_dtype: Optional[Any] = None,
         factor_dtype: Optional[Any] = None,
         decode_pipeline_parts: int = 0,
+        check_finite: str = "auto",
     ) -> None:
         # Exact argument types first (docs/errors.md): integers within their C types, real numbers, strings.
         num_layers, num_q_heads = _integer("num_layers", num_layers), _integer("num_q_heads", num_q_heads)
@@ -248,6 +254,7 @@ class KVStore:
         local_chunks = _integer("local_chunks", local_chunks)
         generation_window = _integer("generation_window", generation_window)
         rope_style, factorization = _text("rope_style", rope_style), _text("factorization", factorization)
+        check_finite = _text("check_finite", check_finite)
         if chunk_size >= 1 and budget // chunk_size > _INT32[1]:
             raise ValueError(f"budget = {budget} tokens is {budget // chunk_size} chunks of {chunk_size}, more than a "
                              f"C int holds ({_INT32[1]})")
@@ -304,6 +311,7 @@ class KVStore:
             if factor_name not in ("auto", "float32", "bfloat16"):
                 raise ValueError(f"factor_dtype must be None, 'auto', 'float32' or 'bfloat16', got {factor_dtype!r}")
             cfg.factor_format = factor_name
+        cfg.check_finite = check_finite
         self._config = cfg
         self._store = _core.Store(cfg, str(device))
 

@@ -176,6 +176,9 @@ NB_MODULE(_core, m) {
           [](shadowkv::config& c, const std::string& name) { c.factors_as = shadowkv::parse_factor_format(name); })
       .def_prop_ro("factor_dtype",
                    [](const shadowkv::config& c) { return std::string(shadowkv::dtype_name(c.factor_dtype())); })
+      .def_prop_rw(
+          "check_finite", [](const shadowkv::config& c) { return shadowkv::finite_check_name(c.check_finite); },
+          [](shadowkv::config& c, const std::string& name) { c.check_finite = shadowkv::parse_finite_check(name); })
       .def("validate", &shadowkv::config::validate);
 
   nb::class_<shadowkv::kv_store>(m, "Store")

@@ -50,10 +50,22 @@ void* allocate(std::size_t size) {
 
 void* operator new(std::size_t size) { return fault_injection::allocate(size); }
 void* operator new[](std::size_t size) { return fault_injection::allocate(size); }
+// The nothrow forms too (std::stable_sort's temporary buffer uses them): the library's own would behave the same (call
+// the throwing form, answer nullptr), but under AddressSanitizer they are its allocator while delete is this free.
+void* operator new(std::size_t size, const std::nothrow_t&) noexcept {
+  try {
+    return fault_injection::allocate(size);
+  } catch (const std::bad_alloc&) {
+    return nullptr;
+  }
+}
+void* operator new[](std::size_t size, const std::nothrow_t& tag) noexcept { return operator new(size, tag); }
 void operator delete(void* memory) noexcept { std::free(memory); }
 void operator delete[](void* memory) noexcept { std::free(memory); }
 void operator delete(void* memory, std::size_t) noexcept { std::free(memory); }
 void operator delete[](void* memory, std::size_t) noexcept { std::free(memory); }
+void operator delete(void* memory, const std::nothrow_t&) noexcept { std::free(memory); }
+void operator delete[](void* memory, const std::nothrow_t&) noexcept { std::free(memory); }
 
 namespace {
 

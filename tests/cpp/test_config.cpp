@@ -106,6 +106,7 @@ TEST(Config, EachBadFieldIsRejectedByName) {
       {"generation_window_not_multiple_of_chunk", "generation_window", [](config& c) { c.generation_window = 60; }},
       {"generation_window_below_chunk", "generation_window", [](config& c) { c.generation_window = 4; c.chunk_size = 8; }},
       {"generation_window_0", "generation_window", [](config& c) { c.generation_window = 0; }},
+      {"check_finite_unknown", "check_finite", [](config& c) { c.check_finite = static_cast<shadowkv::finite_check>(7); }},
   };
   for (const bad_field& bad : cases) {
     SCOPED_TRACE(bad.name);
@@ -177,6 +178,12 @@ TEST(Config, ParseHelpers) {
   EXPECT_EQ(shadowkv::parse_factor_format(shadowkv::factor_format_name(shadowkv::factor_format::float32)),
             shadowkv::factor_format::float32);
   EXPECT_THROW((void)shadowkv::parse_factor_format("float16"), shadowkv::invalid_argument);
+  EXPECT_EQ(shadowkv::parse_finite_check(""), shadowkv::finite_check::automatic);
+  for (const auto check : {shadowkv::finite_check::automatic, shadowkv::finite_check::prefill, shadowkv::finite_check::always}) {
+    EXPECT_EQ(shadowkv::parse_finite_check(shadowkv::finite_check_name(check)), check);
+  }
+  EXPECT_THROW((void)shadowkv::parse_finite_check("never"), shadowkv::invalid_argument);
+  EXPECT_EQ(shadowkv::config{}.check_finite, shadowkv::finite_check::automatic);
   EXPECT_EQ(shadowkv::parse_device("cpu"), (shadowkv::device{shadowkv::device_type::cpu, 0}));
   EXPECT_EQ(shadowkv::parse_device("cuda:3"), (shadowkv::device{shadowkv::device_type::cuda, 3}));
   EXPECT_EQ(shadowkv::to_string(shadowkv::parse_device("cuda:1")), "cuda:1");

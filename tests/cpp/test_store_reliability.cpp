@@ -12,6 +12,8 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <optional>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
@@ -384,6 +386,105 @@ TEST(NonFiniteInputs, DecodeRejectsNanOrInfInQueryOrToken) {
     d.v.back() = nan;
     (void)t.decode(t.subject, 1, {0}, d);
   });
+}
+
+// The CPU backend, counting the store's finiteness questions and claiming (if asked) that its check waits for a
+// device, as the CUDA backend's does: check_finite's policy is tested without a GPU.
+class counting_finite_backend final : public shadowkv::detail::cpu_backend {
+ public:
+  counting_finite_backend(const config& cfg, bool waits, int* questions)
+      : cpu_backend(cfg), waits_(waits), questions_(questions) {}
+  [[nodiscard]] std::optional<std::size_t> find_non_finite(std::span<const shadowkv::tensor_view> views) override {
+    ++*questions_;
+    return cpu_backend::find_non_finite(views);
+  }
+  [[nodiscard]] bool finite_check_waits() const override { return waits_; }
+
+ private:
+  bool waits_;
+  int* questions_;
+};
+
+// Decodes slots {0, 1} in one call; returns out [2, Hq, D].
+std::vector<float> decode_pair(kv_store& store, const decode_data& d) {
+  const config& cfg = store.get_config();
+  std::vector<float> out(d.q.size(), -1.0F);
+  store.decode(0, std::vector<int>{0, 1}, view_of(d.q, {2, cfg.num_q_heads, cfg.head_dim}),
+               view_of(d.k, {2, cfg.num_kv_heads, cfg.head_dim}), view_of(d.v, {2, cfg.num_kv_heads, cfg.head_dim}),
+               mutable_view_of(out, {2, cfg.num_q_heads, cfg.head_dim}));
+  return out;
+}
+
+TEST(NonFiniteInputs, CheckFiniteDecidesWhetherDecodeInputsAreChecked) {
+  using shadowkv::finite_check;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (const bool waits : {false, true}) {
+    for (const finite_check check : {finite_check::automatic, finite_check::prefill, finite_check::always}) {
+      const bool checked = check == finite_check::always || (check == finite_check::automatic && !waits);
+      SCOPED_TRACE("check_finite=" + shadowkv::finite_check_name(check) + (waits ? ", check waits" : ", check free"));
+      config cfg = replay_config();
+      cfg.check_finite = check;
+      int questions = 0;
+      kv_store store(cfg, [&](const config& effective) {
+        return std::make_unique<counting_finite_backend>(effective, waits, &questions);
+      });
+      kv_store twin(replay_config());
+      for (kv_store* s : {&store, &twin}) ASSERT_EQ(s->add_sequences(2), (std::vector<int>{0, 1}));
+
+      // Prefill inputs are checked whatever the policy: one question for keys and values together.
+      random_source rng(730);
+      std::vector<float> keys = rng.normals(60 * 128);
+      const std::vector<float> values = rng.normals(60 * 128);
+      keys[31 * 128 + 77] = nan;
+      EXPECT_THROW(store.prefill(0, std::vector<int>{0}, view_of(keys, {1, 60, 2, 64}), view_of(values, {1, 60, 2, 64})),
+                   shadowkv::invalid_argument);
+      EXPECT_FALSE(store.info(0, 0).prefilled);
+      keys[31 * 128 + 77] = 0.25F;
+      questions = 0;
+      for (kv_store* s : {&store, &twin}) {
+        for (const int slot : {0, 1}) {
+          s->prefill(0, std::vector<int>{slot}, view_of(keys, {1, 60, 2, 64}), view_of(values, {1, 60, 2, 64}));
+        }
+      }
+      EXPECT_EQ(questions, 2) << "one question per prefill call";
+
+      // Decode: one question per call where checked, none where not.
+      decode_data d{rng.normals(2 * 256), rng.normals(2 * 128), rng.normals(2 * 128)};
+      questions = 0;
+      EXPECT_EQ(decode_pair(store, d), decode_pair(twin, d));
+      EXPECT_EQ(questions, checked ? 1 : 0);
+
+      // A NaN in slot 1's query: rejected where checked; else slot 1's output is NaN and slot 0 is not affected, now
+      // and for 20 more steps (a fold on the way).
+      decode_data poisoned{rng.normals(2 * 256), rng.normals(2 * 128), rng.normals(2 * 128)};
+      decode_data clean = poisoned;
+      poisoned.q[256 + 3] = nan;
+      poisoned.k[128 + 64] = nan;
+      if (checked) {
+        try {
+          (void)decode_pair(store, poisoned);
+          ADD_FAILURE() << "accepted";
+        } catch (const shadowkv::invalid_argument& error) {
+          EXPECT_NE(std::string(error.what()).find("q (slot 1, row 1)"), std::string::npos) << error.what();
+        }
+        expect_same_info(store.info(0, 1), twin.info(0, 1));
+        EXPECT_EQ(store.stats().decode_steps, twin.stats().decode_steps);
+        continue;
+      }
+      const std::vector<float> out = decode_pair(store, poisoned);
+      const std::vector<float> expected = decode_pair(twin, clean);
+      EXPECT_EQ(std::vector<float>(out.begin(), out.begin() + 256), std::vector<float>(expected.begin(), expected.begin() + 256));
+      EXPECT_FALSE(shadowkv_test::all_finite(std::vector<float>(out.begin() + 256, out.end())));
+      for (int step = 0; step < 20; ++step) {
+        const decode_data next = random_step(cfg, rng);
+        ASSERT_EQ(decode_one(store, 0, 0, next), decode_one(twin, 0, 0, next)) << "step " << step;
+      }
+      // Slot 1 keeps its NaN key (attended while exact): its outputs stay NaN.
+      const std::vector<float> after = decode_one(store, 0, 1, random_step(cfg, rng));
+      EXPECT_FALSE(shadowkv_test::all_finite(after));
+      expect_same_info(store.info(0, 0), twin.info(0, 0));
+    }
+  }
 }
 
 TEST(HugeInputs, FiniteHugeKeysFactoriseAndDecode) {

@@ -294,9 +294,10 @@ def test_bad_constructor_argument_types_raise_naming_the_argument(case):
 # non-finite and huge inputs
 # --------------------------------------------------------------------------------------------------------------------
 
-def skip_unless_backend_checks_finiteness(device):
-    if device != "cpu":
-        pytest.skip("the CUDA backend's all_finite is not implemented yet (backend.hpp default: trusts the input)")
+def decode_check(device):
+    """The check_finite that checks decode inputs on `device`: the default on the CPU; on CUDA the default ("auto")
+    leaves them out (the check waits for the GPU), so ask for it."""
+    return {} if device == "cpu" else {"check_finite": "always"}
 
 
 def with_value(tensor, index, value):
@@ -313,7 +314,12 @@ BAD_VALUES = [
      lambda tw, st: st.prefill(0, [2], kv(tw)[0], with_value(kv(tw)[1], (0, 7, 0, 0), -INF))),
     ("prefill-nan-q-last", r"q_last.*(NaN|finite)",
      lambda tw, st: st.prefill(0, [2], *kv(tw), q_last=torch.full((1, HQ, D), NAN, device=tw.device))),
-    ("decode-nan-q", r"\bq\b.*(NaN|finite)",
+    ("prefill-inf-key-last-valid-token", r"keys.*slot 2.*(NaN|finite)",
+     lambda tw, st: st.prefill(0, [2], with_value(kv(tw)[0], (0, 7, 1, 63), INF), kv(tw)[1], lengths=[8])),
+    ("prefill-nan-key-bf16-strided", r"keys.*slot 2.*(NaN|finite)",
+     lambda tw, st: st.prefill(0, [2], with_value(kv(tw, s=16, dtype=torch.bfloat16)[0], (0, 10, 0, 0), NAN)[:, ::2],
+                               kv(tw, s=8, dtype=torch.bfloat16)[1])),
+    ("decode-nan-q", r"\bq\b.*slot 1.*(NaN|finite)",
      lambda tw, st: st.decode(0, [0, 1], with_value(tw.inputs([0, 1], 0)[0], (1, 0, 0), NAN),
                               *tw.inputs([0, 1], 0)[1:])),
     ("decode-inf-k-new", r"k_new.*(NaN|finite)",
@@ -321,17 +327,71 @@ BAD_VALUES = [
                               tw.inputs([0], 0)[2])),
     ("decode-nan-v-new", r"v_new.*(NaN|finite)",
      lambda tw, st: st.decode(1, [1], *tw.inputs([1], 1)[:2], with_value(tw.inputs([1], 1)[2], (0, 0, 0), NAN))),
+    ("decode-nan-v-new-fp16", r"v_new.*slot 0.*(NaN|finite)",
+     lambda tw, st: st.decode(0, [0], *tw.inputs([0], 0)[:2],
+                              with_value(tw.inputs([0], 0)[2].half(), (0, 1, 31), NAN))),
 ]
 
 
 @pytest.mark.parametrize("case", BAD_VALUES, ids=[c[0] for c in BAD_VALUES])
 def test_non_finite_inputs_are_rejected_and_change_nothing(case, device):
-    skip_unless_backend_checks_finiteness(device)
+    """Prefill inputs are checked on every backend by default; decode inputs where check_finite asks for it (the
+    CPU's default, CUDA's "always")."""
     name, pattern, call = case
-    tw = Twins(device, 9100)
+    tw = Twins(device, 9100, **(decode_check(device) if name.startswith("decode") else {}))
     with pytest.raises(ValueError, match=f"(?i){pattern}"):
         call(tw, tw.a)
     tw.assert_unchanged(name)
+
+
+DECODE_POISON = [
+    ("q", lambda q, k, v: (with_value(q, (1, 2, 7), NAN), k, v)),
+    ("k_new", lambda q, k, v: (q, with_value(k, (1, 0, 0), NAN), v)),
+    ("v_new", lambda q, k, v: (q, k, with_value(v, (1, 1, 40), NAN))),
+]
+
+
+@pytest.mark.parametrize("check_finite", ["auto", "prefill", "always"])
+@pytest.mark.parametrize("tensor", [c[0] for c in DECODE_POISON])
+def test_unchecked_decode_input_poisons_only_its_sequence(tensor, check_finite, device):
+    """check_finite decides whether decode inputs are checked ("auto": on the CPU yes, on CUDA no). Where they are,
+    the NaN/Inf is rejected (test above); where not, it is stored as given: that sequence's output is not finite, and
+    the other sequence of the batch decodes exactly as its twin, which never saw it, for 20 more steps (folds on the
+    way)."""
+    checked = check_finite == "always" or (check_finite == "auto" and device == "cpu")
+    poison = dict(DECODE_POISON)[tensor]
+    tw = Twins(device, 9110, check_finite=check_finite)
+    assert tw.a.config["check_finite"] == check_finite
+    q, k, v = tw.inputs([0, 1], 0)
+    if checked:
+        with pytest.raises(ValueError, match=f"(?i){tensor}.*slot 1"):
+            tw.a.decode(0, [0, 1], *poison(q, k, v))
+        tw.assert_unchanged(f"{tensor} with check_finite={check_finite}")
+        return
+    out_a = tw.a.decode(0, [0, 1], *poison(q, k, v)).cpu()
+    out_b = tw.b.decode(0, [0, 1], q, k, v).cpu()
+    assert not torch.isfinite(out_a[1]).all(), f"a non-finite {tensor} gave a finite output"
+    torch.testing.assert_close(out_a[0], out_b[0], atol=1e-6, rtol=0)
+    tw.b.decode(1, [0, 1], *tw.inputs([0, 1], 1))
+    tw.a.decode(1, [0, 1], *tw.inputs([0, 1], 1))
+    tw.t[0] += 1
+    tw.t[1] += 1
+    for step in range(20):
+        for layer in range(2):
+            q, k, v = tw.inputs([0], layer)
+            torch.testing.assert_close(tw.a.decode(layer, [0], q, k, v).cpu(), tw.b.decode(layer, [0], q, k, v).cpu(),
+                                       atol=1e-6, rtol=0, msg=lambda m: f"slot 0, step {step}, layer {layer}: {m}")
+        tw.t[0] += 1
+    assert tw.a.sequence_info(0, 0) == tw.b.sequence_info(0, 0)
+    assert tw.a.sequence_info(0, 1) == tw.b.sequence_info(0, 1)
+
+
+def test_check_finite_is_validated():
+    with pytest.raises(ValueError, match="check_finite"):
+        make_store(replay_config(check_finite="never"))
+    with pytest.raises(TypeError, match="check_finite"):
+        make_store(replay_config(check_finite=True))
+    assert make_store(replay_config()).config["check_finite"] == "auto"
 
 
 def test_non_finite_padding_is_ignored(device):

@@ -142,12 +142,28 @@ class backend {
   [[nodiscard]] virtual bool supports_replay() const { return false; }
 
   /// True if every element of the floating-point tensor `view` (on where(), validated by the store) is finite.
-  /// The store calls it on the valid part of every input before it changes anything. The default trusts the input
-  /// (a backend that cannot check yet); the CPU backend checks every element.
-  [[nodiscard]] virtual bool all_finite(const tensor_view& view) const {
+  /// Runs on the current call's stream and returns its answer (a device backend waits for it; not const: it may use
+  /// the backend's scratch memory). The default trusts the input (a backend that cannot check); the CPU and CUDA
+  /// backends read every element.
+  [[nodiscard]] virtual bool all_finite(const tensor_view& view) {
     (void)view;
     return true;
   }
+
+  /// The index of the first of `views` that holds a NaN or ±Inf, none if all are finite: all_finite over several
+  /// tensors, so that a device backend answers them with one wait. The store calls it on the valid part of a call's
+  /// inputs before it changes anything (docs/semantics.md, "Non-finite inputs"). The default asks all_finite of each.
+  [[nodiscard]] virtual std::optional<std::size_t> find_non_finite(std::span<const tensor_view> views) {
+    for (std::size_t i = 0; i < views.size(); ++i) {
+      if (!all_finite(views[i])) return i;
+    }
+    return std::nullopt;
+  }
+
+  /// True if the finiteness check waits for the device (a stream synchronisation: the host stops running ahead of
+  /// the device for that call). With config::check_finite = automatic the store then checks decode inputs only
+  /// where this is false; prefill inputs are checked on every backend.
+  [[nodiscard]] virtual bool finite_check_waits() const { return false; }
 
   /// Allocates everything one decode step of `entries` (states before the step) will need — room for one fold and one
   /// appended token per entry, the selection's and the attention's workspace — so that after it returns the step's

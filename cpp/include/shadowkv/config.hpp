@@ -41,6 +41,13 @@ enum class factor_format : std::uint8_t {
   bfloat16,   ///< half the bytes; A and B are rounded once, the rebuild's products are then exact in float32
 };
 
+/// Which inputs the store checks for NaN and ±Inf (docs/semantics.md, "Non-finite inputs").
+enum class finite_check : std::uint8_t {
+  automatic,  ///< prefill inputs always; decode inputs where the check does not wait for the device (the CPU backend)
+  prefill,    ///< prefill inputs only
+  always,     ///< prefill and decode inputs (on CUDA: one stream synchronisation per decode call)
+};
+
 /// Where one sequence's values are.
 enum class value_place : std::uint8_t { host, device };
 
@@ -83,6 +90,9 @@ struct config {
   /// Parts a decode batch is cut into so that the value fetch of one part overlaps the selection of the next
   /// (CUDA backend with host values; other backends ignore it): 0 = the backend's choice, 1 = no pipelining, up to 8.
   int decode_pipeline_parts = 0;
+  /// Which inputs are checked for NaN/±Inf before a call changes anything. An unchecked non-finite decode input is
+  /// stored as given and makes that sequence's outputs non-finite; other sequences are not affected.
+  finite_check check_finite = finite_check::automatic;
 
   /// Throws invalid_argument naming the first field (and its value) that is out of range.
   void validate() const;
@@ -125,6 +135,10 @@ std::string value_place_name(value_place place);
 value_format parse_value_format(const std::string& name);
 /// "same" or "float8_e4m3".
 std::string value_format_name(value_format format);
+/// Parses "auto" (or ""), "prefill" or "always"; throws invalid_argument otherwise.
+finite_check parse_finite_check(const std::string& name);
+/// "auto", "prefill" or "always".
+std::string finite_check_name(finite_check check);
 /// Parses "auto" (or ""), "float32"/"fp32" or "bfloat16"/"bf16"; throws invalid_argument otherwise.
 factor_format parse_factor_format(const std::string& name);
 /// "auto", "float32" or "bfloat16".
