@@ -87,7 +87,7 @@ store_state::store_state(const shape& s) : shape_(s) {
   cfg.rope_theta = shape::rope_theta;
   cfg.rank = shape::rank;
   cfg.chunk_size = shape::chunk;
-  cfg.budget_chunks = s.budget_chunks();
+  cfg.budget = s.budget_tokens;
   cfg.outlier_chunks = shape::outliers;
   cfg.local_chunks = shape::local_chunks;
   cfg.generation_window = shape::generation_window;
@@ -151,9 +151,8 @@ void store_state::decode() {
       make_contiguous_view(k_new_.get(), dtype::bfloat16, kDevice, {B, shape::kv_heads, shape::head_dim});
   const tensor_view v_new =
       make_contiguous_view(v_new_.get(), dtype::bfloat16, kDevice, {B, shape::kv_heads, shape::head_dim});
-  mutable_tensor_view out;
-  static_cast<tensor_view&>(out) =
-      make_contiguous_view(out_.get(), dtype::bfloat16, kDevice, {B, shape::q_heads, shape::head_dim});
+  const mutable_tensor_view out =
+      make_contiguous_output_view(out_.get(), dtype::bfloat16, kDevice, {B, shape::q_heads, shape::head_dim});
   decode_options options;
   options.stream = reinterpret_cast<std::uintptr_t>(stream_);
   store_->decode(0, slots_, q, k_new, v_new, out, options);

@@ -45,7 +45,7 @@ std::int64_t max_chunks_per_sequence(const config& cfg) noexcept { return cfg.ma
 
 config effective_config(config cfg) {
   const std::int64_t most = std::max<std::int64_t>(1, max_chunks_per_sequence(cfg));
-  if (cfg.budget_chunks > most) cfg.budget_chunks = static_cast<int>(most);
+  if (cfg.budget_chunks() > most) cfg.budget = most * cfg.chunk_size;
   return cfg;
 }
 
@@ -58,7 +58,7 @@ fixed_costs fixed_costs_of(const config& cfg) noexcept {
   // Selection cache (keys and values of k chunks per KV head, plus per-slot chunk ids and flags), B, and the Gram
   // matrix (float32 product and its float64 copy).
   const std::int64_t most_chunks = std::max<std::int64_t>(1, max_chunks_per_sequence(cfg));
-  const std::int64_t k = std::min<std::int64_t>(cfg.budget_chunks, most_chunks);
+  const std::int64_t k = std::min<std::int64_t>(cfg.budget_chunks(), most_chunks);
   const std::int64_t cache_rows = saturating_mul(k, cfg.chunk_size);
   std::int64_t prefill = saturating_mul(saturating_mul(cache_rows, width), 2 * e);
   prefill = saturating_add(prefill, saturating_mul(saturating_mul(k, cfg.num_kv_heads), 8 + 2));
@@ -103,7 +103,7 @@ void check_capacity(const config& cfg, std::int64_t host_bytes) {
   expect_fits(costs.per_sequence, "num_layers = ", cfg.num_layers, ": every sequence needs ", layer_record_bytes,
               " bytes of records per layer");
   expect_fits(costs.per_prefill, "every prefilled (sequence, layer) holds a selection cache of ",
-              cfg.budget_chunks, " chunks x ", cfg.chunk_size, " tokens x num_kv_heads*head_dim = ", cfg.kv_width(),
+              cfg.budget_chunks(), " chunks x ", cfg.chunk_size, " tokens x num_kv_heads*head_dim = ", cfg.kv_width(),
               " x keys and values, the basis and the Gram matrix of the factorisation");
 }
 

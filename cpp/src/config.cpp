@@ -1,6 +1,7 @@
 #include "shadowkv/config.hpp"
 
 #include <cmath>
+#include <limits>
 
 #include "shadowkv/errors.hpp"
 
@@ -35,7 +36,11 @@ void config::validate() const {
   SHADOWKV_EXPECTS(rank >= 1 && rank <= kv_width(), "rank must be in [1, num_kv_heads*head_dim = ", kv_width(),
                    "], got ", rank);
   SHADOWKV_EXPECTS(chunk_size >= 1, "chunk_size must be >= 1, got ", chunk_size);
-  SHADOWKV_EXPECTS(budget_chunks >= 1, "budget must be at least one chunk, got ", budget_chunks, " chunks");
+  SHADOWKV_EXPECTS(budget >= chunk_size && budget % chunk_size == 0,
+                   "budget must be a positive multiple of chunk_size (", chunk_size, ") tokens, got ", budget);
+  SHADOWKV_EXPECTS(budget_chunks() <= std::numeric_limits<int>::max(), "budget = ", budget, " tokens is ",
+                   budget_chunks(), " chunks of ", chunk_size, ", more than a C int holds (",
+                   std::numeric_limits<int>::max(), ")");
   SHADOWKV_EXPECTS(outlier_chunks >= 0, "outlier_chunks must be >= 0, got ", outlier_chunks);
   SHADOWKV_EXPECTS(sink_chunks >= 0, "sink_chunks must be >= 0, got ", sink_chunks);
   SHADOWKV_EXPECTS(local_chunks >= 0, "local_chunks must be >= 0, got ", local_chunks);

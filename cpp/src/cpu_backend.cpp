@@ -210,14 +210,14 @@ cpu_layer_data cpu_backend::prefill_one(const batch_entry& entry, const prefill_
   out.last_position = positions.back();
 
   // An empty selection cache of k slots per head.
-  const std::int64_t budget = config_.budget_chunks;
-  out.cache_chunks.assign(static_cast<std::size_t>(heads * budget), -1);
-  out.pending_rebuild.assign(static_cast<std::size_t>(heads * budget), 0);
-  out.pending_fetch.assign(static_cast<std::size_t>(heads * budget), 0);
+  const std::int64_t budget_chunks = config_.budget_chunks();
+  out.cache_chunks.assign(static_cast<std::size_t>(heads * budget_chunks), -1);
+  out.pending_rebuild.assign(static_cast<std::size_t>(heads * budget_chunks), 0);
+  out.pending_fetch.assign(static_cast<std::size_t>(heads * budget_chunks), 0);
   out.cache_keys = host_array(type);
   out.cache_values = host_array(type);
-  out.cache_keys.resize(heads * budget * chunk * dim);
-  out.cache_values.resize(heads * budget * chunk * dim);
+  out.cache_keys.resize(heads * budget_chunks * chunk * dim);
+  out.cache_values.resize(heads * budget_chunks * chunk * dim);
   return out;
 }
 
@@ -324,7 +324,7 @@ void cpu_backend::select_chunks(int layer, std::span<const batch_entry> entries,
   const std::int64_t heads = config_.num_kv_heads;
   const std::int64_t dim = config_.head_dim;
   const std::int64_t group = config_.group_size();
-  const std::int64_t budget = config_.budget_chunks;
+  const std::int64_t budget_chunks = config_.budget_chunks();
   const std::int64_t tokens = queries.shape[1];
   const double scale = config_.effective_softmax_scale();
 
@@ -382,18 +382,18 @@ void cpu_backend::select_chunks(int layer, std::span<const batch_entry> entries,
       });
       std::vector<std::int64_t>& selected = workspace_.selected;
       selected.clear();
-      for (std::int64_t i = 0; i < std::min(budget, count); ++i) {
+      for (std::int64_t i = 0; i < std::min(budget_chunks, count); ++i) {
         selected.push_back(candidates[static_cast<std::size_t>(order[static_cast<std::size_t>(i)])]);
       }
       std::sort(selected.begin(), selected.end());
 
       // Temporal cache: selected chunks already in a slot are hits; the others take freed slots.
-      std::int64_t* slots = d.cache_chunks.data() + h * budget;
-      std::uint8_t* rebuild = d.pending_rebuild.data() + h * budget;
-      std::uint8_t* fetch = d.pending_fetch.data() + h * budget;
+      std::int64_t* slots = d.cache_chunks.data() + h * budget_chunks;
+      std::uint8_t* rebuild = d.pending_rebuild.data() + h * budget_chunks;
+      std::uint8_t* fetch = d.pending_fetch.data() + h * budget_chunks;
       std::vector<std::uint8_t>& cached = workspace_.cached;
       cached.assign(selected.size(), 0);
-      for (std::int64_t s = 0; s < budget; ++s) {
+      for (std::int64_t s = 0; s < budget_chunks; ++s) {
         rebuild[s] = 0;
         fetch[s] = 0;
         if (slots[s] < 0) continue;
@@ -422,12 +422,12 @@ void cpu_backend::select_chunks(int layer, std::span<const batch_entry> entries,
 void cpu_backend::fetch_values(int layer, std::span<const batch_entry> entries) {
   const std::int64_t heads = config_.num_kv_heads;
   const std::int64_t run = static_cast<std::int64_t>(config_.chunk_size) * config_.head_dim;
-  const std::int64_t budget = config_.budget_chunks;
+  const std::int64_t budget_chunks = config_.budget_chunks();
   for (const batch_entry& entry : entries) {
     cpu_layer_data& d = data(entry.slot, layer);
     for (std::int64_t h = 0; h < heads; ++h) {
-      for (std::int64_t s = 0; s < budget; ++s) {
-        const std::size_t index = static_cast<std::size_t>(h * budget + s);
+      for (std::int64_t s = 0; s < budget_chunks; ++s) {
+        const std::size_t index = static_cast<std::size_t>(h * budget_chunks + s);
         if (d.pending_fetch[index] == 0) continue;
         const std::int64_t c = d.cache_chunks[index];
         d.value_store.read_run(c * heads + h, d.cache_values, static_cast<std::int64_t>(index) * run);
@@ -443,7 +443,7 @@ void cpu_backend::rebuild_keys(int layer, std::span<const batch_entry> entries) 
   const std::int64_t dim = config_.head_dim;
   const std::int64_t width = config_.kv_width();
   const std::int64_t chunk = config_.chunk_size;
-  const std::int64_t budget = config_.budget_chunks;
+  const std::int64_t budget_chunks = config_.budget_chunks();
   const std::int64_t rank = config_.rank;
   std::vector<float>& basis = workspace_.basis;  // reserved by reserve_decode / reserve_selection
   for (const batch_entry& entry : entries) {
@@ -454,15 +454,15 @@ void cpu_backend::rebuild_keys(int layer, std::span<const batch_entry> entries) 
       // Gather the rows of A of every missed chunk, then one GEMM with this head's columns of B.
       std::vector<std::int64_t>& missed_slots = workspace_.missed_slots;
       missed_slots.clear();
-      for (std::int64_t s = 0; s < budget; ++s) {
-        if (d.pending_rebuild[static_cast<std::size_t>(h * budget + s)] != 0) missed_slots.push_back(s);
+      for (std::int64_t s = 0; s < budget_chunks; ++s) {
+        if (d.pending_rebuild[static_cast<std::size_t>(h * budget_chunks + s)] != 0) missed_slots.push_back(s);
       }
       if (missed_slots.empty()) continue;
       const auto rows = static_cast<std::int64_t>(missed_slots.size()) * chunk;
       std::vector<float>& gathered = workspace_.gathered;
       gathered.resize(static_cast<std::size_t>(rows * rank));
       for (std::size_t m = 0; m < missed_slots.size(); ++m) {
-        const std::int64_t c = d.cache_chunks[static_cast<std::size_t>(h * budget + missed_slots[m])];
+        const std::int64_t c = d.cache_chunks[static_cast<std::size_t>(h * budget_chunks + missed_slots[m])];
         d.coefficients.load(c * chunk * rank, chunk * rank,
                             gathered.data() + static_cast<std::ptrdiff_t>(m) * chunk * rank);
       }
@@ -471,13 +471,13 @@ void cpu_backend::rebuild_keys(int layer, std::span<const batch_entry> entries) 
       gemm_row_major(gathered.data(), rank, basis.data() + h * dim, width, keys.data(), dim, rows, rank, dim);
       for (std::size_t m = 0; m < missed_slots.size(); ++m) {
         const std::int64_t s = missed_slots[m];
-        const std::int64_t c = d.cache_chunks[static_cast<std::size_t>(h * budget + s)];
+        const std::int64_t c = d.cache_chunks[static_cast<std::size_t>(h * budget_chunks + s)];
         for (std::int64_t i = 0; i < chunk; ++i) {
           float* key = keys.data() + (static_cast<std::int64_t>(m) * chunk + i) * dim;
           rope_.apply(key, d.context_positions[static_cast<std::size_t>(c * chunk + i)]);
-          d.cache_keys.store(((h * budget + s) * chunk + i) * dim, dim, key);
+          d.cache_keys.store(((h * budget_chunks + s) * chunk + i) * dim, dim, key);
         }
-        d.pending_rebuild[static_cast<std::size_t>(h * budget + s)] = 0;
+        d.pending_rebuild[static_cast<std::size_t>(h * budget_chunks + s)] = 0;
         stats_.chunks_rebuilt += 1;
       }
     }
@@ -490,7 +490,7 @@ void cpu_backend::attend(int layer, std::span<const batch_entry> entries, const 
   const std::int64_t dim = config_.head_dim;
   const std::int64_t width = config_.kv_width();
   const std::int64_t chunk = config_.chunk_size;
-  const std::int64_t budget = config_.budget_chunks;
+  const std::int64_t budget_chunks = config_.budget_chunks();
   const std::int64_t group = config_.group_size();
   const double scale = config_.effective_softmax_scale();
 
@@ -509,10 +509,10 @@ void cpu_backend::attend(int layer, std::span<const batch_entry> entries, const 
       for (std::int64_t i = 0; i < exact_rows; ++i) {
         union_rows.push_back({&d.exact_keys, &d.exact_values, i * width + h * dim});
       }
-      for (std::int64_t s = 0; s < budget; ++s) {
-        if (d.cache_chunks[static_cast<std::size_t>(h * budget + s)] < 0) continue;
+      for (std::int64_t s = 0; s < budget_chunks; ++s) {
+        if (d.cache_chunks[static_cast<std::size_t>(h * budget_chunks + s)] < 0) continue;
         for (std::int64_t i = 0; i < chunk; ++i) {
-          union_rows.push_back({&d.cache_keys, &d.cache_values, ((h * budget + s) * chunk + i) * dim});
+          union_rows.push_back({&d.cache_keys, &d.cache_values, ((h * budget_chunks + s) * chunk + i) * dim});
         }
       }
       const auto count = static_cast<std::int64_t>(union_rows.size());
@@ -580,8 +580,8 @@ bool cpu_backend::all_finite(const tensor_view& view) {
 void cpu_backend::reserve_workspace(std::int64_t chunks, std::int64_t union_rows) {
   const auto width = static_cast<std::size_t>(config_.kv_width());
   const auto dim = static_cast<std::size_t>(config_.head_dim);
-  const auto budget = static_cast<std::size_t>(config_.budget_chunks);
-  const auto rows = budget * static_cast<std::size_t>(config_.chunk_size);
+  const auto budget_chunks = static_cast<std::size_t>(config_.budget_chunks());
+  const auto rows = budget_chunks * static_cast<std::size_t>(config_.chunk_size);
   const auto n = static_cast<std::size_t>(chunks);
   cpu_workspace& w = workspace_;
   w.token_key.reserve(width);
@@ -591,11 +591,11 @@ void cpu_backend::reserve_workspace(std::int64_t chunks, std::int64_t union_rows
   w.logits.reserve(n);
   w.probability.reserve(n);
   w.order.reserve(n);
-  w.selected.reserve(budget);
-  w.cached.reserve(budget);
+  w.selected.reserve(budget_chunks);
+  w.cached.reserve(budget_chunks);
   w.query.reserve(dim);
   w.landmark.reserve(dim);
-  w.missed_slots.reserve(budget);
+  w.missed_slots.reserve(budget_chunks);
   w.gathered.reserve(rows * static_cast<std::size_t>(config_.rank));
   w.basis.reserve(static_cast<std::size_t>(config_.rank) * static_cast<std::size_t>(config_.kv_width()));
   w.rebuilt.reserve(rows * dim);
@@ -614,7 +614,7 @@ void cpu_backend::reserve_decode(int layer, std::span<const batch_entry> entries
     const layer_state& state = *entry.state;  // before the step: at most one fold and one token more
     chunks = std::max(chunks, state.context_chunks + 1);
     const std::int64_t exact_rows = state.local_len + state.generated_exact_len + 1;
-    union_rows = std::max(union_rows, state.outlier_chunks * chunk + exact_rows + config_.budget_tokens());
+    union_rows = std::max(union_rows, state.outlier_chunks * chunk + exact_rows + config_.budget);
   }
   reserve_workspace(chunks, union_rows);
   for (const batch_entry& entry : entries) {
@@ -633,12 +633,12 @@ void cpu_backend::reserve_selection(int /*layer*/, std::span<const batch_entry> 
 
 chunk_ids_per_head cpu_backend::selected_chunks(int layer, int slot) const {
   const cpu_layer_data& d = data(slot, layer);
-  const std::int64_t budget = config_.budget_chunks;
+  const std::int64_t budget_chunks = config_.budget_chunks();
   chunk_ids_per_head result(static_cast<std::size_t>(config_.num_kv_heads));
   if (d.cache_chunks.empty()) return result;
   for (std::int64_t h = 0; h < config_.num_kv_heads; ++h) {
-    for (std::int64_t s = 0; s < budget; ++s) {
-      const std::int64_t c = d.cache_chunks[static_cast<std::size_t>(h * budget + s)];
+    for (std::int64_t s = 0; s < budget_chunks; ++s) {
+      const std::int64_t c = d.cache_chunks[static_cast<std::size_t>(h * budget_chunks + s)];
       if (c >= 0) result[static_cast<std::size_t>(h)].push_back(c);
     }
     std::sort(result[static_cast<std::size_t>(h)].begin(), result[static_cast<std::size_t>(h)].end());

@@ -72,6 +72,16 @@ tensor_view make_contiguous_view(const void* data, dtype type, device where,
   return view;
 }
 
+mutable_tensor_view make_contiguous_output_view(void* data, dtype type, device where,
+                                                std::initializer_list<std::int64_t> shape) {
+  mutable_tensor_view view;
+  view.data = data;
+  view.float_type = type;
+  view.where = where;
+  fill_contiguous(view, shape);
+  return view;
+}
+
 tensor_view make_contiguous_index_view(const void* data, index_type type, device where,
                                        std::initializer_list<std::int64_t> shape) {
   tensor_view view;

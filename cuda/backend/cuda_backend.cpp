@@ -108,7 +108,7 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   dims_.head_dim = cfg.head_dim;
   dims_.group = cfg.group_size();
   dims_.chunk = cfg.chunk_size;
-  dims_.budget = cfg.budget_chunks;
+  dims_.budget = static_cast<int>(cfg.budget_chunks());  // chunks (validate(): fits an int)
   dims_.max_outliers = cfg.outlier_chunks;
   dims_.rank = cfg.rank;
   dims_.window = cfg.generation_window;
@@ -176,7 +176,7 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   workspace_.max_splits = sparse_attention_max_splits(dims_);
   const std::size_t logits = align_up(batch * cfg.num_q_heads * dims_.max_chunks * sizeof(float));
   const std::size_t scores = align_up(batch * cfg.num_kv_heads * dims_.max_chunks * sizeof(float));
-  const std::size_t lists = align_up(batch * cfg.num_kv_heads * cfg.budget_chunks * sizeof(int));
+  const std::size_t lists = align_up(batch * cfg.num_kv_heads * cfg.budget_chunks() * sizeof(int));
   const std::size_t counts = align_up(batch * cfg.num_kv_heads * sizeof(int));
   const std::size_t counters = align_up(4 * sizeof(unsigned long long));
   const std::size_t partial =
@@ -504,7 +504,7 @@ void cuda_backend::prefill_one(int layer, const batch_entry& entry, const prefil
                                codes_target, scales_target, stream_);
   }
   SHADOWKV_CUDA_TRY(cudaMemsetAsync(view.cache_chunks, 0xff,
-                                    static_cast<std::size_t>(config_.num_kv_heads) * config_.budget_chunks * sizeof(int),
+                                    static_cast<std::size_t>(config_.num_kv_heads) * config_.budget_chunks() * sizeof(int),
                                     stream_));
   SHADOWKV_CUDA_TRY(cudaMemsetAsync(view.slot_of_chunk, 0xff,
                                     static_cast<std::size_t>(config_.num_kv_heads) * dims_.max_chunks * sizeof(int),
@@ -583,8 +583,8 @@ step_workspace cuda_backend::workspace_from(int first) const {
   step_workspace part = workspace_;
   part.logits += b * config_.num_q_heads * dims_.max_chunks;
   part.scores += b * config_.num_kv_heads * dims_.max_chunks;
-  part.selected += b * config_.num_kv_heads * config_.budget_chunks;
-  part.miss_slots += b * config_.num_kv_heads * config_.budget_chunks;
+  part.selected += b * config_.num_kv_heads * config_.budget_chunks();
+  part.miss_slots += b * config_.num_kv_heads * config_.budget_chunks();
   part.miss_counts += b * config_.num_kv_heads;
   part.partial += b * config_.num_q_heads * workspace_.max_splits * (config_.head_dim + 2);
   return part;
@@ -636,13 +636,13 @@ void cuda_backend::attend(int layer, std::span<const batch_entry> entries, const
 chunk_ids_per_head cuda_backend::selected_chunks(int layer, int slot) const {
   device_guard guard(device_);
   const layer_view& view = host_view(slot, layer);
-  std::vector<int> chunks(static_cast<std::size_t>(config_.num_kv_heads) * config_.budget_chunks);
+  std::vector<int> chunks(static_cast<std::size_t>(config_.num_kv_heads) * config_.budget_chunks());
   SHADOWKV_CUDA_TRY(cudaStreamSynchronize(stream_));
   SHADOWKV_CUDA_TRY(cudaMemcpy(chunks.data(), view.cache_chunks, chunks.size() * sizeof(int), cudaMemcpyDeviceToHost));
   chunk_ids_per_head result(static_cast<std::size_t>(config_.num_kv_heads));
   for (int h = 0; h < config_.num_kv_heads; ++h) {
-    for (int s = 0; s < config_.budget_chunks; ++s) {
-      const int c = chunks[static_cast<std::size_t>(h) * config_.budget_chunks + s];
+    for (int s = 0; s < config_.budget_chunks(); ++s) {
+      const int c = chunks[static_cast<std::size_t>(h) * config_.budget_chunks() + s];
       if (c >= 0) result[static_cast<std::size_t>(h)].push_back(c);
     }
     std::sort(result[static_cast<std::size_t>(h)].begin(), result[static_cast<std::size_t>(h)].end());
@@ -692,7 +692,7 @@ memory_report cuda_backend::memory(std::span<const layer_state* const> states) c
     const std::int64_t values = state->context_chunks * config_.num_kv_heads * config_.value_run_bytes();
     report.value_store += values;
     (state->values_on == value_place::device ? report.value_store_device : report.value_store_host) += values;
-    report.selection_cache += static_cast<std::int64_t>(config_.budget_chunks) * chunk * width * 2 * e;
+    report.selection_cache += static_cast<std::int64_t>(config_.budget_chunks()) * chunk * width * 2 * e;
     report.full_attention_equivalent += state->total_len() * width * 2 * e;
   }
   report.device_reserved = static_cast<std::int64_t>(arena_.size() + views_.size() + workspace_memory_.size());

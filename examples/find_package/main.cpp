@@ -37,7 +37,7 @@ int run() {
   cfg.max_seq_len = 1024;
   cfg.rank = 64;
   cfg.chunk_size = 8;
-  cfg.budget_chunks = 8;
+  cfg.budget = 64;  // tokens selected per KV head per step: 8 chunks of 8
   cfg.outlier_chunks = 4;
   cfg.local_chunks = 4;
   cfg.generation_window = 32;
@@ -59,15 +59,16 @@ int run() {
   const std::vector<float> values = random_normals(rng, static_cast<std::size_t>(prompt * heads * dim));
   store.prefill(0, slots, view(keys, {1, prompt, heads, dim}), view(values, {1, prompt, heads, dim}));
 
+  // decode writes the attention output [B, Hq, D] into the caller's memory through a mutable view.
   std::vector<float> out(static_cast<std::size_t>(q_heads * dim));
+  const shadowkv::mutable_tensor_view out_view =
+      shadowkv::make_contiguous_output_view(out.data(), shadowkv::dtype::float32, shadowkv::device{}, {1, q_heads, dim});
   const std::vector<float> q = random_normals(rng, out.size());
   double squared = 0.0;
   bool finite = true;
   for (int step = 0; step < 4; ++step) {
     const std::vector<float> k_new = random_normals(rng, static_cast<std::size_t>(heads * dim));
     const std::vector<float> v_new = random_normals(rng, static_cast<std::size_t>(heads * dim));
-    shadowkv::mutable_tensor_view out_view;
-    static_cast<shadowkv::tensor_view&>(out_view) = view(out, {1, q_heads, dim});
     store.decode(0, slots, view(q, {1, q_heads, dim}), view(k_new, {1, heads, dim}), view(v_new, {1, heads, dim}),
                  out_view);
     squared = 0.0;

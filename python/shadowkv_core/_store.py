@@ -176,7 +176,8 @@ class KVStore:
         attention_scaling: multiplies cos/sin (transformers' attention_scaling).
         softmax_scale: scale of q·k (default 1/sqrt(head_dim)); also used for landmark scores.
         rank: rank of the key factorisation. chunk_size: tokens per chunk.
-        budget: selected tokens per KV head per step (a multiple of chunk_size).
+        budget: selected tokens per KV head per step (a positive multiple of chunk_size; more than max_seq_len is
+            clamped, docs/semantics.md "Capacity and errors").
         outlier_chunks, local_chunks: chunks kept exact. sink_chunks: how many of the outlier chunks are the prompt's
             first chunks, always (attention sinks), the rest chosen by the min-cosine rule. generation_window: exact generated tokens kept before the
             oldest chunk is folded into the compressed store (a multiple of chunk_size).
@@ -255,15 +256,6 @@ class KVStore:
         generation_window = _integer("generation_window", generation_window)
         rope_style, factorization = _text("rope_style", rope_style), _text("factorization", factorization)
         check_finite = _text("check_finite", check_finite)
-        if chunk_size >= 1 and budget // chunk_size > _INT32[1]:
-            raise ValueError(f"budget = {budget} tokens is {budget // chunk_size} chunks of {chunk_size}, more than a "
-                             f"C int holds ({_INT32[1]})")
-        if chunk_size < 1:
-            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-        if budget < chunk_size or budget % chunk_size != 0:
-            raise ValueError(
-                f"budget must be a positive multiple of chunk_size ({chunk_size}) tokens, got {budget}"
-            )
         dtype_name = _dtype_name(dtype)
         if dtype_name not in _DTYPE_NAMES:
             raise ValueError(f"dtype must be bfloat16, float16 or float32, got {dtype!r}")
@@ -284,7 +276,7 @@ class KVStore:
         cfg.softmax_scale = 0.0 if softmax_scale is None else float(softmax_scale)
         cfg.rank = rank
         cfg.chunk_size = chunk_size
-        cfg.budget_chunks = budget // chunk_size
+        cfg.budget = budget
         cfg.outlier_chunks = outlier_chunks
         cfg.sink_chunks = sink_chunks
         cfg.local_chunks = local_chunks
@@ -457,5 +449,5 @@ class KVStore:
         c = self._config
         return (
             f"KVStore(layers={c.num_layers}, heads={c.num_q_heads}/{c.num_kv_heads}, head_dim={c.head_dim}, "
-            f"rank={c.rank}, budget={c.budget_chunks * c.chunk_size}, device='{self.device}', dtype={c.dtype})"
+            f"rank={c.rank}, budget={c.budget}, device='{self.device}', dtype={c.dtype})"
         )

@@ -148,7 +148,7 @@ NB_MODULE(_core, m) {
       .def_rw("softmax_scale", &shadowkv::config::softmax_scale)
       .def_rw("rank", &shadowkv::config::rank)
       .def_rw("chunk_size", &shadowkv::config::chunk_size)
-      .def_rw("budget_chunks", &shadowkv::config::budget_chunks)
+      .def_rw("budget", &shadowkv::config::budget)
       .def_rw("outlier_chunks", &shadowkv::config::outlier_chunks)
       .def_rw("sink_chunks", &shadowkv::config::sink_chunks)
       .def_rw("local_chunks", &shadowkv::config::local_chunks)

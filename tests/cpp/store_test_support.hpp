@@ -26,10 +26,7 @@ inline shadowkv::tensor_view view_of(const std::vector<float>& data, shape_list 
 }
 
 inline shadowkv::mutable_tensor_view mutable_view_of(std::vector<float>& data, shape_list shape) {
-  shadowkv::mutable_tensor_view view;
-  static_cast<shadowkv::tensor_view&>(view) =
-      shadowkv::make_contiguous_view(data.data(), shadowkv::dtype::float32, shadowkv::device{}, shape);
-  return view;
+  return shadowkv::make_contiguous_output_view(data.data(), shadowkv::dtype::float32, shadowkv::device{}, shape);
 }
 
 class random_source {
@@ -67,7 +64,7 @@ inline shadowkv::config twin_config() {
   cfg.max_seq_len = 200;
   cfg.rank = 32;
   cfg.chunk_size = 8;
-  cfg.budget_chunks = 4;
+  cfg.budget = 4 * 8;  // 4 chunks
   cfg.outlier_chunks = 2;
   cfg.local_chunks = 2;
   cfg.generation_window = 16;

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <functional>
 #include <limits>
 #include <string>
@@ -29,7 +30,7 @@ config valid_config() {
   cfg.max_seq_len = 1024;
   cfg.rank = 32;
   cfg.chunk_size = 8;
-  cfg.budget_chunks = 16;
+  cfg.budget = 128;  // tokens: 16 chunks of 8
   cfg.outlier_chunks = 4;
   cfg.local_chunks = 4;
   cfg.generation_window = 64;
@@ -99,8 +100,11 @@ TEST(Config, EachBadFieldIsRejectedByName) {
       {"rank_negative", "rank", [](config& c) { c.rank = -1; }},
       {"rank_above_kv_width", "rank", [](config& c) { c.rank = 2 * 64 + 1; }},
       {"chunk_size_0", "chunk_size", [](config& c) { c.chunk_size = 0; }},
-      {"budget_0", "budget", [](config& c) { c.budget_chunks = 0; }},
-      {"budget_negative", "budget", [](config& c) { c.budget_chunks = -4; }},
+      {"budget_0", "budget", [](config& c) { c.budget = 0; }},
+      {"budget_negative", "budget", [](config& c) { c.budget = -8; }},
+      {"budget_below_chunk", "budget", [](config& c) { c.budget = 4; }},
+      {"budget_not_multiple_of_chunk", "budget", [](config& c) { c.budget = 20; }},
+      {"budget_chunks_beyond_c_int", "budget", [](config& c) { c.budget = std::int64_t{8} << 40; }},
       {"outlier_chunks_negative", "outlier_chunks", [](config& c) { c.outlier_chunks = -1; }},
       {"local_chunks_negative", "local_chunks", [](config& c) { c.local_chunks = -1; }},
       {"generation_window_not_multiple_of_chunk", "generation_window", [](config& c) { c.generation_window = 60; }},
@@ -127,6 +131,10 @@ TEST(Config, MessagesNameTheOffendingValue) {
   cfg.generation_window = 60;
   EXPECT_NE(rejection_message(cfg).find("60"), std::string::npos) << rejection_message(cfg);
   cfg = valid_config();
+  cfg.budget = 20;  // not a multiple of chunk_size 8: the message names the value, the chunk size and the unit
+  EXPECT_NE(rejection_message(cfg).find("multiple of chunk_size (8) tokens, got 20"), std::string::npos)
+      << rejection_message(cfg);
+  cfg = valid_config();
   cfg.inv_freq.assign(5, 1.0F);
   const std::string message = rejection_message(cfg);
   EXPECT_NE(message.find("32"), std::string::npos) << "expected count: " << message;
@@ -147,7 +155,8 @@ TEST(Config, DerivedValues) {
   config cfg = valid_config();
   EXPECT_EQ(cfg.group_size(), 4);
   EXPECT_EQ(cfg.kv_width(), 128);
-  EXPECT_EQ(cfg.budget_tokens(), 128);
+  EXPECT_EQ(cfg.budget, 128);
+  EXPECT_EQ(cfg.budget_chunks(), 16);
   EXPECT_EQ(cfg.effective_rotary_dim(), 64);
   cfg.rotary_dim = 16;
   EXPECT_EQ(cfg.effective_rotary_dim(), 16);
@@ -216,7 +225,8 @@ TEST(Config, DefaultsWithModelShapesAreValid) {
   cfg.head_dim = 128;
   EXPECT_NO_THROW(cfg.validate());
   EXPECT_EQ(cfg.rank, 160);
-  EXPECT_EQ(cfg.budget_tokens(), 2048);
+  EXPECT_EQ(cfg.budget, 2048);  // tokens, as Python's KVStore(budget=2048)
+  EXPECT_EQ(cfg.budget_chunks(), 256);
 }
 
 TEST(Config, StoreOnDeviceWithoutBackendIsRejected) {

@@ -199,7 +199,7 @@ TEST_P(FullAttentionEquivalence, DecodeEqualsFloat64FullAttention) {
   cfg.local_chunks = 2;
   cfg.outlier_chunks = 2;
   cfg.generation_window = 16;  // folds every 8 steps after the first 16
-  cfg.budget_chunks = static_cast<int>((longest + steps) / cfg.chunk_size + 1);  // covers every chunk
+  cfg.budget = ((longest + steps) / cfg.chunk_size + 1) * cfg.chunk_size;  // covers every chunk
   cfg.factorization = p.factorization;
   cfg.kv_dtype = dtype::float32;
   ASSERT_NO_THROW(cfg.validate());
@@ -364,7 +364,7 @@ config selection_config() {
   cfg.max_seq_len = 512;
   cfg.rank = 64;
   cfg.chunk_size = 8;
-  cfg.budget_chunks = 4;
+  cfg.budget = 4 * 8;  // 4 chunks
   cfg.outlier_chunks = 3;
   cfg.local_chunks = 2;
   cfg.generation_window = 64;  // no fold in these tests
@@ -473,7 +473,7 @@ expected_selection select_like_semantics(const config& cfg, const std::vector<fl
     std::iota(ranked.begin(), ranked.end(), 0);
     std::stable_sort(ranked.begin(), ranked.end(), [&](std::size_t a, std::size_t b) { return score[a] > score[b]; });
     std::vector<std::int64_t> selected;
-    for (std::size_t i = 0; i < std::min<std::size_t>(static_cast<std::size_t>(cfg.budget_chunks), ranked.size()); ++i) {
+    for (std::size_t i = 0; i < std::min<std::size_t>(static_cast<std::size_t>(cfg.budget_chunks()), ranked.size()); ++i) {
       selected.push_back(candidates[ranked[i]]);
     }
     std::sort(selected.begin(), selected.end());
@@ -518,7 +518,7 @@ TEST(StoreSelection, OutliersAndTopKFollowLandmarkScores) {
       const expected_selection expected = select_like_semantics(cfg, data, q);
       EXPECT_EQ(store.outlier_chunks(0, slots[0]), expected.outliers);
       EXPECT_EQ(store.selected_chunks(0, slots[0]), expected.selected);
-      for (const auto& head : expected.selected) EXPECT_EQ(head.size(), static_cast<std::size_t>(cfg.budget_chunks));
+      for (const auto& head : expected.selected) EXPECT_EQ(head.size(), static_cast<std::size_t>(cfg.budget_chunks()));
       EXPECT_NE(expected.selected[0], previous_first_head) << "the queries must move the selection";
       previous_first_head = expected.selected[0];
     }
@@ -531,7 +531,7 @@ TEST(StoreSelection, SameQueryTwiceIsAllHits) {
   SCOPED_TRACE("seed=" + std::to_string(seed));
   random_source rng(seed);
   const selection_data data = make_selection_data(cfg, rng);
-  const std::int64_t per_step = static_cast<std::int64_t>(cfg.num_kv_heads) * cfg.budget_chunks;  // one slot
+  const std::int64_t per_step = static_cast<std::int64_t>(cfg.num_kv_heads) * cfg.budget_chunks();  // one slot
   const std::int64_t chunk_value_bytes = static_cast<std::int64_t>(cfg.chunk_size) * cfg.head_dim * 4;
 
   kv_store store(cfg);
@@ -585,7 +585,7 @@ TEST(StoreSelection, PrefillQueryWarmsTheCache) {
   SCOPED_TRACE("seed=" + std::to_string(seed));
   random_source rng(seed);
   const selection_data data = make_selection_data(cfg, rng);
-  const std::int64_t per_step = static_cast<std::int64_t>(cfg.num_kv_heads) * cfg.budget_chunks;
+  const std::int64_t per_step = static_cast<std::int64_t>(cfg.num_kv_heads) * cfg.budget_chunks();
   const std::vector<float> q = rng.normals(static_cast<std::size_t>(cfg.num_q_heads * cfg.head_dim));
 
   kv_store store(cfg);
@@ -670,7 +670,7 @@ config twin_config() {
   cfg.max_seq_len = 160;
   cfg.rank = 32;
   cfg.chunk_size = 8;
-  cfg.budget_chunks = 4;
+  cfg.budget = 4 * 8;  // 4 chunks
   cfg.outlier_chunks = 2;
   cfg.local_chunks = 2;
   cfg.generation_window = 16;
@@ -1096,7 +1096,7 @@ memory_report expected_memory(const config& cfg, const std::vector<memory_expect
     report.outliers += outliers * c * width * 2 * e;
     report.exact_tokens += (local + folds.generated_exact) * width * 2 * e;
     report.value_store += ctx_chunks * c * width * e;
-    report.selection_cache += static_cast<std::int64_t>(cfg.budget_chunks) * c * width * 2 * e;
+    report.selection_cache += static_cast<std::int64_t>(cfg.budget_chunks()) * c * width * 2 * e;
     report.full_attention_equivalent += (layer.prompt_len + layer.decode_steps) * width * 2 * e;
   }
   return report;
@@ -1115,7 +1115,7 @@ TEST(StoreMemory, MatchesDocumentedFormulasAfterPrefillAndFolds) {
     cfg.max_seq_len = 256;
     cfg.rank = 40;
     cfg.chunk_size = 8;
-    cfg.budget_chunks = 3;
+    cfg.budget = 3 * 8;  // 3 chunks
     cfg.outlier_chunks = 2;
     cfg.local_chunks = 2;
     cfg.generation_window = 16;
@@ -1188,7 +1188,7 @@ config small_config(shadowkv::value_store_policy policy, std::int64_t budget) {
   cfg.max_seq_len = 100;  // 12 chunks of 8: the value store holds 96 tokens per layer
   cfg.rank = 32;
   cfg.chunk_size = 8;
-  cfg.budget_chunks = 2;
+  cfg.budget = 2 * 8;  // 2 chunks
   cfg.outlier_chunks = 1;
   cfg.local_chunks = 1;
   cfg.generation_window = 16;

@@ -48,7 +48,7 @@ config replay_config() {
   cfg.max_seq_len = 200;
   cfg.rank = 32;
   cfg.chunk_size = 8;
-  cfg.budget_chunks = 3;
+  cfg.budget = 24;
   cfg.outlier_chunks = 2;
   cfg.local_chunks = 2;
   cfg.generation_window = 16;
@@ -530,9 +530,10 @@ TEST(HugeInputs, KeysThatOverflowUnderRopeAreRejected) {
 
 TEST(Capacity, BudgetBeyondMaxSeqLenIsClampedAndServes) {
   config cfg = replay_config();
-  cfg.budget_chunks = INT_MAX;  // the budget = 8 * (2**31 - 1) tokens
+  cfg.budget = std::int64_t{8} * INT_MAX;  // the budget = 8 * (2**31 - 1) tokens
   kv_store store(cfg);
-  EXPECT_EQ(store.get_config().budget_chunks, 200 / 8);
+  EXPECT_EQ(store.get_config().budget, 200);  // max_seq_len / chunk_size = 25 chunks of 8
+  EXPECT_EQ(store.get_config().budget_chunks(), 200 / 8);
   ASSERT_EQ(store.add_sequences(1), std::vector<int>{0});
   prefill_random(store, 0, 60, 91);
   random_source rng(92);
@@ -562,7 +563,7 @@ TEST(Capacity, ChunkLargerThanMaxSeqLenIsRejected) {
   config cfg = replay_config();
   cfg.chunk_size = 1 << 30;
   cfg.generation_window = 1 << 30;
-  cfg.budget_chunks = 1;
+  cfg.budget = cfg.chunk_size;  // one chunk
   ASSERT_NO_THROW(cfg.validate());
   EXPECT_THROW(kv_store{cfg}, shadowkv::invalid_argument);
   EXPECT_NE(message_of<shadowkv::invalid_argument>(cfg, 1LL << 40).find("chunk_size"), std::string::npos);
@@ -586,7 +587,7 @@ TEST(Capacity, FixedCostsBeyondHostMemoryNameTheBytes) {
   cfg.max_seq_len = std::int64_t{1} << 20;
   cfg.chunk_size = 1 << 20;
   cfg.generation_window = 1 << 20;
-  cfg.budget_chunks = 1;
+  cfg.budget = cfg.chunk_size;  // one chunk
   message = message_of<shadowkv::out_of_memory>(cfg, host);
   EXPECT_NE(message.find("selection cache"), std::string::npos) << message;
   EXPECT_NE(message.find("bytes"), std::string::npos) << message;

@@ -427,6 +427,7 @@ def test_huge_finite_keys_factorise_and_decode(scale, factorization, device):
 def test_budget_above_capacity_is_clamped_and_serves():
     g = generator(561)
     store = make_store(replay_config(budget=8 * (2**31 - 1)))
+    assert store.config["budget"] == 8 * (2**31 - 1)  # tokens, as given (the C++ config has the same unit)
     store.add_sequences(1)
     store.prefill(0, [0], randn(g, 1, 60, HKV, D), randn(g, 1, 60, HKV, D))
     out = store.decode(0, [0], *qkv())

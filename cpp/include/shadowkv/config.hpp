@@ -74,7 +74,9 @@ struct config {
   // The algorithm.
   int rank = 160;                ///< rank r of the key factorisation, 1 <= r <= num_kv_heads*head_dim
   int chunk_size = 8;            ///< tokens per chunk C
-  int budget_chunks = 256;       ///< chunks selected per KV head per step, k >= 1
+  /// Tokens selected per KV head per step: a positive multiple of chunk_size (the same unit as Python's `budget`).
+  /// More than max_seq_len is allowed: the store clamps it (docs/semantics.md, "Capacity and errors").
+  std::int64_t budget = 2048;
   int outlier_chunks = 48;       ///< chunks per KV head kept exact as outliers
   int sink_chunks = 1;           ///< of those, the prompt's first chunks, always (attention sinks; at most outlier_chunks)
   int local_chunks = 4;          ///< chunks at the end of the prompt kept exact as the local window
@@ -114,9 +116,8 @@ struct config {
     if (factors_as == factor_format::bfloat16) return dtype::bfloat16;
     return kv_dtype == dtype::float32 ? dtype::float32 : dtype::bfloat16;
   }
-  [[nodiscard]] std::int64_t budget_tokens() const noexcept {
-    return static_cast<std::int64_t>(budget_chunks) * chunk_size;
-  }
+  /// The budget in chunks, k = budget / chunk_size (what the selection and its cache are sized by).
+  [[nodiscard]] std::int64_t budget_chunks() const noexcept { return chunk_size > 0 ? budget / chunk_size : 0; }
 };
 
 /// "half" or "interleaved".

@@ -54,8 +54,8 @@ class kv_store {
  public:
   /// Validates `cfg` and creates the backend of `where`. Throws invalid_argument (a field out of range, or a size
   /// that cannot be counted) or out_of_memory (fixed costs beyond the host's physical memory, naming the bytes);
-  /// see docs/semantics.md, "Capacity and errors". A budget larger than max_seq_len / chunk_size chunks is clamped
-  /// to it (get_config() shows the value used).
+  /// see docs/semantics.md, "Capacity and errors". A budget larger than max_seq_len is clamped as that section says
+  /// (get_config().budget shows the value used).
   explicit kv_store(config cfg, device where = {});
   /// As above with a backend of the caller's (an out-of-tree backend, or a test double): `make` receives the
   /// configuration the store runs with, after validation and clamping.

@@ -69,9 +69,16 @@ struct mutable_tensor_view : tensor_view {
   [[nodiscard]] void* mutable_data() const noexcept { return const_cast<void*>(data); }
 };
 
-/// Makes a contiguous (row-major) float view of `data` with the given shape.
+/// Makes a contiguous (row-major) float view of `data` with the given shape (an input: keys, values, queries).
 tensor_view make_contiguous_view(const void* data, dtype type, device where,
                                  std::initializer_list<std::int64_t> shape);
+
+/// Makes a contiguous (row-major) writable float view of `data` with the given shape: the `out` argument of
+/// kv_store::decode ([B, num_q_heads, head_dim], on the store's device). `data` must hold the product of `shape`
+/// elements of `type` on `where` and outlive the call that writes it; nothing is checked or allocated here (decode
+/// checks the shape, dtype and device and throws invalid_argument). At most max_tensor_rank dimensions.
+mutable_tensor_view make_contiguous_output_view(void* data, dtype type, device where,
+                                                std::initializer_list<std::int64_t> shape);
 
 /// Makes a contiguous (row-major) integer view of `data` with the given shape.
 tensor_view make_contiguous_index_view(const void* data, index_type type, device where,
