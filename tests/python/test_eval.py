@@ -229,6 +229,22 @@ def test_haystack_text_from_common_licenses():
         haystack.haystack_text("/nonexistent/licenses")
 
 
+def test_one_haystack_for_both_tools(tokenizer):
+    """The fidelity prompt (haystack_ids) is the haystack text from its beginning, then the suffix; the needle tasks'
+    windows (Haystack) are cut from the same text."""
+    import os
+
+    if not os.path.isdir(haystack.LICENSES_DIR):
+        pytest.skip(f"{haystack.LICENSES_DIR} is missing on this machine (Debian/Ubuntu's base-files provides it)")
+    text = haystack.haystack_text()
+    ids = haystack.haystack_ids(tokenizer, 300)[0].tolist()
+    suffix = tokenizer(haystack.PROMPT_SUFFIX, add_special_tokens=False)["input_ids"]
+    assert len(ids) == 300 and ids[-len(suffix):] == suffix
+    assert text.startswith(tokenizer.decode(ids[:-len(suffix)]))
+    window, starts = Haystack(tokenizer, text).window(200, random.Random(0))
+    assert window in text and len(starts) == 200
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # the shared prefill seeds the store exactly as the adapter's own prefill does
 # ---------------------------------------------------------------------------------------------------------------------
@@ -386,6 +402,10 @@ def test_demo_real_model_path_on_a_tiny_model(tokenizer, monkeypatch, capsys):
     model = _llama(len(tokenizer))
     monkeypatch.setattr(models, "load_model", lambda name, **kw: (model, tokenizer))
     monkeypatch.setattr(haystack, "haystack_text", lambda *a, **k: HAYSTACK)
+    # tqdm's update returns True when it redraws (rarely in a fast test): the progress hooks must not pass it on
+    import tqdm.std
+    update = tqdm.std.tqdm.update
+    monkeypatch.setattr(tqdm.std.tqdm, "update", lambda self, n=1: update(self, n) or True)
     assert demo.main(["--length", "400", "--max-new-tokens", "4", "--budget", "16", "--rank", "16"]) == 0
     out = capsys.readouterr().out
     assert "answer, store:" in out and "answer, full attention:" in out

@@ -279,13 +279,16 @@ def _plot_budget_sweep(plt, task: str, rows: List[dict], title: str, path: Path)
     by_tokens, ticks, labels, minor = budget_ticks(rows)
     specs = sorted({r["budget"] for r in rows}, key=_budget_sort_key)
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for k, length in enumerate(sorted({r["length"] for r in rows})):
+    lengths = sorted({r["length"] for r in rows})
+    for k, length in enumerate(lengths):
+        dodge = 2.0 ** (0.04 * (k - (len(lengths) - 1) / 2))   # lengths side by side, so that their bars do not overlap
         cells = defaultdict(list)
         for r in rows:
             if r["length"] == length:
                 cells[r["budget"]].append(r)
         present = [b for b in specs if b in cells]
-        xs = [sum(r["n"] * _sweep_x(r, by_tokens) for r in cells[b]) / sum(r["n"] for r in cells[b]) for b in present]
+        xs = [dodge * sum(r["n"] * _sweep_x(r, by_tokens) for r in cells[b]) / sum(r["n"] for r in cells[b])
+              for b in present]
         ys = [_pooled(cells[b], "store") for b in present]
         ns = [sum(r["n"] for r in cells[b]) for b in present]
         bounds = [wilson_interval(y, n) for y, n in zip(ys, ns)]

@@ -223,7 +223,10 @@ class _LayerProgress:
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         self.layers = list(decoder.layers)
         self.bar = tqdm(total=len(self.layers), desc=label)
-        self.handles = [layer.register_forward_hook(lambda *_: self.bar.update()) for layer in self.layers]
+        self.handles = [layer.register_forward_hook(self._tick) for layer in self.layers]
+
+    def _tick(self, *_) -> None:
+        self.bar.update()   # returns None: a forward hook's non-None result would replace the layer's output
 
     def close(self) -> None:
         for handle in self.handles:
