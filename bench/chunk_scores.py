@@ -546,7 +546,8 @@ def format_table(result: dict) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="bench/chunk_scores.py", description=__doc__.split("\n\n")[0])
     src = parser.add_mutually_exclusive_group(required=True)
-    src.add_argument("--capture", help="a capture (.npz) written by shadowkv_core.evaluation.fidelity or by --save-capture")
+    src.add_argument("--capture",
+                     help="a capture (.npz) written by shadowkv_core.evaluation.fidelity or by --save-capture")
     src.add_argument("--model", choices=models.available_models(),
                      help="capture a packaged model live (shadowkv_core.evaluation.models)")
     parser.add_argument("--tokens", type=int, default=4096)

@@ -494,6 +494,9 @@ def test_budget_sweep_ticks_do_not_collide():
     assert labels[0] == "0.78125%" and "25%" in labels
     by_tokens, ticks, labels, minor = budget_ticks(_sweep_rows(["32", "64", "128", "120"], lengths=(4096,)))
     assert by_tokens and labels == ["32", "64", "120"] and minor == [128.0]
+    # a token budget on a % axis sits at another share at each length: a tick (label) at each, none in between
+    by_tokens, ticks, labels, minor = budget_ticks(_sweep_rows(["16", "6.25%"], lengths=(512, 1024)))
+    assert not by_tokens and labels == ["16 tok", "16 tok", "6.25%"] and ticks[:2] == [1.5625, 3.125] and not minor
 
 
 def test_budget_sweep_plot_has_error_bars_and_n(tmp_path, monkeypatch):

@@ -250,21 +250,31 @@ def _sweep_x(r: dict, by_tokens: bool) -> float:
 
 def budget_ticks(rows: List[dict]) -> tuple:
     """(by_tokens, major positions, their labels, minor positions) of the budget-sweep x axis (log2) for summary
-    accuracy rows: one tick a budget spec, at its n-weighted mean position over the lengths; the label of a tick
-    closer than max(0.3, 0.09 x the axis span) octaves to the previous labelled one is left off (a minor tick)."""
+    accuracy rows. One tick a budget spec at its n-weighted mean position over the lengths (a percentage lands at
+    about the same share at every length); on a % axis a token budget gets one tick per distinct share it has at the
+    different lengths. Going left to right, a tick closer than max(0.3, 0.09 x the axis span) octaves to the previous
+    labelled one keeps no label (a minor tick): labels never collide."""
     by_tokens = not any(str(r["budget"]).endswith("%") for r in rows)
     xs = [_sweep_x(r, by_tokens) for r in rows]
     span = math.log2(max(xs) / min(xs)) if xs else 0.0
     gap = max(0.3, 0.09 * span)
-    ticks, labels, minor, last = [], [], [], None
-    for spec in sorted({r["budget"] for r in rows}, key=_budget_sort_key):
+    candidates = []
+    for spec in {r["budget"] for r in rows}:
         at = [r for r in rows if r["budget"] == spec]
-        x = sum(r["n"] * _sweep_x(r, by_tokens) for r in at) / sum(r["n"] for r in at)
+        mean_x = sum(r["n"] * _sweep_x(r, by_tokens) for r in at) / sum(r["n"] for r in at)
+        if by_tokens:
+            candidates.append((mean_x, f"{float(spec):g}"))
+        elif str(spec).endswith("%"):
+            candidates.append((mean_x, str(spec)))
+        else:
+            candidates += [(x, f"{spec} tok") for x in sorted({_sweep_x(r, False) for r in at})]
+    ticks, labels, minor, last = [], [], [], None
+    for x, label in sorted(candidates):
         if last is not None and math.log2(x / last) < gap:
             minor.append(x)
             continue
         ticks.append(x)
-        labels.append(f"{float(spec):g}" if by_tokens else (spec if str(spec).endswith("%") else f"{spec} tok"))
+        labels.append(label)
         last = x
     return by_tokens, ticks, labels, minor
 
