@@ -3,11 +3,11 @@
 The store selects, per KV head and decode step, the top-k context chunks by a *chunk score*; today that score is
 the query times the chunk's landmark (mean of its post-RoPE keys), normalised by a softmax over the candidates per
 query head and combined over the KV head's query group by the max (docs/semantics.md, Decode 4). This script
-replays captured decode steps (`shadowkv_core.fidelity` captures: the test fixtures, or a live capture of a
+replays captured decode steps (`shadowkv_core.evaluation.fidelity` captures: the test fixtures, or a live capture of a
 packaged model) and, for each rule below, selects exactly as the store does with only the score changed, then
 measures the share of full attention's probability mass on the attended tokens (outliers incl. sinks, local
 window, selected chunks, exact generated tokens) against the best set of the same size, with
-`shadowkv_core.fidelity`'s own metric (`_mass_of_head`: per query head, mean over heads, steps and layers).
+`shadowkv_core.evaluation.fidelity`'s own metric (`mass_of_head`: per query head, mean over heads, steps and layers).
 
 Rules (per query head j, chunk c; `k_t` the chunk's exact post-RoPE keys, `L` their mean; every rule is a logit,
 scaled by the softmax scale, softmaxed over the candidates, then combined over the group by max unless noted):
@@ -55,14 +55,15 @@ import numpy as np
 import torch
 
 from shadowkv_core import KVStore
-from shadowkv_core import fidelity as F
+from shadowkv_core.evaluation import fidelity as F
+from shadowkv_core.evaluation import models
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def capture_live(model_name: str, tokens: int, steps: int, save: Optional[str]) -> F.Capture:
     """A fresh capture of every full-attention layer of a packaged model (float32), saved as float32 if asked."""
-    model, tokenizer = F.load_model(model_name)
+    model, tokenizer = models.load_model(model_name)
     ids = F.haystack_ids(tokenizer, tokens)
     capture = F.capture_model(model, ids, None, steps, verbose=True)
     capture.meta.update(model=model_name, prompt=f"haystack text ({F.LICENSES_DIR}) + suffix",
@@ -329,7 +330,7 @@ def rank_chunks(logits: torch.Tensor, candidates: List[torch.Tensor], scale: flo
 
 def _store_kwargs(meta: dict, S: int, T: int, chunk_size: int, outlier_chunks: int, sink_chunks: int,
                   local_chunks: int) -> dict:
-    """KVStore arguments of `shadowkv_core.fidelity.evaluate`'s runs (float32, CPU, full rank: rank does not change
+    """KVStore arguments of `shadowkv_core.evaluation.fidelity.evaluate`'s runs (float32, CPU, full rank: rank does not change
     the selection)."""
     return dict(num_q_heads=meta["num_q_heads"], num_kv_heads=meta["num_kv_heads"], head_dim=meta["head_dim"],
                 max_batch=1, max_seq_len=S + T, inv_freq=torch.tensor(meta["inv_freq"], dtype=torch.float32),
@@ -375,7 +376,7 @@ def measure(capture: F.Capture, budgets: Sequence[int], rules: Sequence[str], ch
             outlier_chunks: int = 4, sink_chunks: int = 1, local_chunks: int = 4, rank: int = 160,
             store_check: bool = True, layers: Optional[Sequence[int]] = None, log=None) -> dict:
     """Attention mass covered by each rule's selection, and by the best choice of as many chunks, per budget (tokens
-    per KV head) and layer: means over query heads and decode steps (shadowkv_core.fidelity's metric). With
+    per KV head) and layer: means over query heads and decode steps (shadowkv_core.evaluation.fidelity's metric). With
     `store_check` the store itself runs each budget and its selections are compared with the "landmark" rule's."""
     m = capture.meta
     hq, hkv, d = m["num_q_heads"], m["num_kv_heads"], m["head_dim"]
@@ -426,9 +427,9 @@ def measure(capture: F.Capture, budgets: Sequence[int], rules: Sequence[str], ch
             fixed, orc = [], {b: [] for b in budgets}
             for h in range(hkv):
                 ph = p[h * g:(h + 1) * g]
-                fixed.append(F._mass_of_head(ph, [], outl[h], info, S, C)[0])
-                for b, k in zip(budgets, ks):   # _mass_of_head's oracle: the best len(selected) candidates
-                    orc[b].append(F._mass_of_head(ph, cand[h][:k].tolist(), outl[h], info, S, C)[1])
+                fixed.append(F.mass_of_head(ph, [], outl[h], info, S, C)[0])
+                for b, k in zip(budgets, ks):   # mass_of_head's oracle: the best len(selected) candidates
+                    orc[b].append(F.mass_of_head(ph, cand[h][:k].tolist(), outl[h], info, S, C)[1])
             fixed_only[layer].append(float(torch.cat(fixed).mean()))
             for b in budgets:
                 best[b][layer].append(float(torch.cat(orc[b]).mean()))
@@ -439,7 +440,7 @@ def measure(capture: F.Capture, budgets: Sequence[int], rules: Sequence[str], ch
                 order = rank_chunks(logits, cand, scale, combine, exact, C)
                 for b, k in zip(budgets, ks):
                     sel = [sorted(o[:k]) for o in order]
-                    cov = [F._mass_of_head(p[h * g:(h + 1) * g], sel[h], outl[h], info, S, C)[0] for h in range(hkv)]
+                    cov = [F.mass_of_head(p[h * g:(h + 1) * g], sel[h], outl[h], info, S, C)[0] for h in range(hkv)]
                     acc[r][b][layer].append(float(torch.cat(cov).mean()))
                     if r == "landmark" and store_check:
                         theirs = store_sel[b][layer][t]
@@ -545,8 +546,10 @@ def format_table(result: dict) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="bench/chunk_scores.py", description=__doc__.split("\n\n")[0])
     src = parser.add_mutually_exclusive_group(required=True)
-    src.add_argument("--capture", help="a capture (.npz) written by shadowkv_core.fidelity or by --save-capture")
-    src.add_argument("--model", help="capture a packaged model live (smollm2 or gemma3; shadowkv_core.models)")
+    src.add_argument("--capture",
+                     help="a capture (.npz) written by shadowkv_core.evaluation.fidelity or by --save-capture")
+    src.add_argument("--model", choices=models.available_models(),
+                     help="capture a packaged model live (shadowkv_core.evaluation.models)")
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--save-capture", help="with --model: save the capture (float32 .npz) here")

@@ -12,7 +12,7 @@ they do not change; only the rebuilt keys do. This script feeds a capture's prom
 and compares each decode output, all query heads concatenated, with float64 full attention over the same tokens
 (relative Frobenius error, mean over steps and layers), at a fixed budget and at a budget covering every token (the
 rank's error alone). It also gives the relative error of the pre-RoPE keys themselves (best rank-r approximation:
-jointly, or per shard). The store runs exactly as `shadowkv_core.fidelity.evaluate` runs it (float32, post-RoPE keys
+jointly, or per shard). The store runs exactly as `shadowkv_core.evaluation.fidelity.evaluate` runs it (float32, post-RoPE keys
 in, warm selection); the joint rows are checked against `evaluate` itself.
 
 A model whose Hkv is not divisible by tp cannot be sharded by KV heads (the TP decoder refuses it): for such a model
@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from shadowkv_core import KVStore
-from shadowkv_core import fidelity as F
+from shadowkv_core.evaluation import fidelity as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CAPTURES = ",".join(os.path.join(ROOT, "tests", "fixtures", f) for f in
@@ -170,7 +170,7 @@ def measure(path: str, ranks_frac: Sequence[float], budget: int, tp: int, kw: di
     result = dict(capture=os.path.relpath(path, ROOT), model=name, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
                   layers=layers, prompt_len=S, steps=T, tp_requested=tp, tp_used=shard_tp, layout=layout,
                   budget=budget, full_budget=full_budget, rows=rows)
-    if check:  # the joint rows must be what shadowkv_core.fidelity.evaluate reports for the same settings
+    if check:  # the joint rows must be what shadowkv_core.evaluation.fidelity.evaluate reports for the same settings
         r = ranks[0]
         ev = F.evaluate(capture, budgets=[budget], ranks=[r], mass=False,
                         **{k: v for k, v in kw.items() if k != "device"})

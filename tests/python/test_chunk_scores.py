@@ -2,7 +2,7 @@
 real-model captures (tests/fixtures). What its numbers rest on:
 
 * the "landmark" rule selects exactly what the store selects, step by step, and covers exactly the mass
-  `shadowkv_core.fidelity.evaluate` reports for the store;
+  `shadowkv_core.evaluation.fidelity.evaluate` reports for the store;
 * the exact-keys rule ("exact-lse", group combined by estimated mass) covers exactly the "best possible" mass, so the
   best column and the selection code agree;
 * the bounds are bounds: Quest's per-channel score and the radius score are >= every key's logit in the chunk, and
@@ -18,7 +18,7 @@ import os
 import pytest
 import torch
 
-from shadowkv_core import fidelity as F
+from shadowkv_core.evaluation import fidelity as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURES = [os.path.join(HERE, "..", "fixtures", f"fidelity_{m}_1k.npz") for m in ("smollm2", "gemma3")]

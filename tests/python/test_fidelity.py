@@ -1,4 +1,4 @@
-"""The attention-fidelity tool (``shadowkv_core.fidelity``), on the committed real-model captures and on tiny models.
+"""The attention-fidelity tool (``shadowkv_core.evaluation.fidelity``), on the committed real-model captures and on tiny models.
 
 * Fixtures (tests/fixtures/fidelity_*.npz, fp16 Q/K/V of two full-attention layers of SmolLM2-135M and Gemma-3-270M
   at a 1024-token haystack prompt plus 16 real greedy decode steps; tests/fixtures/make_fidelity_fixtures.sh made
@@ -19,7 +19,7 @@ import os
 import pytest
 import torch
 
-from shadowkv_core import fidelity as F
+from shadowkv_core.evaluation import fidelity as F
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "fixtures")
 FIXTURE_FILES = sorted(glob.glob(os.path.join(FIXTURES, "fidelity_*.npz")))

