@@ -1,5 +1,5 @@
 """How many more selections would hit on the GPU with a value cache larger than last step's selection (issue 8
-item 3)? Replays a real-model capture (shadowkv_core.fidelity) through a CPU KVStore, records the chunks each
+item 3)? Replays a real-model capture (shadowkv_core.evaluation.fidelity) through a CPU KVStore, records the chunks each
 (layer, KV head) selects at each decode step, and simulates per-head caches of `m` times the budget:
 
   last      today's temporal cache: what the previous step selected (m = 1)
@@ -21,7 +21,7 @@ from collections import Counter, OrderedDict
 import torch
 
 from shadowkv_core import KVStore
-from shadowkv_core.fidelity import load_capture
+from shadowkv_core.evaluation.fidelity import load_capture
 
 SIZES = (1.0, 1.5, 2.0, 4.0, 8.0)
 
