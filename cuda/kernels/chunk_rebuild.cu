@@ -20,16 +20,16 @@ namespace shadowkv::cuda {
 namespace {
 
 // CTAs per (entry, head): enough to give every SM two CTAs for small batches; each takes every gridDim.z-th group.
+// The SM count is the current device's, asked at each launch (a cached driver attribute; a per-process cache would be
+// wrong for a store on a second, different GPU).
 int splits_for(int batch, int kv_heads, int most) {
-  static const int multiprocessors = [] {
-    int device = 0;
-    int count = 132;
-    if (cudaGetDevice(&device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-      (void)cudaGetLastError();
-    }
-    return count;
-  }();
+  int device = 0;
+  int multiprocessors = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    multiprocessors = 1;  // a failing device fails the launch itself, with its own error
+  }
   const int wanted = (2 * multiprocessors + batch * kv_heads - 1) / (batch * kv_heads);
   return std::max(1, std::min(wanted, most));
 }
@@ -340,9 +340,8 @@ template <typename T, typename F, int D>
 void launch_rebuild_for(const dims& d, layer_view* views, const int* batch_slots, int layer, int batch,
                         const step_workspace& workspace, const float* inv_freq, cudaStream_t stream) {
   using tile = rebuild_tile<F, D>;
-  // Above 48 KiB the kernel needs the opt-in limit; set once per instantiation, not per launch.
-  static const bool large_shared_memory_allowed = shadowkv_allow_max_shared_memory(rebuild_keys_kernel<T, F, D>);
-  (void)large_shared_memory_allowed;
+  static std::atomic<std::uint64_t> allowed_on_devices{0};  // above 48 KiB: the opt-in limit, once per device
+  shadowkv_allow_large_shared_memory(rebuild_keys_kernel<T, F, D>, allowed_on_devices);
   const int group_chunks = kRebuildRows / d.chunk;
   const int groups = (d.budget + group_chunks - 1) / group_chunks;
   const dim3 grid(static_cast<unsigned>(batch), static_cast<unsigned>(d.kv_heads),

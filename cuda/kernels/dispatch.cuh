@@ -5,6 +5,10 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
+#include <cstdint>
+
+#include "cuda_check.hpp"
 #include "device_layout.cuh"
 #include "shadowkv/errors.hpp"
 
@@ -20,8 +24,8 @@ void shadowkv_dispatch_element(int kv_type, Body&& body) {
   throw shadowkv::invalid_argument(shadowkv::detail::format_message("unknown element type code ", kv_type));
 }
 
-/// Lets `kernel` use up to the device's opt-in shared memory per block. Call it from a function-local static
-/// initialiser so that it runs once per kernel, not on every launch (attributes on every launch are a slow path).
+/// Lets `kernel` use up to the current device's opt-in shared memory per block (see allow_large_shared_memory, which
+/// calls it once per device).
 template <typename Kernel>
 bool shadowkv_allow_max_shared_memory(Kernel kernel) {
   int device = 0;
@@ -33,4 +37,16 @@ bool shadowkv_allow_max_shared_memory(Kernel kernel) {
     return false;
   }
   return true;
+}
+
+/// Above 48 KiB a kernel needs the opt-in limit. The attribute belongs to each device's copy of the kernel, so it is
+/// set once per device (`devices`: a bit per device index, one word per instantiation), not once per process and not
+/// on every launch (a slow path); after the first launch on a device this costs a cudaGetDevice.
+template <typename Kernel>
+void shadowkv_allow_large_shared_memory(Kernel kernel, std::atomic<std::uint64_t>& devices) {
+  int device = 0;
+  SHADOWKV_CUDA_TRY(cudaGetDevice(&device));
+  const std::uint64_t bit = device < 64 ? std::uint64_t{1} << device : 0;  // beyond 64 devices: every launch
+  if ((devices.load(std::memory_order_acquire) & bit) != 0) return;
+  if (shadowkv_allow_max_shared_memory(kernel)) devices.fetch_or(bit, std::memory_order_acq_rel);
 }

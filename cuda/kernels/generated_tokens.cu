@@ -166,8 +166,8 @@ void launch_advance_generated(const dims& d, int kv_type, layer_view* views, con
   const std::size_t shared = advance_generated_shared_bytes(d);
   shadowkv_dispatch_element(kv_type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    static const bool large_shared_memory_allowed = shadowkv_allow_max_shared_memory(advance_generated_kernel<T>);
-    (void)large_shared_memory_allowed;
+    static std::atomic<std::uint64_t> allowed_on_devices{0};  // the opt-in shared-memory limit, once per device
+    shadowkv_allow_large_shared_memory(advance_generated_kernel<T>, allowed_on_devices);
     advance_generated_kernel<T><<<batch, kThreads, shared, stream>>>(d, views, batch_slots, layer, k_new, v_new,
                                                                      positions, positions_bits, keys_post_rope,
                                                                      inv_freq);

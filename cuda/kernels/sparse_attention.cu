@@ -545,24 +545,12 @@ struct split_launch {
   cudaStream_t stream;
 };
 
-/// Above 48 KiB a kernel needs the opt-in limit. The attribute belongs to each device's copy of the kernel, so it is
-/// set once per device (`devices`: a bit per device index, one word per instantiation), not once per process and not
-/// on every launch (a slow path); after the first launch on a device this costs a cudaGetDevice.
-template <typename Kernel>
-void allow_large_shared_memory(Kernel kernel, std::atomic<std::uint64_t>& devices) {
-  int device = 0;
-  SHADOWKV_CUDA_TRY(cudaGetDevice(&device));
-  const std::uint64_t bit = device < 64 ? std::uint64_t{1} << device : 0;  // beyond 64 devices: every launch
-  if ((devices.load(std::memory_order_acquire) & bit) != 0) return;
-  if (shadowkv_allow_max_shared_memory(kernel)) devices.fetch_or(bit, std::memory_order_acq_rel);
-}
-
 template <typename T, int D, int HeadTile>
 void launch_split(const split_launch& a) {
   using layout = cta_layout<T, D, HeadTile>;
   if constexpr (layout::shared_bytes + layout::static_bytes > kDefaultSharedBytes) {
     static std::atomic<std::uint64_t> allowed_on_devices{0};
-    allow_large_shared_memory(sparse_attention_split_kernel<T, D, HeadTile>, allowed_on_devices);
+    shadowkv_allow_large_shared_memory(sparse_attention_split_kernel<T, D, HeadTile>, allowed_on_devices);
   }
   const dim3 grid(static_cast<unsigned>(a.splits), static_cast<unsigned>(a.d.kv_heads), static_cast<unsigned>(a.batch));
   sparse_attention_split_kernel<T, D, HeadTile><<<grid, kThreads, layout::shared_bytes, a.stream>>>(
