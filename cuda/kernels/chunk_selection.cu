@@ -49,6 +49,7 @@
 #include "dispatch.cuh"
 #include "element_access.cuh"
 #include "landmark_logits.cuh"
+#include "ordered_compaction.cuh"
 
 namespace shadowkv::cuda {
 namespace {
@@ -58,7 +59,7 @@ constexpr int kLogitTileBudget = 36 * 1024;  // bytes of one staged tile (two ar
 constexpr int kMaxTilesPerCta = 16;
 constexpr int kSelectThreads = 1024;         // one CTA per (b, h): at B=1 only Hkv CTAs run, so make each wide
 constexpr int kSelectWarps = kSelectThreads / 32;
-static_assert(kSelectWarps == 32, "ordered_pass scans the warp totals with one warp's shuffles");
+static_assert(kSelectThreads == kOrderedPassThreads, "ordered_pass (ordered_compaction.cuh) needs 1024 threads");
 constexpr int kScoreBatch = 8;               // chunks per thread whose logits are loaded together
 constexpr int kRadixFirstBits = 12;          // first radix digit; 4 bins a thread in the digit search
 constexpr int kDefaultSharedLimit = 48 * 1024;
@@ -411,62 +412,6 @@ struct select_geometry {
 
 using select_scan = cub::BlockScan<unsigned long long, kSelectThreads, cub::BLOCK_SCAN_WARP_SCANS>;
 
-/// Ordered compaction over [0, count) with two predicates: flag(i) returns bit 0 (predicate a) and bit 1 (b);
-/// emit(i, flag, a_before, b_before) is called for every item and gets how many items < i satisfy each. Each warp takes one contiguous segment,
-/// counts it with ballots, and after one exchange of the 32 warp totals recounts it with ranks: two cheap passes and
-/// two barriers instead of a block scan per 1024 items. Returns the totals. Called by every thread of the block;
-/// flag must give the same answer in both passes.
-template <typename Flag, typename Emit>
-__device__ uint2 ordered_pass(int count, unsigned* scratch, Flag&& flag, Emit&& emit) {
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const int rounds = (count + 31) / 32;
-  const int segment = (rounds + kSelectWarps - 1) / kSelectWarps * 32;
-  const int begin = warp * segment;
-  const int end = min(count, begin + segment);
-  unsigned a = 0;
-  unsigned b = 0;
-  for (int base = begin; base < end; base += 32) {  // warp-uniform
-    const int i = base + lane;
-    const unsigned f = i < end ? flag(i) : 0U;
-    a += __popc(__ballot_sync(0xffffffffU, (f & 1U) != 0));
-    b += __popc(__ballot_sync(0xffffffffU, (f & 2U) != 0));
-  }
-  if (lane == 0) {
-    scratch[2 * warp] = a;
-    scratch[2 * warp + 1] = b;
-  }
-  __syncthreads();
-  // Warp prefix: lane l holds warp l's counts; an inclusive shuffle scan gives every warp its offset and the total.
-  unsigned scan_a = scratch[2 * lane];
-  unsigned scan_b = scratch[2 * lane + 1];
-#pragma unroll
-  for (int offset = 1; offset < 32; offset <<= 1) {
-    const unsigned other_a = __shfl_up_sync(0xffffffffU, scan_a, offset);
-    const unsigned other_b = __shfl_up_sync(0xffffffffU, scan_b, offset);
-    if (lane >= offset) {
-      scan_a += other_a;
-      scan_b += other_b;
-    }
-  }
-  const uint2 total = make_uint2(__shfl_sync(0xffffffffU, scan_a, 31), __shfl_sync(0xffffffffU, scan_b, 31));
-  const unsigned prefix_a = __shfl_sync(0xffffffffU, scan_a, (warp + 31) & 31);
-  const unsigned prefix_b = __shfl_sync(0xffffffffU, scan_b, (warp + 31) & 31);
-  unsigned a_before = warp == 0 ? 0U : prefix_a;
-  unsigned b_before = warp == 0 ? 0U : prefix_b;
-  const unsigned lower = (1U << lane) - 1U;
-  for (int base = begin; base < end; base += 32) {
-    const int i = base + lane;
-    const unsigned f = i < end ? flag(i) : 0U;
-    const unsigned ballot_a = __ballot_sync(0xffffffffU, (f & 1U) != 0);
-    const unsigned ballot_b = __ballot_sync(0xffffffffU, (f & 2U) != 0);
-    if (i < end) emit(i, f, a_before + __popc(ballot_a & lower), b_before + __popc(ballot_b & lower));
-    a_before += __popc(ballot_a);
-    b_before += __popc(ballot_b);
-  }
-  __syncthreads();  // scratch is reused; emitted writes are visible to the block
-  return total;
-}
 
 /// (max, sum exp(x - max)) of row[0, n) over the block; -inf entries are left out. Called by every thread.
 __device__ void block_softmax_partial(const float* row, int n, float* scratch, float& out_m, float& out_s) {

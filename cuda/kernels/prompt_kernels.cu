@@ -18,6 +18,7 @@
 #include "cuda_check.hpp"
 #include "dispatch.cuh"
 #include "element_access.cuh"
+#include "ordered_compaction.cuh"
 #include "prompt_kernels.cuh"
 
 namespace shadowkv::cuda {
@@ -302,10 +303,10 @@ __device__ __forceinline__ unsigned ascending_key(float value) {
 __global__ void __launch_bounds__(kPickThreads)
     pick_outliers_kernel(dims d, const float* min_cosine, int chunks, int count, std::uint8_t* is_outlier,
                          int* outlier_ids) {
-  static_assert(kPickThreads / 32 == 32, "the warp totals are scanned by one warp's shuffles");
+  static_assert(kPickThreads == kOrderedPassThreads, "ordered_pass (ordered_compaction.cuh) needs 1024 threads");
   __shared__ unsigned histogram[kPickBins];
   __shared__ unsigned found[3];  // digit, items below its bin, items in its bin
-  __shared__ unsigned warp_totals[2 * 32];
+  __shared__ unsigned warp_totals[2 * kOrderedPassWarps];
   const int h = blockIdx.x;
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
@@ -370,60 +371,17 @@ __global__ void __launch_bounds__(kPickThreads)
     need_ties = remaining;
   }
 
-  // Ordered compaction: warp w takes one contiguous segment of ids; ballots count it, one exchange of the 32 warp
-  // totals gives each warp its offsets, a second pass ranks and writes.
+  // Ordered compaction (ordered_compaction.cuh): the chunks strictly below the k-th key, then the first need_ties of
+  // its ties in ascending id, written ascending; every chunk's flag set.
   auto classify = [&](int c) -> unsigned {
     const unsigned key = ascending_key(values[c]) & mask;
     return (key < prefix ? 1U : 0U) | (key == prefix ? 2U : 0U);
   };
-  const int rounds = (chunks + 31) / 32;
-  const int segment = (rounds + 31) / 32 * 32;
-  const int begin = warp * segment;
-  const int end = min(chunks, begin + segment);
-  unsigned below = 0;
-  unsigned ties = 0;
-  for (int base = begin; base < end; base += 32) {  // warp-uniform
-    const int c = base + lane;
-    const unsigned f = c < end ? classify(c) : 0U;
-    below += __popc(__ballot_sync(0xffffffffU, (f & 1U) != 0));
-    ties += __popc(__ballot_sync(0xffffffffU, (f & 2U) != 0));
-  }
-  if (lane == 0) {
-    warp_totals[2 * warp] = below;
-    warp_totals[2 * warp + 1] = ties;
-  }
-  __syncthreads();
-  unsigned scan_below = warp_totals[2 * lane];
-  unsigned scan_ties = warp_totals[2 * lane + 1];
-#pragma unroll
-  for (int offset = 1; offset < 32; offset *= 2) {
-    const unsigned other_below = __shfl_up_sync(0xffffffffU, scan_below, offset);
-    const unsigned other_ties = __shfl_up_sync(0xffffffffU, scan_ties, offset);
-    if (lane >= offset) {
-      scan_below += other_below;
-      scan_ties += other_ties;
-    }
-  }
-  const unsigned previous_below = __shfl_sync(0xffffffffU, scan_below, (warp + 31) % 32);
-  const unsigned previous_ties = __shfl_sync(0xffffffffU, scan_ties, (warp + 31) % 32);
-  unsigned below_before = warp == 0 ? 0U : previous_below;
-  unsigned ties_before = warp == 0 ? 0U : previous_ties;
-  const unsigned lower_lanes = (1U << lane) - 1U;
-  for (int base = begin; base < end; base += 32) {
-    const int c = base + lane;
-    const unsigned f = c < end ? classify(c) : 0U;
-    const unsigned ballot_below = __ballot_sync(0xffffffffU, (f & 1U) != 0);
-    const unsigned ballot_ties = __ballot_sync(0xffffffffU, (f & 2U) != 0);
-    if (c < end) {
-      const unsigned my_below = below_before + __popc(ballot_below & lower_lanes);
-      const unsigned my_ties = ties_before + __popc(ballot_ties & lower_lanes);
-      const bool taken = (f & 1U) != 0 || ((f & 2U) != 0 && my_ties < need_ties);
-      flags[c] = taken ? 1 : 0;
-      if (taken) ids[my_below + min(my_ties, need_ties)] = c;
-    }
-    below_before += __popc(ballot_below);
-    ties_before += __popc(ballot_ties);
-  }
+  ordered_pass(chunks, warp_totals, classify, [&](int c, unsigned f, unsigned below_before, unsigned ties_before) {
+    const bool taken = (f & 1U) != 0 || ((f & 2U) != 0 && ties_before < need_ties);
+    flags[c] = taken ? 1 : 0;
+    if (taken) ids[below_before + min(ties_before, need_ties)] = c;
+  });
 }
 
 // --- scatter_prompt -----------------------------------------------------------------------------------------------
