@@ -19,7 +19,7 @@ def plot(results: dict, out: str) -> str:
 
     runs = results.get("runs", [results])
     fig, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 4.5), squeeze=False)
-    colors = {"full": "tab:blue", "store": "tab:orange"}
+    colors = {"full": "tab:blue", "store": "tab:orange", "store_fp8": "tab:green"}
     for ax, run in zip(axes[0], runs):
         for name, method in run.get("methods", {}).items():
             rows = sorted((r for r in method.get("sweep", []) if r.get("tokens_per_s")), key=lambda r: r["batch"])
