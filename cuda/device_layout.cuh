@@ -37,6 +37,7 @@ struct dims {
   float softmax_scale;
   int value_fp8;       ///< 1: the value store holds e4m3 codes + a float32 scale per run (shadowkv/fp8.hpp)
   int factor_bf16;     ///< 1: basis and coefficients are bf16 (config::factor_dtype()), 0: float32
+  int group_mean;      ///< 1: a chunk's score is the mean of the group's probabilities (config::group_score), 0: max
 };
 
 /// Everything of one (slot, layer) on the device. Row-major, head-major where a kernel reads one head at a time.

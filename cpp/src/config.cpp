@@ -101,6 +101,14 @@ std::string value_format_name(value_format format) {
   return format == value_format::fp8_e4m3 ? "float8_e4m3" : "same";
 }
 
+group_combine parse_group_score(const std::string& name) {
+  if (name == "max") return group_combine::max;
+  if (name == "mean") return group_combine::mean;
+  throw invalid_argument(detail::format_message("group_score must be 'max' or 'mean', got '", name, "'"));
+}
+
+std::string group_score_name(group_combine combine) { return combine == group_combine::mean ? "mean" : "max"; }
+
 factor_format parse_factor_format(const std::string& name) {
   if (name.empty() || name == "auto") return factor_format::automatic;
   if (name == "float32" || name == "fp32") return factor_format::float32;

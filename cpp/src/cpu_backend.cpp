@@ -343,7 +343,9 @@ void cpu_backend::select_chunks(int layer, std::span<const batch_entry> entries,
         if (outlier[static_cast<std::size_t>(c)] == 0) candidates.push_back(c);
       }
       const auto count = static_cast<std::int64_t>(candidates.size());
-      // score(c) = max over the group's query heads of the softmax probability (summed over query tokens).
+      // score(c) = max (or mean: config group_score) over the group's query heads of the softmax probability, summed
+      // over query tokens.
+      const bool mean = config_.group_score == group_combine::mean;
       std::vector<double>& score = workspace_.score;
       std::vector<double>& logits = workspace_.logits;
       std::vector<double>& probability = workspace_.probability;
@@ -369,8 +371,12 @@ void cpu_backend::select_chunks(int layer, std::span<const batch_entry> entries,
           for (std::int64_t i = 0; i < count; ++i) probability[static_cast<std::size_t>(i)] += logits[static_cast<std::size_t>(i)] / total;
         }
         for (std::int64_t i = 0; i < count; ++i) {
-          score[static_cast<std::size_t>(i)] = std::max(score[static_cast<std::size_t>(i)], probability[static_cast<std::size_t>(i)]);
+          double& s = score[static_cast<std::size_t>(i)];
+          s = mean ? s + probability[static_cast<std::size_t>(i)] : std::max(s, probability[static_cast<std::size_t>(i)]);
         }
+      }
+      if (mean) {
+        for (double& s : score) s /= static_cast<double>(group);
       }
       // Top-k by descending score, ties by smaller chunk id (candidates are ascending, so a stable sort keeps it).
       std::vector<std::int64_t>& order = workspace_.order;

@@ -120,6 +120,7 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   dims_.softmax_scale = cfg.effective_softmax_scale();
   dims_.value_fp8 = cfg.values_as == value_format::fp8_e4m3 ? 1 : 0;
   dims_.factor_bf16 = cfg.factor_dtype() == dtype::bfloat16 ? 1 : 0;
+  dims_.group_mean = cfg.group_score == group_combine::mean ? 1 : 0;
 
   own_stream_ = make_stream();
   copy_stream_ = make_stream();

@@ -12,7 +12,8 @@
 //      chosen on the host from dims, batch and the device (about one wave of CTAs). The partials are carved out of
 //      workspace.scores: row (b, h) holds [G][tiles][2] floats at its start (requires 2 * G * tiles <= max_chunks).
 //   1b. score_kernel, grid (ceil(max_chunks / 256), Hkv, B): merges the partials into one normaliser per query head
-//      and writes score(c) = max_j p_j(c) = exp2(max_j(x_j(c) * log2 e - offset_j)) in place into the group's first
+//      and writes score(c) = max_j p_j(c) = exp2(max_j(x_j(c) * log2 e - offset_j)) (dims::group_mean: the mean of
+//      the p_j(c), an exp each) in place into the group's first
 //      logits row (-1 for non-candidates). Spreads the exp work over the GPU instead of B*Hkv CTAs.
 //   2. select_kernel, one CTA of 1024 threads per (b, h): reads the scores into per-chunk keys (float bits + 1;
 //      0 for non-candidates) and workspace.scores (chunks c < context_chunks; 0 for outliers); the top-k by an
@@ -381,14 +382,20 @@ __global__ void __launch_bounds__(kScoreThreads) score_kernel(const dims d, cons
   }
   if (c >= n) return;
   float best = probabilities ? 0.0F : kNegativeInfinity;
+  float sum = 0.0F;  // group_mean: the probabilities' sum (an exp per head: the max's one-exp shortcut does not apply)
   bool candidate = false;
 #pragma unroll 4
   for (int g = 0; g < d.group; ++g) {
     const float x = logits_group[static_cast<long long>(g) * d.max_chunks + c];
     if (g == 0) candidate = probabilities ? x >= 0.0F : x != kNegativeInfinity;
-    best = fmaxf(best, probabilities ? x : fmaf(x, kLog2e, -offsets[g]));
+    if (d.group_mean != 0) {
+      sum += probabilities ? x : exp2f(fmaf(x, kLog2e, -offsets[g]));
+    } else {
+      best = fmaxf(best, probabilities ? x : fmaf(x, kLog2e, -offsets[g]));
+    }
   }
-  logits_group[c] = candidate ? (probabilities ? best : exp2f(best)) : -1.0F;
+  const float score = d.group_mean != 0 ? sum / static_cast<float>(d.group) : (probabilities ? best : exp2f(best));
+  logits_group[c] = candidate ? score : -1.0F;
 }
 
 // -----------------------------------------------------------------------------------------------------------------
@@ -560,12 +567,15 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_kernel(const dims d,
   __syncthreads();
   int my_candidates = 0;
   for (int base = 0; base < n; base += kSelectThreads * kScoreBatch) {
-    float best[kScoreBatch];  // max_j of the exp2 argument, or of the probability
+    // max_j of the exp2 argument or of the probability; with group_mean (and more than one row) the probabilities'
+    // sum. A single row (kFromScores) is score(c) already.
+    const bool sum_rows = d.group_mean != 0 && rows > 1;
+    float best[kScoreBatch];
     bool candidate[kScoreBatch];
 #pragma unroll
     for (int i = 0; i < kScoreBatch; ++i) {
       candidate[i] = false;
-      best[i] = probabilities ? 0.0F : kNegativeInfinity;
+      best[i] = probabilities || sum_rows ? 0.0F : kNegativeInfinity;
     }
 #pragma unroll 4
     for (int g = 0; g < rows; ++g) {
@@ -576,14 +586,20 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_kernel(const dims d,
         const int c = base + i * kSelectThreads + tid;
         const float x = c < n ? row[c] : kNegativeInfinity;
         if (g == 0) candidate[i] = probabilities ? x >= 0.0F : x != kNegativeInfinity;
-        best[i] = fmaxf(best[i], probabilities ? x : fmaf(x, kLog2e, -shift));
+        if (sum_rows) {
+          best[i] += probabilities ? x : exp2f(fmaf(x, kLog2e, -shift));
+        } else {
+          best[i] = fmaxf(best[i], probabilities ? x : fmaf(x, kLog2e, -shift));
+        }
       }
     }
 #pragma unroll
     for (int i = 0; i < kScoreBatch; ++i) {
       const int c = base + i * kSelectThreads + tid;
       if (c < n) {
-        const float score = candidate[i] ? (probabilities ? best[i] : exp2f(best[i])) : 0.0F;
+        const float combined = sum_rows ? best[i] / static_cast<float>(rows)
+                                        : (probabilities ? best[i] : exp2f(best[i]));
+        const float score = candidate[i] ? combined : 0.0F;
         my_candidates += candidate[i] ? 1 : 0;
         scores_row[c] = score;
         const unsigned key = candidate[i] ? __float_as_uint(score) + 1U : 0U;

@@ -4,7 +4,7 @@
 // For entry b (slot = batch_slots[b], view = views[slot * num_layers + layer]) and KV head h:
 //   candidates = chunks c < context_chunks with is_outlier[h*max_chunks + c] == 0;
 //   p_j(c) = softmax over candidates of softmax_scale * q_{t,j}·landmark[h, c] for each query token t, summed over t;
-//   score(c) = max over the G query heads j of h of p_j(c);
+//   score(c) = max over the G query heads j of h of p_j(c) (dims::group_mean: their mean);
 //   selected = the min(k, #candidates) best by descending score, ties to the smaller chunk id, written ascending
 //              to workspace.selected[(b*Hkv + h)*k ...] and padded with -1;
 //   cache: a buffer slot whose chunk is selected is a hit and stays; other slots are freed (cache_chunks = -1 and

@@ -191,6 +191,8 @@ class KVStore:
             one float32 scale per (chunk, KV head) — half of bf16's bytes in memory and over PCIe; values are
             dequantized to `dtype` when fetched. `value_store="host_fp8"` is short for value_store="host",
             value_dtype="float8_e4m3". Exact tokens (outliers, local window, generated) keep `dtype`.
+        group_score: how a chunk's score combines the query heads of a KV head's group: "max" (default) or "mean" of
+            their softmax probabilities (docs/semantics.md, Decode 4; docs/fidelity.md measures both).
         factor_dtype: element type of the low-rank key factors A and B: None/"auto" (bfloat16 for bfloat16 and
             float16 stores, float32 for float32 stores), "bfloat16" (half the bytes of the largest per-sequence
             array; A and B are rounded once, docs/semantics.md "Low-rank factors") or "float32".
@@ -237,6 +239,7 @@ class KVStore:
         device_value_budget: Optional[int] = None,
         value_dtype: Optional[Any] = None,
         factor_dtype: Optional[Any] = None,
+        group_score: str = "max",
         decode_pipeline_parts: int = 0,
         check_finite: str = "auto",
     ) -> None:
@@ -297,6 +300,7 @@ class KVStore:
                 raise ValueError(f"device_value_budget must be >= 0 bytes, got {device_value_budget}")
             cfg.device_value_budget = device_value_budget
         cfg.decode_pipeline_parts = _integer("decode_pipeline_parts", decode_pipeline_parts)
+        cfg.group_score = _text("group_score", group_score)
         if factor_dtype is not None:
             factor_name = _dtype_name(factor_dtype)
             factor_name = {"fp32": "float32", "float": "float32", "bf16": "bfloat16"}.get(factor_name, factor_name)

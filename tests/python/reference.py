@@ -153,6 +153,7 @@ class RefConfig:
     factorization: str = "gram"        # "gram" or "svd"
     dtype: str = "float32"
     factor_dtype: Optional[str] = None  # None/"auto": bfloat16 for 16-bit dtypes, float32 for float32 (semantics.md)
+    group_score: str = "max"            # "max" or "mean" over the group's query heads (semantics.md Decode 4)
 
     @classmethod
     def from_kwargs(cls, **kw) -> "RefConfig":
@@ -358,7 +359,8 @@ class ReferenceStore:
             lm = self.landmarks[cand, h]                                      # [Nc, D]
             qg = q[:, h * g:(h + 1) * g]                                      # [Tq, G, D]
             p = torch.softmax(c.softmax_scale * torch.einsum("tjd,cd->tjc", qg, lm), dim=-1)
-            score = p.sum(dim=0).max(dim=0).values                           # sum over tokens, max over group
+            summed = p.sum(dim=0)                                             # sum over tokens: [G, Nc]
+            score = summed.mean(dim=0) if c.group_score == "mean" else summed.max(dim=0).values
             order = _order(score, descending=True)
             k = min(c.budget_chunks, cand.numel())
             chosen = sorted(cand[order[:k]].tolist())

@@ -41,6 +41,8 @@ VALUE_DTYPE = {1: "float8_e4m3", 2: "float8_e4m3", 3: None, 4: None, 5: "float8_
 # The factors' element type per case (None: the default, bf16 for the bf16 cases): float32 factors in a bf16 store keep
 # the 3xTF32 rebuild covered next to the bf16 one; bf16 factors in a float32 store isolate their rounding.
 FACTOR_DTYPE = {1: None, 2: "float32", 3: "bfloat16", 4: None, 5: None}
+# How a chunk's score combines the group's heads: the mean in the GQA cases 1 (G=4) and 3 (G=8), the max elsewhere.
+GROUP_SCORE = {1: "mean", 2: "max", 3: "mean", 4: "max", 5: "max"}
 
 
 def _sequence_value_bytes(hkv, d, dtype, value_dtype, layers=2, max_len=2048, chunk=8):
@@ -59,7 +61,7 @@ def test_cuda_matches_cpu(case):
     kw = dict(num_layers=2, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, max_batch=4, max_seq_len=2048,
               rope_theta=10000.0, rope_style=style, rotary_dim=rotary, rank=rank, chunk_size=8, budget=budget * 8,
               outlier_chunks=3, local_chunks=2, generation_window=WINDOW, dtype=dtype, value_store=PLACEMENT[seed],
-              value_dtype=VALUE_DTYPE[seed], factor_dtype=FACTOR_DTYPE[seed])
+              value_dtype=VALUE_DTYPE[seed], factor_dtype=FACTOR_DTYPE[seed], group_score=GROUP_SCORE[seed])
     if PLACEMENT[seed] == "auto":
         kw["device_value_budget"] = _sequence_value_bytes(hkv, d, dtype, VALUE_DTYPE[seed])
     stores = {dev: _make(kw, dev) for dev in ("cpu", "cuda:0")}

@@ -48,6 +48,13 @@ enum class finite_check : std::uint8_t {
   always,     ///< prefill and decode inputs (on CUDA: one stream synchronisation per decode call)
 };
 
+/// How a chunk's score combines the query heads of one KV head's group (each head's softmax probability of the
+/// chunk's landmark, summed over query tokens).
+enum class group_combine : std::uint8_t {
+  max,   ///< the largest of the group's probabilities (the default)
+  mean,  ///< their mean (measured on real captures: equal or more attention mass covered, docs/fidelity.md)
+};
+
 /// Where one sequence's values are.
 enum class value_place : std::uint8_t { host, device };
 
@@ -86,6 +93,7 @@ struct config {
   value_store_policy value_store = value_store_policy::host;
   value_format values_as = value_format::same;  ///< format of the value store (exact tokens keep kv_dtype)
   factor_format factors_as = factor_format::automatic;  ///< element type of A and B (see factor_dtype())
+  group_combine group_score = group_combine::max;       ///< how a chunk's score combines the group's query heads
   /// Bytes of device memory the value stores of `auto_place` sequences may take together; -1: the backend's
   /// default (CUDA: device memory free after the store's reservations, less a margin; CPU: no limit).
   std::int64_t device_value_budget = -1;
@@ -140,6 +148,10 @@ std::string value_format_name(value_format format);
 finite_check parse_finite_check(const std::string& name);
 /// "auto", "prefill" or "always".
 std::string finite_check_name(finite_check check);
+/// Parses "max" or "mean"; throws invalid_argument otherwise.
+group_combine parse_group_score(const std::string& name);
+/// "max" or "mean".
+std::string group_score_name(group_combine combine);
 /// Parses "auto" (or ""), "float32"/"fp32" or "bfloat16"/"bf16"; throws invalid_argument otherwise.
 factor_format parse_factor_format(const std::string& name);
 /// "auto", "float32" or "bfloat16".
