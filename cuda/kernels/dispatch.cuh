@@ -24,19 +24,20 @@ void shadowkv_dispatch_element(int kv_type, Body&& body) {
   throw shadowkv::invalid_argument(shadowkv::detail::format_message("unknown element type code ", kv_type));
 }
 
-/// Lets `kernel` use up to the current device's opt-in shared memory per block (see allow_large_shared_memory, which
-/// calls it once per device).
+/// Lets `kernel` take as much dynamic shared memory as the current device allows per block: the opt-in limit less
+/// the kernel's own static shared memory (CUDA rejects a larger value with cudaErrorInvalidValue, and a kernel with
+/// static arrays would then launch with the 48 KiB default and fail). Throws on a CUDA error rather than leaving the
+/// launch to fail later with a less telling one.
 template <typename Kernel>
-bool shadowkv_allow_max_shared_memory(Kernel kernel) {
+void shadowkv_allow_max_shared_memory(Kernel kernel) {
   int device = 0;
   int optin = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess ||
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  return true;
+  cudaFuncAttributes attributes{};
+  SHADOWKV_CUDA_TRY(cudaGetDevice(&device));
+  SHADOWKV_CUDA_TRY(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  SHADOWKV_CUDA_TRY(cudaFuncGetAttributes(&attributes, kernel));
+  const int dynamic_limit = optin - static_cast<int>(attributes.sharedSizeBytes);
+  SHADOWKV_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dynamic_limit));
 }
 
 /// Above 48 KiB a kernel needs the opt-in limit. The attribute belongs to each device's copy of the kernel, so it is
@@ -48,5 +49,6 @@ void shadowkv_allow_large_shared_memory(Kernel kernel, std::atomic<std::uint64_t
   SHADOWKV_CUDA_TRY(cudaGetDevice(&device));
   const std::uint64_t bit = device < 64 ? std::uint64_t{1} << device : 0;  // beyond 64 devices: every launch
   if ((devices.load(std::memory_order_acquire) & bit) != 0) return;
-  if (shadowkv_allow_max_shared_memory(kernel)) devices.fetch_or(bit, std::memory_order_acq_rel);
+  shadowkv_allow_max_shared_memory(kernel);
+  devices.fetch_or(bit, std::memory_order_acq_rel);
 }

@@ -506,7 +506,10 @@ __global__ void __launch_bounds__(kCombineThreads)
     }
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) total += __shfl_xor_sync(0xFFFFFFFFU, total, offset);
-    if (lane == 0) inverse_total = total > 0.0F ? 1.0F / total : 0.0F;
+    // A NaN anywhere in the head's rows (a non-finite q, key or value the caller chose not to check) makes its
+    // partial sum NaN, and that NaN reaches the output as on the CPU backend: the splits' weights alone would drop it
+    // (a split whose scores are all NaN keeps max = -inf and so weight 0). No rows at all (total 0) give zeros.
+    if (lane == 0) inverse_total = total > 0.0F ? 1.0F / total : (total == total ? 0.0F : total);
   }
   __syncthreads();
 

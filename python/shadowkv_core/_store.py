@@ -191,7 +191,7 @@ class KVStore:
             one float32 scale per (chunk, KV head) — half of bf16's bytes in memory and over PCIe; values are
             dequantized to `dtype` when fetched. `value_store="host_fp8"` is short for value_store="host",
             value_dtype="float8_e4m3". Exact tokens (outliers, local window, generated) keep `dtype`.
-        group_score: how a chunk's score combines the query heads of a KV head's group: "max" (default) or "mean" of
+        group_score: how a chunk's score combines the query heads of a KV head's group: "mean" (default) or "max" of
             their softmax probabilities (docs/semantics.md, Decode 4; docs/fidelity.md measures both).
         factor_dtype: element type of the low-rank key factors A and B: None/"auto" (bfloat16 for bfloat16 and
             float16 stores, float32 for float32 stores), "bfloat16" (half the bytes of the largest per-sequence
@@ -239,7 +239,7 @@ class KVStore:
         device_value_budget: Optional[int] = None,
         value_dtype: Optional[Any] = None,
         factor_dtype: Optional[Any] = None,
-        group_score: str = "max",
+        group_score: str = "mean",
         decode_pipeline_parts: int = 0,
         check_finite: str = "auto",
     ) -> None:

@@ -153,7 +153,7 @@ class RefConfig:
     factorization: str = "gram"        # "gram" or "svd"
     dtype: str = "float32"
     factor_dtype: Optional[str] = None  # None/"auto": bfloat16 for 16-bit dtypes, float32 for float32 (semantics.md)
-    group_score: str = "max"            # "max" or "mean" over the group's query heads (semantics.md Decode 4)
+    group_score: str = "mean"           # "max" or "mean" over the group's query heads (semantics.md Decode 4)
 
     @classmethod
     def from_kwargs(cls, **kw) -> "RefConfig":

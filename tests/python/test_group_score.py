@@ -60,4 +60,5 @@ def test_store_equals_reference_under_both_rules_and_they_differ(device):
 def test_unknown_group_score_is_rejected():
     with pytest.raises(ValueError, match="group_score"):
         make_store(small_config(group_score="median"))
-    assert make_store(small_config(group_score="mean")).config["group_score"] == "mean"
+    assert make_store(small_config(group_score="max")).config["group_score"] == "max"
+    assert make_store(small_config()).config["group_score"] == "mean", "the default is the mean (docs/fidelity.md)"

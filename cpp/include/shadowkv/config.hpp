@@ -93,7 +93,7 @@ struct config {
   value_store_policy value_store = value_store_policy::host;
   value_format values_as = value_format::same;  ///< format of the value store (exact tokens keep kv_dtype)
   factor_format factors_as = factor_format::automatic;  ///< element type of A and B (see factor_dtype())
-  group_combine group_score = group_combine::max;       ///< how a chunk's score combines the group's query heads
+  group_combine group_score = group_combine::mean;      ///< how a chunk's score combines the group's query heads
   /// Bytes of device memory the value stores of `auto_place` sequences may take together; -1: the backend's
   /// default (CUDA: device memory free after the store's reservations, less a margin; CPU: no limit).
   std::int64_t device_value_budget = -1;

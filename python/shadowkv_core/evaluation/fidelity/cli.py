@@ -55,7 +55,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--value-dtype", default=None, help="value store format (default: --dtype; or float8_e4m3)")
     parser.add_argument("--factor-dtype", default=None, choices=["auto", "float32", "bfloat16"],
                         help="element type of the low-rank factors (default auto: bfloat16 for 16-bit --dtype)")
-    parser.add_argument("--group-score", default="max", choices=["max", "mean"],
+    parser.add_argument("--group-score", default="mean", choices=["max", "mean"],
                         help="how a chunk's score combines a group's query heads (default max)")
     parser.add_argument("--no-warm", action="store_true", help="do not warm the selection with the last prompt query")
     parser.add_argument("--no-mass", action="store_true", help="skip the attention-mass columns")

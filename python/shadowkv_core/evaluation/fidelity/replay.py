@@ -47,10 +47,10 @@ def _evaluate(capture: Capture, budgets: Sequence[Any] = (64, 128, 256, 512, 102
              generation_window: int = 256, dtype: str = "float32", factorization: str = "gram", warm: bool = True,
              layers: Optional[Sequence[int]] = None, fractions: Sequence[float] = DEFAULT_FRACTIONS,
              mass: bool = True, verbose: bool = False, value_dtype: Optional[str] = None,
-             sink_chunks: int = 1, factor_dtype: Optional[str] = None, group_score: str = "max") -> dict:
+             sink_chunks: int = 1, factor_dtype: Optional[str] = None, group_score: str = "mean") -> dict:
     """`evaluate` without the thread setting. value_dtype: the store's value format (None: `dtype`; "float8_e4m3").
     factor_dtype: the low-rank factors' element type (None: the store's default for `dtype`; "float32", "bfloat16").
-    group_score: how a chunk's score combines a group's query heads ("max", the store's default, or "mean")."""
+    group_score: how a chunk's score combines a group's query heads ("mean", the store's default, or "max")."""
     m = capture.meta
     hq, hkv, d = m["num_q_heads"], m["num_kv_heads"], m["head_dim"]
     g = hq // hkv
