@@ -32,6 +32,8 @@ using shadowkv::config;
 using shadowkv::decode_options;
 using shadowkv::dtype;
 using shadowkv::factorization_method;
+using shadowkv::group_combine;
+using shadowkv::group_score_name;
 using shadowkv::kv_store;
 using shadowkv::memory_report;
 using shadowkv::mutable_tensor_view;
@@ -467,7 +469,10 @@ expected_selection select_like_semantics(const config& cfg, const std::vector<fl
       }
       double total = 0.0;
       for (double& l : logits) total += (l = std::exp(l - largest));
-      for (std::size_t i = 0; i < candidates.size(); ++i) score[i] = std::max(score[i], logits[i] / total);
+      for (std::size_t i = 0; i < candidates.size(); ++i) {  // semantics.md Decode 4: the group's mean or max
+        const double p = logits[i] / total;
+        score[i] = cfg.group_score == group_combine::mean ? score[i] + p / group : std::max(score[i], p);
+      }
     }
     std::vector<std::size_t> ranked(candidates.size());
     std::iota(ranked.begin(), ranked.end(), 0);
@@ -489,9 +494,10 @@ expected_selection select_like_semantics(const config& cfg, const selection_data
 }
 
 TEST(StoreSelection, OutliersAndTopKFollowLandmarkScores) {
-  const config cfg = selection_config();
-  for (const std::uint64_t seed : {201ULL, 202ULL, 203ULL}) {
-    SCOPED_TRACE("seed=" + std::to_string(seed));
+  config cfg = selection_config();
+  for (const std::uint64_t seed : {201ULL, 202ULL, 203ULL, 204ULL}) {
+    cfg.group_score = seed % 2 == 0 ? group_combine::max : group_combine::mean;  // both rules of semantics.md Decode 4
+    SCOPED_TRACE("seed=" + std::to_string(seed) + " group_score=" + group_score_name(cfg.group_score));
     random_source rng(seed);
     const selection_data data = make_selection_data(cfg, rng);
     kv_store store(cfg);

@@ -51,8 +51,8 @@ enum class finite_check : std::uint8_t {
 /// How a chunk's score combines the query heads of one KV head's group (each head's softmax probability of the
 /// chunk's landmark, summed over query tokens).
 enum class group_combine : std::uint8_t {
-  max,   ///< the largest of the group's probabilities (the default)
-  mean,  ///< their mean (measured on real captures: equal or more attention mass covered, docs/fidelity.md)
+  max,   ///< the largest of the group's probabilities
+  mean,  ///< their mean (the default: more attention mass covered and more temporal hits on real captures, docs/fidelity.md)
 };
 
 /// Where one sequence's values are.
