@@ -2,7 +2,8 @@
 
 The store selects, per KV head and decode step, the top-k context chunks by a *chunk score*; today that score is
 the query times the chunk's landmark (mean of its post-RoPE keys), normalised by a softmax over the candidates per
-query head and combined over the KV head's query group by the max (docs/semantics.md, Decode 4). This script
+query head and combined over the KV head's query group by the mean (group_score="mean", the default; "max" was the
+default until then and is this script's base rule: docs/semantics.md, Decode 4). This script
 replays captured decode steps (`shadowkv_core.evaluation.fidelity` captures: the test fixtures, or a live capture of a
 packaged model) and, for each rule below, selects exactly as the store does with only the score changed, then
 measures the share of full attention's probability mass on the attended tokens (outliers incl. sinks, local
@@ -344,7 +345,9 @@ def _store_kwargs(meta: dict, S: int, T: int, chunk_size: int, outlier_chunks: i
 def store_selections(capture: F.Capture, layers: Sequence[int], budget: int, kw: dict) -> Dict[int, List[list]]:
     """The store's own selections (`selected_chunks`) at every decode step, per layer: [step][KV head] -> ids."""
     S, T = capture.prompt_len, capture.steps
-    store = KVStore(num_layers=len(layers), budget=budget, **kw)
+    # group_score="max": the "landmark" rule it is compared with combines the group by the max (the store's default
+    # is the mean since the CUDA path passed parity; that rule is "landmark-mean" here).
+    store = KVStore(num_layers=len(layers), budget=budget, group_score="max", **kw)
     slot = store.add_sequences(1)[0]
     for i, layer in enumerate(layers):
         lc = capture.layers[layer]

@@ -8,6 +8,16 @@ over the few chunks that matter (ShadowKV). See README.md and docs/semantics.md.
     out = store.decode(layer, slots, q, k_new, v_new)       # [B, Hq, D] -> [B, Hq, D]
 """
 
+import importlib.util as _importlib_util
+
+# torch, where it is installed, is imported before the extension. Both link CUDA libraries of the same sonames
+# (libcublas.so.13, libcublasLt.so.13, libcusolver.so.12); torch loads its own copies by path, so a process that had
+# loaded the CUDA toolkit's copies first, through this extension, ends up with two cuBLAS libraries mapped, and
+# importing torch after shadowkv_core crashed (SIGSEGV) on the H200 (bench/probes/import_order.py). Imported after
+# torch, the extension binds to torch's copies. Without torch (C++-only users, numpy callers) nothing changes.
+if _importlib_util.find_spec("torch") is not None:
+    import torch as _torch  # noqa: F401
+
 from ._store import KVStore, build_info
 
 __all__ = ["KVStore", "build_info"]
