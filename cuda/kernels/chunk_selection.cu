@@ -42,6 +42,7 @@
 #include <cuda_pipeline.h>
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <type_traits>
 
@@ -64,7 +65,9 @@ static_assert(kSelectThreads == kOrderedPassThreads, "ordered_pass (ordered_comp
 constexpr int kScoreBatch = 8;               // chunks per thread whose logits are loaded together
 constexpr int kRadixFirstBits = 12;          // first radix digit; 4 bins a thread in the digit search
 constexpr int kDefaultSharedLimit = 48 * 1024;
-constexpr int kSharedMargin = 8 * 1024;      // left for the select kernel's static shared memory
+/// Left for the select kernel's static shared memory (kSelectStaticShared below: ~17 KiB, most of it the radix
+/// histogram) when its dynamic part is planned against the device's opt-in limit and the 48 KiB default.
+constexpr int kSharedMargin = 20 * 1024;
 
 constexpr float kNegativeInfinity = -__builtin_huge_valf();
 constexpr float kLog2e = 1.4426950408889634F;
@@ -418,6 +421,11 @@ struct select_geometry {
 };
 
 using select_scan = cub::BlockScan<unsigned long long, kSelectThreads, cub::BLOCK_SCAN_WARP_SCANS>;
+/// select_kernel's static shared arrays, in the order it declares them.
+constexpr std::size_t kSelectStaticShared = sizeof(select_scan::TempStorage) + sizeof(unsigned) * (1U << kRadixFirstBits) +
+                                            sizeof(float) * (2 * kSelectWarps + 2) + sizeof(unsigned) * 2 * kSelectWarps +
+                                            sizeof(unsigned) * 3 + sizeof(int);
+static_assert(kSelectStaticShared + 256 <= kSharedMargin, "kSharedMargin must cover select_kernel's static shared memory");
 
 
 /// (max, sum exp(x - max)) of row[0, n) over the block; -inf entries are left out. Called by every thread.
@@ -749,8 +757,10 @@ device_limits current_device_limits() {
 
 template <typename Kernel>
 void allow_shared(Kernel kernel, long long bytes) {
-  // A host-side attribute, legal while a stream is being captured; needed above the 48 KiB default.
-  if (bytes > kDefaultSharedLimit) {
+  // A host-side attribute, legal while a stream is being captured; needed when the dynamic bytes and the kernel's
+  // static shared memory (at most kSharedMargin) together pass the 48 KiB default. (Testing the dynamic bytes alone
+  // let the select kernel launch with 33 KiB dynamic + 17 KiB static at 65536-token contexts: cudaErrorInvalidValue.)
+  if (bytes + kSharedMargin > kDefaultSharedLimit) {
     SHADOWKV_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
   }
 }

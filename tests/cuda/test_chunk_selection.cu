@@ -621,6 +621,27 @@ TEST_F(ChunkSelection, SmallAndLargeChunkCapacity) {
     small.tokens = tokens;
     run_case(small);
   }
+  // Per-chunk keys in shared memory with the opt-in limit: 8259 chunks (a 66072-token capacity at chunk 8: 33 KiB of
+  // keys that with the kernel's 17 KiB of static arrays pass the 48 KiB default, the launch that failed at S = 65536),
+  // and the largest count the old 8 KiB margin let through (its keys plus the static arrays exceed the opt-in limit,
+  // so the keys move to the workspace).
+  int optin = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0), cudaSuccess);
+  for (const int chunks : {8259, (optin - 8 * 1024 - 256) / 4}) {
+    for (int tokens : {1, 3}) {
+      SCOPED_TRACE("max_chunks " + std::to_string(chunks) + ", tokens " + std::to_string(tokens));
+      case_config mid = random_case(50 + tokens);
+      mid.batch = 2;
+      mid.kv_heads = 2;
+      mid.group = 4;
+      mid.head_dim = 64;
+      mid.max_chunks = chunks;
+      mid.max_context = 1200;
+      mid.budget = 100;
+      mid.tokens = tokens;
+      run_case(mid);
+    }
+  }
   // max_chunks = 70000: the per-chunk keys do not fit in shared memory and live in the logits workspace.
   for (int tokens : {1, 3}) {
     case_config large = random_case(42 + tokens);
