@@ -42,7 +42,7 @@ def check(out, what, finite=True):
 
 def synchronize():
     if DEVICE != "cpu":
-        synchronize()
+        torch.cuda.synchronize()
 
 
 def decode_steps(s, slots, steps, gen, what):
