@@ -505,7 +505,12 @@ def run_method(method: str, model, dev: Device, args, seq_len: int, prompt: torc
     spans, store = cache.spans, getattr(inner, "store", None)
     slots, real, replayed, record = fill["slots"], fill["real"], fill["replayed"], fill["record"]
     n = len(slots)
-    result.update(capacity_search=attempts, max_batch=n, cache_max_batch=cap, stop_reason=fill["stop_reason"])
+    stop_reason = fill["stop_reason"]
+    if n == cap and cap == upper:  # the first try at the ceiling fitted: larger batches were never tried
+        stop_reason = (f"all {cap} slots filled at the search's upper bound ({'--store-max-batch' if method != 'full' else '--max-batch'}"
+                       f" {upper}): larger batches were not tried")
+    result.update(capacity_search=attempts, max_batch=n, cache_max_batch=cap, stop_reason=stop_reason,
+                  capped=n == cap and cap == upper)
     if "prefill_peak_activation_bytes" in fill:
         result["prefill_peak_activation_bytes"] = fill["prefill_peak_activation_bytes"]
     if store is not None:
@@ -770,7 +775,7 @@ def main(argv=None) -> int:
                    help="store_fp8: the store with fp8 values (value_dtype='float8_e4m3')")
     p.add_argument("--seq-len", nargs="+", type=int, help="context lengths (default 122880; --tiny: 512)")
     p.add_argument("--max-batch", type=int, help="cap on the batch of every method (default: none; --tiny: 4)")
-    p.add_argument("--store-max-batch", type=int, default=48, help="the store's first cap (it reserves at build)")
+    p.add_argument("--store-max-batch", type=int, default=64, help="the largest store batch the capacity search tries (it reserves at build)")
     p.add_argument("--batches", nargs="+", type=int, help="sweep batches (default: powers of two + the largest)")
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--warmup", type=int, default=3)
