@@ -7,6 +7,7 @@
 #include <numeric>
 
 #include "factorization.hpp"
+#include "row_dots.hpp"
 #include "shadowkv/errors.hpp"
 
 namespace shadowkv::detail {
@@ -28,6 +29,14 @@ double dot(const float* a, const float* b, std::int64_t n) noexcept {
 double cosine(const float* a, const float* b, std::int64_t n) noexcept {
   const double norms = std::sqrt(dot(a, a, n)) * std::sqrt(dot(b, b, n));
   return dot(a, b, n) / std::max(norms, 1e-30);
+}
+
+// Query head `g` of a group of `group` heads as float64, into column g of the interleaved [D, G] block dot_rows reads:
+// out[j * group + g] = element j of the head's vector, which starts at element offset `head` of `view`.
+void interleave_query(const tensor_view& view, std::int64_t head, std::int64_t g, std::int64_t group, std::int64_t dim,
+                      double* out) noexcept {
+  const std::int64_t step = view.strides[static_cast<std::size_t>(view.rank - 1)];
+  for (std::int64_t j = 0; j < dim; ++j) out[j * group + g] = load(view, head + j * step);
 }
 
 }  // namespace
@@ -327,14 +336,12 @@ void cpu_backend::select_chunks(int layer, std::span<const batch_entry> entries,
   const std::int64_t budget_chunks = config_.budget_chunks();
   const std::int64_t tokens = queries.shape[1];
   const double scale = config_.effective_softmax_scale();
+  workspace_.queries.resize(static_cast<std::size_t>(dim * group));  // reserved by reserve_decode / reserve_selection
+  workspace_.rows.resize(static_cast<std::size_t>(dot_block_rows * dim));
 
   for (const batch_entry& entry : entries) {
     cpu_layer_data& d = data(entry.slot, layer);
     const std::int64_t chunks = entry.state->context_chunks;
-    std::vector<float>& landmark = workspace_.landmark;
-    std::vector<float>& query = workspace_.query;
-    landmark.resize(static_cast<std::size_t>(dim));
-    query.resize(static_cast<std::size_t>(dim));
     for (std::int64_t h = 0; h < heads; ++h) {
       const std::vector<std::uint8_t>& outlier = d.is_outlier[static_cast<std::size_t>(h)];
       std::vector<std::int64_t>& candidates = workspace_.candidates;
@@ -344,35 +351,45 @@ void cpu_backend::select_chunks(int layer, std::span<const batch_entry> entries,
       }
       const auto count = static_cast<std::int64_t>(candidates.size());
       // score(c) = max (or mean: config group_score) over the group's query heads of the softmax probability, summed
-      // over query tokens.
+      // over query tokens. Each query token's logits of all the group's heads come from one pass over the landmarks.
       const bool mean = config_.group_score == group_combine::mean;
       std::vector<double>& score = workspace_.score;
-      std::vector<double>& logits = workspace_.logits;
-      std::vector<double>& probability = workspace_.probability;
+      std::vector<double>& logits = workspace_.logits;            // [G, count]
+      std::vector<double>& probability = workspace_.probability;  // [G, count]
       score.assign(static_cast<std::size_t>(count), 0.0);
-      logits.resize(static_cast<std::size_t>(count));
-      probability.resize(static_cast<std::size_t>(count));
-      for (std::int64_t g = 0; g < group && count > 0; ++g) {
-        const std::int64_t q_head = h * group + g;
-        std::fill(probability.begin(), probability.end(), 0.0);
-        for (std::int64_t t = 0; t < tokens; ++t) {
-          for (std::int64_t j = 0; j < dim; ++j) query[static_cast<std::size_t>(j)] = load(queries, queries.offset({entry.row, t, q_head, j}));
+      logits.resize(static_cast<std::size_t>(group * count));
+      probability.assign(static_cast<std::size_t>(group * count), 0.0);
+      const auto landmark_at = [&](std::int64_t i, float* room) {
+        return d.landmarks.floats((candidates[static_cast<std::size_t>(i)] * heads + h) * dim, dim, room);
+      };
+      for (std::int64_t t = 0; t < tokens && count > 0; ++t) {
+        for (std::int64_t g = 0; g < group; ++g) {
+          interleave_query(queries, queries.offset({entry.row, t, h * group + g, 0}), g, group, dim,
+                           workspace_.queries.data());
+        }
+        dot_rows(landmark_at, count, workspace_.queries.data(), group, dim, workspace_.rows.data(), logits.data(),
+                 count);
+        for (std::int64_t g = 0; g < group; ++g) {
+          double* head_logits = logits.data() + g * count;
+          double* head_probability = probability.data() + g * count;
           double largest = -std::numeric_limits<double>::infinity();
           for (std::int64_t i = 0; i < count; ++i) {
-            d.landmarks.load((candidates[static_cast<std::size_t>(i)] * heads + h) * dim, dim, landmark.data());
-            logits[static_cast<std::size_t>(i)] = scale * dot(query.data(), landmark.data(), dim);
-            largest = std::max(largest, logits[static_cast<std::size_t>(i)]);
+            head_logits[i] = scale * head_logits[i];
+            largest = std::max(largest, head_logits[i]);
           }
           double total = 0.0;
-          for (double& logit : logits) {
-            logit = std::exp(logit - largest);
-            total += logit;
+          for (std::int64_t i = 0; i < count; ++i) {
+            head_logits[i] = std::exp(head_logits[i] - largest);
+            total += head_logits[i];
           }
-          for (std::int64_t i = 0; i < count; ++i) probability[static_cast<std::size_t>(i)] += logits[static_cast<std::size_t>(i)] / total;
+          for (std::int64_t i = 0; i < count; ++i) head_probability[i] += head_logits[i] / total;
         }
+      }
+      for (std::int64_t g = 0; g < group && count > 0; ++g) {
+        const double* head_probability = probability.data() + g * count;
         for (std::int64_t i = 0; i < count; ++i) {
           double& s = score[static_cast<std::size_t>(i)];
-          s = mean ? s + probability[static_cast<std::size_t>(i)] : std::max(s, probability[static_cast<std::size_t>(i)]);
+          s = mean ? s + head_probability[i] : std::max(s, head_probability[i]);
         }
       }
       if (mean) {
@@ -499,6 +516,8 @@ void cpu_backend::attend(int layer, std::span<const batch_entry> entries, const 
   const std::int64_t budget_chunks = config_.budget_chunks();
   const std::int64_t group = config_.group_size();
   const double scale = config_.effective_softmax_scale();
+  workspace_.queries.resize(static_cast<std::size_t>(dim * group));  // reserved by reserve_decode
+  workspace_.rows.resize(static_cast<std::size_t>(dot_block_rows * dim));
 
   for (const batch_entry& entry : entries) {
     const cpu_layer_data& d = data(entry.slot, layer);
@@ -522,39 +541,51 @@ void cpu_backend::attend(int layer, std::span<const batch_entry> entries, const 
         }
       }
       const auto count = static_cast<std::int64_t>(union_rows.size());
-      std::vector<float>& row = workspace_.row;
-      std::vector<float>& query = workspace_.query;
-      std::vector<double>& weights = workspace_.weights;
-      std::vector<double>& accumulator = workspace_.accumulator;
-      row.resize(static_cast<std::size_t>(dim));
-      query.resize(static_cast<std::size_t>(dim));
-      weights.resize(static_cast<std::size_t>(count));
-      accumulator.resize(static_cast<std::size_t>(dim));
+      // Logits of all the group's query heads from one pass over the keys, then each head's softmax.
+      std::vector<double>& weights = workspace_.weights;          // [G, count]
+      std::vector<double>& accumulator = workspace_.accumulator;  // [G, D]
+      std::vector<double>& total = workspace_.total;              // [G]
+      weights.resize(static_cast<std::size_t>(group * count));
+      accumulator.assign(static_cast<std::size_t>(group * dim), 0.0);
+      total.resize(static_cast<std::size_t>(group));
       for (std::int64_t g = 0; g < group; ++g) {
-        const std::int64_t q_head = h * group + g;
-        for (std::int64_t j = 0; j < dim; ++j) query[static_cast<std::size_t>(j)] = load(queries, queries.offset({entry.row, q_head, j}));
+        interleave_query(queries, queries.offset({entry.row, h * group + g, 0}), g, group, dim,
+                         workspace_.queries.data());
+      }
+      const auto key_at = [&](std::int64_t i, float* room) {
+        const source& src = union_rows[static_cast<std::size_t>(i)];
+        return src.keys->floats(src.offset, dim, room);
+      };
+      dot_rows(key_at, count, workspace_.queries.data(), group, dim, workspace_.rows.data(), weights.data(), count);
+      for (std::int64_t g = 0; g < group; ++g) {
+        double* head_weights = weights.data() + g * count;
         double largest = -std::numeric_limits<double>::infinity();
         for (std::int64_t i = 0; i < count; ++i) {
-          const source& src = union_rows[static_cast<std::size_t>(i)];
-          src.keys->load(src.offset, dim, row.data());
-          weights[static_cast<std::size_t>(i)] = scale * dot(query.data(), row.data(), dim);
-          largest = std::max(largest, weights[static_cast<std::size_t>(i)]);
+          head_weights[i] = scale * head_weights[i];
+          largest = std::max(largest, head_weights[i]);
         }
-        double total = 0.0;
-        for (double& w : weights) {
-          w = std::exp(w - largest);
-          total += w;
-        }
-        std::fill(accumulator.begin(), accumulator.end(), 0.0);
+        double sum = 0.0;
         for (std::int64_t i = 0; i < count; ++i) {
-          const source& src = union_rows[static_cast<std::size_t>(i)];
-          src.values->load(src.offset, dim, row.data());
-          const double w = weights[static_cast<std::size_t>(i)] / total;
-          for (std::int64_t j = 0; j < dim; ++j) accumulator[static_cast<std::size_t>(j)] += w * row[static_cast<std::size_t>(j)];
+          head_weights[i] = std::exp(head_weights[i] - largest);
+          sum += head_weights[i];
         }
+        total[static_cast<std::size_t>(g)] = sum;
+      }
+      // Values: each row read once for all the group's heads, added in the union's order.
+      for (std::int64_t i = 0; i < count; ++i) {
+        const source& src = union_rows[static_cast<std::size_t>(i)];
+        const float* value = src.values->floats(src.offset, dim, workspace_.rows.data());
+        for (std::int64_t g = 0; g < group; ++g) {
+          const double w = weights[static_cast<std::size_t>(g * count + i)] / total[static_cast<std::size_t>(g)];
+          double* head_accumulator = accumulator.data() + g * dim;
+          for (std::int64_t j = 0; j < dim; ++j) head_accumulator[j] += w * value[j];
+        }
+      }
+      for (std::int64_t g = 0; g < group; ++g) {
+        const std::int64_t q_head = h * group + g;
         for (std::int64_t j = 0; j < dim; ++j) {
           store_element(out.mutable_data(), out.float_type, out.offset({entry.row, q_head, j}),
-                        static_cast<float>(accumulator[static_cast<std::size_t>(j)]));
+                        static_cast<float>(accumulator[static_cast<std::size_t>(g * dim + j)]));
         }
       }
     }
@@ -586,6 +617,7 @@ bool cpu_backend::all_finite(const tensor_view& view) {
 void cpu_backend::reserve_workspace(std::int64_t chunks, std::int64_t union_rows) {
   const auto width = static_cast<std::size_t>(config_.kv_width());
   const auto dim = static_cast<std::size_t>(config_.head_dim);
+  const auto group = static_cast<std::size_t>(config_.group_size());
   const auto budget_chunks = static_cast<std::size_t>(config_.budget_chunks());
   const auto rows = budget_chunks * static_cast<std::size_t>(config_.chunk_size);
   const auto n = static_cast<std::size_t>(chunks);
@@ -594,21 +626,21 @@ void cpu_backend::reserve_workspace(std::int64_t chunks, std::int64_t union_rows
   w.token_value.reserve(width);
   w.candidates.reserve(n);
   w.score.reserve(n);
-  w.logits.reserve(n);
-  w.probability.reserve(n);
+  w.logits.reserve(group * n);
+  w.probability.reserve(group * n);
   w.order.reserve(n);
   w.selected.reserve(budget_chunks);
   w.cached.reserve(budget_chunks);
-  w.query.reserve(dim);
-  w.landmark.reserve(dim);
+  w.queries.reserve(dim * group);
+  w.rows.reserve(static_cast<std::size_t>(dot_block_rows) * dim);
   w.missed_slots.reserve(budget_chunks);
   w.gathered.reserve(rows * static_cast<std::size_t>(config_.rank));
   w.basis.reserve(static_cast<std::size_t>(config_.rank) * static_cast<std::size_t>(config_.kv_width()));
   w.rebuilt.reserve(rows * dim);
   w.union_rows.reserve(static_cast<std::size_t>(union_rows));
-  w.weights.reserve(static_cast<std::size_t>(union_rows));
-  w.accumulator.reserve(dim);
-  w.row.reserve(dim);
+  w.weights.reserve(group * static_cast<std::size_t>(union_rows));
+  w.accumulator.reserve(group * dim);
+  w.total.reserve(group);
 }
 
 void cpu_backend::reserve_decode(int layer, std::span<const batch_entry> entries) {

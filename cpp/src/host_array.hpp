@@ -34,6 +34,13 @@ class host_array {
   void load(std::int64_t offset, std::int64_t count, float* destination) const noexcept {
     for (std::int64_t i = 0; i < count; ++i) destination[i] = get(offset + i);
   }
+  /// `count` elements from `offset` as float: a pointer into the array itself when it holds float32 (valid until the
+  /// array is next changed), else `scratch` (room for `count` floats) after converting the elements into it.
+  [[nodiscard]] const float* floats(std::int64_t offset, std::int64_t count, float* scratch) const noexcept {
+    if (type_ == dtype::float32) return reinterpret_cast<const float*>(bytes_.data()) + offset;
+    load(offset, count, scratch);
+    return scratch;
+  }
   /// Rounds `count` floats to the dtype and writes them from `offset`.
   void store(std::int64_t offset, std::int64_t count, const float* source) noexcept {
     for (std::int64_t i = 0; i < count; ++i) set(offset + i, source[i]);
