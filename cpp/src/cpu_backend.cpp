@@ -7,6 +7,7 @@
 #include <numeric>
 
 #include "factorization.hpp"
+#include "low_rank_rows.hpp"
 #include "row_dots.hpp"
 #include "shadowkv/errors.hpp"
 
@@ -468,39 +469,27 @@ void cpu_backend::rebuild_keys(int layer, std::span<const batch_entry> entries) 
   const std::int64_t chunk = config_.chunk_size;
   const std::int64_t budget_chunks = config_.budget_chunks();
   const std::int64_t rank = config_.rank;
-  std::vector<float>& basis = workspace_.basis;  // reserved by reserve_decode / reserve_selection
+  // Work buffers reserved by reserve_decode / reserve_selection.
+  workspace_.gathered.resize(static_cast<std::size_t>(chunk * rank));
+  workspace_.rebuilt.resize(static_cast<std::size_t>(chunk * dim));
+  float* keys = workspace_.rebuilt.data();
   for (const batch_entry& entry : entries) {
     cpu_layer_data& d = data(entry.slot, layer);
-    basis.resize(static_cast<std::size_t>(d.basis.size()));
-    d.basis.load(0, d.basis.size(), basis.data());
+    workspace_.basis.resize(static_cast<std::size_t>(d.basis.size()));
+    const float* basis = d.basis.floats(0, d.basis.size(), workspace_.basis.data());
     for (std::int64_t h = 0; h < heads; ++h) {
-      // Gather the rows of A of every missed chunk, then one GEMM with this head's columns of B.
-      std::vector<std::int64_t>& missed_slots = workspace_.missed_slots;
-      missed_slots.clear();
       for (std::int64_t s = 0; s < budget_chunks; ++s) {
-        if (d.pending_rebuild[static_cast<std::size_t>(h * budget_chunks + s)] != 0) missed_slots.push_back(s);
-      }
-      if (missed_slots.empty()) continue;
-      const auto rows = static_cast<std::int64_t>(missed_slots.size()) * chunk;
-      std::vector<float>& gathered = workspace_.gathered;
-      gathered.resize(static_cast<std::size_t>(rows * rank));
-      for (std::size_t m = 0; m < missed_slots.size(); ++m) {
-        const std::int64_t c = d.cache_chunks[static_cast<std::size_t>(h * budget_chunks + missed_slots[m])];
-        d.coefficients.load(c * chunk * rank, chunk * rank,
-                            gathered.data() + static_cast<std::ptrdiff_t>(m) * chunk * rank);
-      }
-      std::vector<float>& keys = workspace_.rebuilt;
-      keys.resize(static_cast<std::size_t>(rows * dim));
-      gemm_row_major(gathered.data(), rank, basis.data() + h * dim, width, keys.data(), dim, rows, rank, dim);
-      for (std::size_t m = 0; m < missed_slots.size(); ++m) {
-        const std::int64_t s = missed_slots[m];
-        const std::int64_t c = d.cache_chunks[static_cast<std::size_t>(h * budget_chunks + s)];
+        const auto index = static_cast<std::size_t>(h * budget_chunks + s);
+        if (d.pending_rebuild[index] == 0) continue;
+        const std::int64_t c = d.cache_chunks[index];
+        const float* a = d.coefficients.floats(c * chunk * rank, chunk * rank, workspace_.gathered.data());
+        low_rank_rows(a, chunk, rank, basis + h * dim, width, dim, keys);
         for (std::int64_t i = 0; i < chunk; ++i) {
-          float* key = keys.data() + (static_cast<std::int64_t>(m) * chunk + i) * dim;
+          float* key = keys + i * dim;
           rope_.apply(key, d.context_positions[static_cast<std::size_t>(c * chunk + i)]);
           d.cache_keys.store(((h * budget_chunks + s) * chunk + i) * dim, dim, key);
         }
-        d.pending_rebuild[static_cast<std::size_t>(h * budget_chunks + s)] = 0;
+        d.pending_rebuild[index] = 0;
         stats_.chunks_rebuilt += 1;
       }
     }
@@ -619,7 +608,6 @@ void cpu_backend::reserve_workspace(std::int64_t chunks, std::int64_t union_rows
   const auto dim = static_cast<std::size_t>(config_.head_dim);
   const auto group = static_cast<std::size_t>(config_.group_size());
   const auto budget_chunks = static_cast<std::size_t>(config_.budget_chunks());
-  const auto rows = budget_chunks * static_cast<std::size_t>(config_.chunk_size);
   const auto n = static_cast<std::size_t>(chunks);
   cpu_workspace& w = workspace_;
   w.token_key.reserve(width);
@@ -633,10 +621,9 @@ void cpu_backend::reserve_workspace(std::int64_t chunks, std::int64_t union_rows
   w.cached.reserve(budget_chunks);
   w.queries.reserve(dim * group);
   w.rows.reserve(static_cast<std::size_t>(dot_block_rows) * dim);
-  w.missed_slots.reserve(budget_chunks);
-  w.gathered.reserve(rows * static_cast<std::size_t>(config_.rank));
-  w.basis.reserve(static_cast<std::size_t>(config_.rank) * static_cast<std::size_t>(config_.kv_width()));
-  w.rebuilt.reserve(rows * dim);
+  w.gathered.reserve(static_cast<std::size_t>(config_.chunk_size) * static_cast<std::size_t>(config_.rank));
+  w.basis.reserve(static_cast<std::size_t>(config_.rank) * width);
+  w.rebuilt.reserve(static_cast<std::size_t>(config_.chunk_size) * dim);
   w.union_rows.reserve(static_cast<std::size_t>(union_rows));
   w.weights.reserve(group * static_cast<std::size_t>(union_rows));
   w.accumulator.reserve(group * dim);

@@ -60,10 +60,9 @@ struct cpu_workspace {
   std::vector<std::uint8_t> cached;                   ///< [k]
   std::vector<double> queries;                        ///< [D, G] one KV head's query heads, interleaved (row_dots.hpp)
   std::vector<float> rows;                            ///< [dot_block_rows, D] rows converted to float (row_dots.hpp)
-  std::vector<std::int64_t> missed_slots;             ///< [k] rebuild_keys
-  std::vector<float> gathered;                        ///< [k*C, r]
+  std::vector<float> gathered;                        ///< [C, r] rebuild_keys: one chunk's rows of A as float
   std::vector<float> basis;                           ///< [r, Hkv*D] B as float
-  std::vector<float> rebuilt;                         ///< [k*C, D]
+  std::vector<float> rebuilt;                         ///< [C, D] one chunk's rebuilt keys
   std::vector<attention_source> union_rows;           ///< [outlier + exact + selected tokens] attend
   std::vector<double> weights;                        ///< [G, union rows]
   std::vector<double> accumulator;                    ///< [G, D]
