@@ -6,7 +6,9 @@
 #include <limits>
 #include <numeric>
 
+#include "capacity.hpp"
 #include "factorization.hpp"
+#include "growth.hpp"
 #include "low_rank_rows.hpp"
 #include "row_dots.hpp"
 #include "shadowkv/errors.hpp"
@@ -30,6 +32,25 @@ double dot(const float* a, const float* b, std::int64_t n) noexcept {
 double cosine(const float* a, const float* b, std::int64_t n) noexcept {
   const double norms = std::sqrt(dot(a, a, n)) * std::sqrt(dot(b, b, n));
   return dot(a, b, n) / std::max(norms, 1e-30);
+}
+
+// Reserves room for `more` elements in `array` (a host_array or std::vector); when it must grow, by `step` elements
+// at once, but not past `limit` elements (growth.hpp).
+template <typename Array>
+void reserve_more(Array& array, std::int64_t more, std::int64_t step, std::int64_t limit) {
+  using count = decltype(array.capacity());
+  const auto needed = static_cast<std::int64_t>(array.size()) + more;
+  array.reserve(static_cast<count>(grown_capacity(static_cast<std::int64_t>(array.capacity()), needed, step, limit)));
+}
+
+// Room for one more exact token (key, value, position), doubling: the region holds at most the local window plus the
+// generation window (and, reserved before a step's fold, one token more), which bounds the growth.
+void reserve_exact_token(cpu_layer_data& d, const layer_state& state, const config& cfg) {
+  const std::int64_t width = cfg.kv_width();
+  const std::int64_t most = state.local_len + cfg.generation_window + 1;
+  reserve_more(d.exact_keys, width, d.exact_keys.capacity(), most * width);
+  reserve_more(d.exact_values, width, d.exact_values.capacity(), most * width);
+  reserve_more(d.exact_positions, 1, static_cast<std::int64_t>(d.exact_positions.capacity()), most);
 }
 
 // Query head `g` of a group of `group` heads as float64, into column g of the interleaved [D, G] block dot_rows reads:
@@ -275,11 +296,16 @@ void cpu_backend::fold_oldest_generated_chunk(int layer, std::span<const batch_e
     for (std::int64_t j = 0; j < width; ++j) {
       folded[e].landmark[static_cast<std::size_t>(j)] = static_cast<float>(sums[static_cast<std::size_t>(j)] / static_cast<double>(chunk));
     }
-    d.coefficients.reserve(d.coefficients.size() + chunk * rank);
-    d.context_positions.reserve(d.context_positions.size() + static_cast<std::size_t>(chunk));
-    d.landmarks.reserve(d.landmarks.size() + width);
-    d.value_store.reserve_runs(d.value_store.runs() + heads);
-    for (auto& flags : d.is_outlier) flags.reserve(flags.size() + 1);
+    // Room for a generation window's worth of folds at once (one reallocation per W generated tokens, not one per
+    // fold), up to the most chunks a sequence can hold.
+    const std::int64_t ahead = config_.generation_window / chunk;
+    const std::int64_t most = max_chunks_per_sequence(config_);
+    reserve_more(d.coefficients, chunk * rank, ahead * chunk * rank, most * chunk * rank);
+    reserve_more(d.context_positions, chunk, ahead * chunk, most * chunk);
+    reserve_more(d.landmarks, width, ahead * width, most * width);
+    d.value_store.reserve_runs(
+        grown_capacity(d.value_store.capacity_runs(), d.value_store.runs() + heads, ahead * heads, most * heads));
+    for (auto& flags : d.is_outlier) reserve_more(flags, 1, ahead, most);
   }
   // Phase 2: commit (no allocation beyond the reservations above).
   for (std::size_t e = 0; e < entries.size(); ++e) {
@@ -301,12 +327,7 @@ void cpu_backend::append_token(int layer, std::span<const batch_entry> entries, 
   const std::int64_t heads = config_.num_kv_heads;
   const std::int64_t dim = config_.head_dim;
   const std::int64_t width = config_.kv_width();
-  for (const batch_entry& entry : entries) {
-    cpu_layer_data& d = data(entry.slot, layer);
-    d.exact_keys.reserve(d.exact_keys.size() + width);
-    d.exact_values.reserve(d.exact_values.size() + width);
-    d.exact_positions.reserve(d.exact_positions.size() + 1);
-  }
+  for (const batch_entry& entry : entries) reserve_exact_token(data(entry.slot, layer), *entry.state, config_);
   std::vector<float>& key = workspace_.token_key;
   std::vector<float>& value = workspace_.token_value;
   key.resize(static_cast<std::size_t>(width));
@@ -631,7 +652,6 @@ void cpu_backend::reserve_workspace(std::int64_t chunks, std::int64_t union_rows
 }
 
 void cpu_backend::reserve_decode(int layer, std::span<const batch_entry> entries) {
-  const std::int64_t width = config_.kv_width();
   const std::int64_t chunk = config_.chunk_size;
   std::int64_t chunks = 0;
   std::int64_t union_rows = 0;
@@ -642,12 +662,7 @@ void cpu_backend::reserve_decode(int layer, std::span<const batch_entry> entries
     union_rows = std::max(union_rows, state.outlier_chunks * chunk + exact_rows + config_.budget);
   }
   reserve_workspace(chunks, union_rows);
-  for (const batch_entry& entry : entries) {
-    cpu_layer_data& d = data(entry.slot, layer);
-    d.exact_keys.reserve(d.exact_keys.size() + width);
-    d.exact_values.reserve(d.exact_values.size() + width);
-    d.exact_positions.reserve(d.exact_positions.size() + 1);
-  }
+  for (const batch_entry& entry : entries) reserve_exact_token(data(entry.slot, layer), *entry.state, config_);
 }
 
 void cpu_backend::reserve_selection(int /*layer*/, std::span<const batch_entry> entries) {

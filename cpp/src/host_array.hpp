@@ -21,6 +21,10 @@ class host_array {
     return static_cast<std::int64_t>(bytes_.size() / dtype_size(type_));
   }
   [[nodiscard]] std::int64_t bytes() const noexcept { return static_cast<std::int64_t>(bytes_.size()); }
+  /// Elements it holds room for without reallocating.
+  [[nodiscard]] std::int64_t capacity() const noexcept {
+    return static_cast<std::int64_t>(bytes_.capacity() / dtype_size(type_));
+  }
 
   /// Grows or shrinks to `count` elements; new elements are zero.
   void resize(std::int64_t count) { bytes_.resize(static_cast<std::size_t>(count) * dtype_size(type_), 0); }
