@@ -6,7 +6,11 @@
 #include <limits>
 #include <numeric>
 
+#include "capacity.hpp"
 #include "factorization.hpp"
+#include "growth.hpp"
+#include "low_rank_rows.hpp"
+#include "row_dots.hpp"
 #include "shadowkv/errors.hpp"
 
 namespace shadowkv::detail {
@@ -28,6 +32,33 @@ double dot(const float* a, const float* b, std::int64_t n) noexcept {
 double cosine(const float* a, const float* b, std::int64_t n) noexcept {
   const double norms = std::sqrt(dot(a, a, n)) * std::sqrt(dot(b, b, n));
   return dot(a, b, n) / std::max(norms, 1e-30);
+}
+
+// Reserves room for `more` elements in `array` (a host_array or std::vector); when it must grow, by `step` elements
+// at once, but not past `limit` elements (growth.hpp).
+template <typename Array>
+void reserve_more(Array& array, std::int64_t more, std::int64_t step, std::int64_t limit) {
+  using count = decltype(array.capacity());
+  const auto needed = static_cast<std::int64_t>(array.size()) + more;
+  array.reserve(static_cast<count>(grown_capacity(static_cast<std::int64_t>(array.capacity()), needed, step, limit)));
+}
+
+// Room for one more exact token (key, value, position), doubling: the region holds at most the local window plus the
+// generation window (and, reserved before a step's fold, one token more), which bounds the growth.
+void reserve_exact_token(cpu_layer_data& d, const layer_state& state, const config& cfg) {
+  const std::int64_t width = cfg.kv_width();
+  const std::int64_t most = state.local_len + cfg.generation_window + 1;
+  reserve_more(d.exact_keys, width, d.exact_keys.capacity(), most * width);
+  reserve_more(d.exact_values, width, d.exact_values.capacity(), most * width);
+  reserve_more(d.exact_positions, 1, static_cast<std::int64_t>(d.exact_positions.capacity()), most);
+}
+
+// Query head `g` of a group of `group` heads as float64, into column g of the interleaved [D, G] block dot_rows reads:
+// out[j * group + g] = element j of the head's vector, which starts at element offset `head` of `view`.
+void interleave_query(const tensor_view& view, std::int64_t head, std::int64_t g, std::int64_t group, std::int64_t dim,
+                      double* out) noexcept {
+  const std::int64_t step = view.strides[static_cast<std::size_t>(view.rank - 1)];
+  for (std::int64_t j = 0; j < dim; ++j) out[j * group + g] = load(view, head + j * step);
 }
 
 }  // namespace
@@ -265,11 +296,16 @@ void cpu_backend::fold_oldest_generated_chunk(int layer, std::span<const batch_e
     for (std::int64_t j = 0; j < width; ++j) {
       folded[e].landmark[static_cast<std::size_t>(j)] = static_cast<float>(sums[static_cast<std::size_t>(j)] / static_cast<double>(chunk));
     }
-    d.coefficients.reserve(d.coefficients.size() + chunk * rank);
-    d.context_positions.reserve(d.context_positions.size() + static_cast<std::size_t>(chunk));
-    d.landmarks.reserve(d.landmarks.size() + width);
-    d.value_store.reserve_runs(d.value_store.runs() + heads);
-    for (auto& flags : d.is_outlier) flags.reserve(flags.size() + 1);
+    // Room for a generation window's worth of folds at once (one reallocation per W generated tokens, not one per
+    // fold), up to the most chunks a sequence can hold.
+    const std::int64_t ahead = config_.generation_window / chunk;
+    const std::int64_t most = max_chunks_per_sequence(config_);
+    reserve_more(d.coefficients, chunk * rank, ahead * chunk * rank, most * chunk * rank);
+    reserve_more(d.context_positions, chunk, ahead * chunk, most * chunk);
+    reserve_more(d.landmarks, width, ahead * width, most * width);
+    d.value_store.reserve_runs(
+        grown_capacity(d.value_store.capacity_runs(), d.value_store.runs() + heads, ahead * heads, most * heads));
+    for (auto& flags : d.is_outlier) reserve_more(flags, 1, ahead, most);
   }
   // Phase 2: commit (no allocation beyond the reservations above).
   for (std::size_t e = 0; e < entries.size(); ++e) {
@@ -291,12 +327,7 @@ void cpu_backend::append_token(int layer, std::span<const batch_entry> entries, 
   const std::int64_t heads = config_.num_kv_heads;
   const std::int64_t dim = config_.head_dim;
   const std::int64_t width = config_.kv_width();
-  for (const batch_entry& entry : entries) {
-    cpu_layer_data& d = data(entry.slot, layer);
-    d.exact_keys.reserve(d.exact_keys.size() + width);
-    d.exact_values.reserve(d.exact_values.size() + width);
-    d.exact_positions.reserve(d.exact_positions.size() + 1);
-  }
+  for (const batch_entry& entry : entries) reserve_exact_token(data(entry.slot, layer), *entry.state, config_);
   std::vector<float>& key = workspace_.token_key;
   std::vector<float>& value = workspace_.token_value;
   key.resize(static_cast<std::size_t>(width));
@@ -327,14 +358,12 @@ void cpu_backend::select_chunks(int layer, std::span<const batch_entry> entries,
   const std::int64_t budget_chunks = config_.budget_chunks();
   const std::int64_t tokens = queries.shape[1];
   const double scale = config_.effective_softmax_scale();
+  workspace_.queries.resize(static_cast<std::size_t>(dim * group));  // reserved by reserve_decode / reserve_selection
+  workspace_.rows.resize(static_cast<std::size_t>(dot_block_rows * dim));
 
   for (const batch_entry& entry : entries) {
     cpu_layer_data& d = data(entry.slot, layer);
     const std::int64_t chunks = entry.state->context_chunks;
-    std::vector<float>& landmark = workspace_.landmark;
-    std::vector<float>& query = workspace_.query;
-    landmark.resize(static_cast<std::size_t>(dim));
-    query.resize(static_cast<std::size_t>(dim));
     for (std::int64_t h = 0; h < heads; ++h) {
       const std::vector<std::uint8_t>& outlier = d.is_outlier[static_cast<std::size_t>(h)];
       std::vector<std::int64_t>& candidates = workspace_.candidates;
@@ -344,35 +373,45 @@ void cpu_backend::select_chunks(int layer, std::span<const batch_entry> entries,
       }
       const auto count = static_cast<std::int64_t>(candidates.size());
       // score(c) = max (or mean: config group_score) over the group's query heads of the softmax probability, summed
-      // over query tokens.
+      // over query tokens. Each query token's logits of all the group's heads come from one pass over the landmarks.
       const bool mean = config_.group_score == group_combine::mean;
       std::vector<double>& score = workspace_.score;
-      std::vector<double>& logits = workspace_.logits;
-      std::vector<double>& probability = workspace_.probability;
+      std::vector<double>& logits = workspace_.logits;            // [G, count]
+      std::vector<double>& probability = workspace_.probability;  // [G, count]
       score.assign(static_cast<std::size_t>(count), 0.0);
-      logits.resize(static_cast<std::size_t>(count));
-      probability.resize(static_cast<std::size_t>(count));
-      for (std::int64_t g = 0; g < group && count > 0; ++g) {
-        const std::int64_t q_head = h * group + g;
-        std::fill(probability.begin(), probability.end(), 0.0);
-        for (std::int64_t t = 0; t < tokens; ++t) {
-          for (std::int64_t j = 0; j < dim; ++j) query[static_cast<std::size_t>(j)] = load(queries, queries.offset({entry.row, t, q_head, j}));
+      logits.resize(static_cast<std::size_t>(group * count));
+      probability.assign(static_cast<std::size_t>(group * count), 0.0);
+      const auto landmark_at = [&](std::int64_t i, float* room) {
+        return d.landmarks.floats((candidates[static_cast<std::size_t>(i)] * heads + h) * dim, dim, room);
+      };
+      for (std::int64_t t = 0; t < tokens && count > 0; ++t) {
+        for (std::int64_t g = 0; g < group; ++g) {
+          interleave_query(queries, queries.offset({entry.row, t, h * group + g, 0}), g, group, dim,
+                           workspace_.queries.data());
+        }
+        dot_rows(landmark_at, count, workspace_.queries.data(), group, dim, workspace_.rows.data(), logits.data(),
+                 count);
+        for (std::int64_t g = 0; g < group; ++g) {
+          double* head_logits = logits.data() + g * count;
+          double* head_probability = probability.data() + g * count;
           double largest = -std::numeric_limits<double>::infinity();
           for (std::int64_t i = 0; i < count; ++i) {
-            d.landmarks.load((candidates[static_cast<std::size_t>(i)] * heads + h) * dim, dim, landmark.data());
-            logits[static_cast<std::size_t>(i)] = scale * dot(query.data(), landmark.data(), dim);
-            largest = std::max(largest, logits[static_cast<std::size_t>(i)]);
+            head_logits[i] = scale * head_logits[i];
+            largest = std::max(largest, head_logits[i]);
           }
           double total = 0.0;
-          for (double& logit : logits) {
-            logit = std::exp(logit - largest);
-            total += logit;
+          for (std::int64_t i = 0; i < count; ++i) {
+            head_logits[i] = std::exp(head_logits[i] - largest);
+            total += head_logits[i];
           }
-          for (std::int64_t i = 0; i < count; ++i) probability[static_cast<std::size_t>(i)] += logits[static_cast<std::size_t>(i)] / total;
+          for (std::int64_t i = 0; i < count; ++i) head_probability[i] += head_logits[i] / total;
         }
+      }
+      for (std::int64_t g = 0; g < group && count > 0; ++g) {
+        const double* head_probability = probability.data() + g * count;
         for (std::int64_t i = 0; i < count; ++i) {
           double& s = score[static_cast<std::size_t>(i)];
-          s = mean ? s + probability[static_cast<std::size_t>(i)] : std::max(s, probability[static_cast<std::size_t>(i)]);
+          s = mean ? s + head_probability[i] : std::max(s, head_probability[i]);
         }
       }
       if (mean) {
@@ -451,39 +490,27 @@ void cpu_backend::rebuild_keys(int layer, std::span<const batch_entry> entries) 
   const std::int64_t chunk = config_.chunk_size;
   const std::int64_t budget_chunks = config_.budget_chunks();
   const std::int64_t rank = config_.rank;
-  std::vector<float>& basis = workspace_.basis;  // reserved by reserve_decode / reserve_selection
+  // Work buffers reserved by reserve_decode / reserve_selection.
+  workspace_.gathered.resize(static_cast<std::size_t>(chunk * rank));
+  workspace_.rebuilt.resize(static_cast<std::size_t>(chunk * dim));
+  float* keys = workspace_.rebuilt.data();
   for (const batch_entry& entry : entries) {
     cpu_layer_data& d = data(entry.slot, layer);
-    basis.resize(static_cast<std::size_t>(d.basis.size()));
-    d.basis.load(0, d.basis.size(), basis.data());
+    workspace_.basis.resize(static_cast<std::size_t>(d.basis.size()));
+    const float* basis = d.basis.floats(0, d.basis.size(), workspace_.basis.data());
     for (std::int64_t h = 0; h < heads; ++h) {
-      // Gather the rows of A of every missed chunk, then one GEMM with this head's columns of B.
-      std::vector<std::int64_t>& missed_slots = workspace_.missed_slots;
-      missed_slots.clear();
       for (std::int64_t s = 0; s < budget_chunks; ++s) {
-        if (d.pending_rebuild[static_cast<std::size_t>(h * budget_chunks + s)] != 0) missed_slots.push_back(s);
-      }
-      if (missed_slots.empty()) continue;
-      const auto rows = static_cast<std::int64_t>(missed_slots.size()) * chunk;
-      std::vector<float>& gathered = workspace_.gathered;
-      gathered.resize(static_cast<std::size_t>(rows * rank));
-      for (std::size_t m = 0; m < missed_slots.size(); ++m) {
-        const std::int64_t c = d.cache_chunks[static_cast<std::size_t>(h * budget_chunks + missed_slots[m])];
-        d.coefficients.load(c * chunk * rank, chunk * rank,
-                            gathered.data() + static_cast<std::ptrdiff_t>(m) * chunk * rank);
-      }
-      std::vector<float>& keys = workspace_.rebuilt;
-      keys.resize(static_cast<std::size_t>(rows * dim));
-      gemm_row_major(gathered.data(), rank, basis.data() + h * dim, width, keys.data(), dim, rows, rank, dim);
-      for (std::size_t m = 0; m < missed_slots.size(); ++m) {
-        const std::int64_t s = missed_slots[m];
-        const std::int64_t c = d.cache_chunks[static_cast<std::size_t>(h * budget_chunks + s)];
+        const auto index = static_cast<std::size_t>(h * budget_chunks + s);
+        if (d.pending_rebuild[index] == 0) continue;
+        const std::int64_t c = d.cache_chunks[index];
+        const float* a = d.coefficients.floats(c * chunk * rank, chunk * rank, workspace_.gathered.data());
+        low_rank_rows(a, chunk, rank, basis + h * dim, width, dim, keys);
         for (std::int64_t i = 0; i < chunk; ++i) {
-          float* key = keys.data() + (static_cast<std::int64_t>(m) * chunk + i) * dim;
+          float* key = keys + i * dim;
           rope_.apply(key, d.context_positions[static_cast<std::size_t>(c * chunk + i)]);
           d.cache_keys.store(((h * budget_chunks + s) * chunk + i) * dim, dim, key);
         }
-        d.pending_rebuild[static_cast<std::size_t>(h * budget_chunks + s)] = 0;
+        d.pending_rebuild[index] = 0;
         stats_.chunks_rebuilt += 1;
       }
     }
@@ -499,6 +526,8 @@ void cpu_backend::attend(int layer, std::span<const batch_entry> entries, const 
   const std::int64_t budget_chunks = config_.budget_chunks();
   const std::int64_t group = config_.group_size();
   const double scale = config_.effective_softmax_scale();
+  workspace_.queries.resize(static_cast<std::size_t>(dim * group));  // reserved by reserve_decode
+  workspace_.rows.resize(static_cast<std::size_t>(dot_block_rows * dim));
 
   for (const batch_entry& entry : entries) {
     const cpu_layer_data& d = data(entry.slot, layer);
@@ -522,39 +551,51 @@ void cpu_backend::attend(int layer, std::span<const batch_entry> entries, const 
         }
       }
       const auto count = static_cast<std::int64_t>(union_rows.size());
-      std::vector<float>& row = workspace_.row;
-      std::vector<float>& query = workspace_.query;
-      std::vector<double>& weights = workspace_.weights;
-      std::vector<double>& accumulator = workspace_.accumulator;
-      row.resize(static_cast<std::size_t>(dim));
-      query.resize(static_cast<std::size_t>(dim));
-      weights.resize(static_cast<std::size_t>(count));
-      accumulator.resize(static_cast<std::size_t>(dim));
+      // Logits of all the group's query heads from one pass over the keys, then each head's softmax.
+      std::vector<double>& weights = workspace_.weights;          // [G, count]
+      std::vector<double>& accumulator = workspace_.accumulator;  // [G, D]
+      std::vector<double>& total = workspace_.total;              // [G]
+      weights.resize(static_cast<std::size_t>(group * count));
+      accumulator.assign(static_cast<std::size_t>(group * dim), 0.0);
+      total.resize(static_cast<std::size_t>(group));
       for (std::int64_t g = 0; g < group; ++g) {
-        const std::int64_t q_head = h * group + g;
-        for (std::int64_t j = 0; j < dim; ++j) query[static_cast<std::size_t>(j)] = load(queries, queries.offset({entry.row, q_head, j}));
+        interleave_query(queries, queries.offset({entry.row, h * group + g, 0}), g, group, dim,
+                         workspace_.queries.data());
+      }
+      const auto key_at = [&](std::int64_t i, float* room) {
+        const source& src = union_rows[static_cast<std::size_t>(i)];
+        return src.keys->floats(src.offset, dim, room);
+      };
+      dot_rows(key_at, count, workspace_.queries.data(), group, dim, workspace_.rows.data(), weights.data(), count);
+      for (std::int64_t g = 0; g < group; ++g) {
+        double* head_weights = weights.data() + g * count;
         double largest = -std::numeric_limits<double>::infinity();
         for (std::int64_t i = 0; i < count; ++i) {
-          const source& src = union_rows[static_cast<std::size_t>(i)];
-          src.keys->load(src.offset, dim, row.data());
-          weights[static_cast<std::size_t>(i)] = scale * dot(query.data(), row.data(), dim);
-          largest = std::max(largest, weights[static_cast<std::size_t>(i)]);
+          head_weights[i] = scale * head_weights[i];
+          largest = std::max(largest, head_weights[i]);
         }
-        double total = 0.0;
-        for (double& w : weights) {
-          w = std::exp(w - largest);
-          total += w;
-        }
-        std::fill(accumulator.begin(), accumulator.end(), 0.0);
+        double sum = 0.0;
         for (std::int64_t i = 0; i < count; ++i) {
-          const source& src = union_rows[static_cast<std::size_t>(i)];
-          src.values->load(src.offset, dim, row.data());
-          const double w = weights[static_cast<std::size_t>(i)] / total;
-          for (std::int64_t j = 0; j < dim; ++j) accumulator[static_cast<std::size_t>(j)] += w * row[static_cast<std::size_t>(j)];
+          head_weights[i] = std::exp(head_weights[i] - largest);
+          sum += head_weights[i];
         }
+        total[static_cast<std::size_t>(g)] = sum;
+      }
+      // Values: each row read once for all the group's heads, added in the union's order.
+      for (std::int64_t i = 0; i < count; ++i) {
+        const source& src = union_rows[static_cast<std::size_t>(i)];
+        const float* value = src.values->floats(src.offset, dim, workspace_.rows.data());
+        for (std::int64_t g = 0; g < group; ++g) {
+          const double w = weights[static_cast<std::size_t>(g * count + i)] / total[static_cast<std::size_t>(g)];
+          double* head_accumulator = accumulator.data() + g * dim;
+          for (std::int64_t j = 0; j < dim; ++j) head_accumulator[j] += w * value[j];
+        }
+      }
+      for (std::int64_t g = 0; g < group; ++g) {
+        const std::int64_t q_head = h * group + g;
         for (std::int64_t j = 0; j < dim; ++j) {
           store_element(out.mutable_data(), out.float_type, out.offset({entry.row, q_head, j}),
-                        static_cast<float>(accumulator[static_cast<std::size_t>(j)]));
+                        static_cast<float>(accumulator[static_cast<std::size_t>(g * dim + j)]));
         }
       }
     }
@@ -586,33 +627,31 @@ bool cpu_backend::all_finite(const tensor_view& view) {
 void cpu_backend::reserve_workspace(std::int64_t chunks, std::int64_t union_rows) {
   const auto width = static_cast<std::size_t>(config_.kv_width());
   const auto dim = static_cast<std::size_t>(config_.head_dim);
+  const auto group = static_cast<std::size_t>(config_.group_size());
   const auto budget_chunks = static_cast<std::size_t>(config_.budget_chunks());
-  const auto rows = budget_chunks * static_cast<std::size_t>(config_.chunk_size);
   const auto n = static_cast<std::size_t>(chunks);
   cpu_workspace& w = workspace_;
   w.token_key.reserve(width);
   w.token_value.reserve(width);
   w.candidates.reserve(n);
   w.score.reserve(n);
-  w.logits.reserve(n);
-  w.probability.reserve(n);
+  w.logits.reserve(group * n);
+  w.probability.reserve(group * n);
   w.order.reserve(n);
   w.selected.reserve(budget_chunks);
   w.cached.reserve(budget_chunks);
-  w.query.reserve(dim);
-  w.landmark.reserve(dim);
-  w.missed_slots.reserve(budget_chunks);
-  w.gathered.reserve(rows * static_cast<std::size_t>(config_.rank));
-  w.basis.reserve(static_cast<std::size_t>(config_.rank) * static_cast<std::size_t>(config_.kv_width()));
-  w.rebuilt.reserve(rows * dim);
+  w.queries.reserve(dim * group);
+  w.rows.reserve(static_cast<std::size_t>(dot_block_rows) * dim);
+  w.gathered.reserve(static_cast<std::size_t>(config_.chunk_size) * static_cast<std::size_t>(config_.rank));
+  w.basis.reserve(static_cast<std::size_t>(config_.rank) * width);
+  w.rebuilt.reserve(static_cast<std::size_t>(config_.chunk_size) * dim);
   w.union_rows.reserve(static_cast<std::size_t>(union_rows));
-  w.weights.reserve(static_cast<std::size_t>(union_rows));
-  w.accumulator.reserve(dim);
-  w.row.reserve(dim);
+  w.weights.reserve(group * static_cast<std::size_t>(union_rows));
+  w.accumulator.reserve(group * dim);
+  w.total.reserve(group);
 }
 
 void cpu_backend::reserve_decode(int layer, std::span<const batch_entry> entries) {
-  const std::int64_t width = config_.kv_width();
   const std::int64_t chunk = config_.chunk_size;
   std::int64_t chunks = 0;
   std::int64_t union_rows = 0;
@@ -623,12 +662,7 @@ void cpu_backend::reserve_decode(int layer, std::span<const batch_entry> entries
     union_rows = std::max(union_rows, state.outlier_chunks * chunk + exact_rows + config_.budget);
   }
   reserve_workspace(chunks, union_rows);
-  for (const batch_entry& entry : entries) {
-    cpu_layer_data& d = data(entry.slot, layer);
-    d.exact_keys.reserve(d.exact_keys.size() + width);
-    d.exact_values.reserve(d.exact_values.size() + width);
-    d.exact_positions.reserve(d.exact_positions.size() + 1);
-  }
+  for (const batch_entry& entry : entries) reserve_exact_token(data(entry.slot, layer), *entry.state, config_);
 }
 
 void cpu_backend::reserve_selection(int /*layer*/, std::span<const batch_entry> entries) {

@@ -53,21 +53,20 @@ struct cpu_workspace {
   std::vector<float> token_value;                     ///< [Hkv*D]
   std::vector<std::int64_t> candidates;               ///< [context chunks] select_chunks
   std::vector<double> score;                          ///< [context chunks]
-  std::vector<double> logits;                         ///< [context chunks]
-  std::vector<double> probability;                    ///< [context chunks]
+  std::vector<double> logits;                         ///< [G, context chunks]
+  std::vector<double> probability;                    ///< [G, context chunks]
   std::vector<std::int64_t> order;                    ///< [context chunks]
   std::vector<std::int64_t> selected;                 ///< [k]
   std::vector<std::uint8_t> cached;                   ///< [k]
-  std::vector<float> query;                           ///< [D]
-  std::vector<float> landmark;                        ///< [D]
-  std::vector<std::int64_t> missed_slots;             ///< [k] rebuild_keys
-  std::vector<float> gathered;                        ///< [k*C, r]
+  std::vector<double> queries;                        ///< [D, G] one KV head's query heads, interleaved (row_dots.hpp)
+  std::vector<float> rows;                            ///< [dot_block_rows, D] rows converted to float (row_dots.hpp)
+  std::vector<float> gathered;                        ///< [C, r] rebuild_keys: one chunk's rows of A as float
   std::vector<float> basis;                           ///< [r, Hkv*D] B as float
-  std::vector<float> rebuilt;                         ///< [k*C, D]
+  std::vector<float> rebuilt;                         ///< [C, D] one chunk's rebuilt keys
   std::vector<attention_source> union_rows;           ///< [outlier + exact + selected tokens] attend
-  std::vector<double> weights;                        ///< [union rows]
-  std::vector<double> accumulator;                    ///< [D]
-  std::vector<float> row;                             ///< [D]
+  std::vector<double> weights;                        ///< [G, union rows]
+  std::vector<double> accumulator;                    ///< [G, D]
+  std::vector<double> total;                          ///< [G] each head's softmax denominator
 };
 
 // Not final: tests derive from it (e.g. a CPU backend that claims graph replay, to test the store's accounting).

@@ -21,6 +21,10 @@ class host_array {
     return static_cast<std::int64_t>(bytes_.size() / dtype_size(type_));
   }
   [[nodiscard]] std::int64_t bytes() const noexcept { return static_cast<std::int64_t>(bytes_.size()); }
+  /// Elements it holds room for without reallocating.
+  [[nodiscard]] std::int64_t capacity() const noexcept {
+    return static_cast<std::int64_t>(bytes_.capacity() / dtype_size(type_));
+  }
 
   /// Grows or shrinks to `count` elements; new elements are zero.
   void resize(std::int64_t count) { bytes_.resize(static_cast<std::size_t>(count) * dtype_size(type_), 0); }
@@ -33,6 +37,13 @@ class host_array {
   /// Converts `count` elements from `offset` to float.
   void load(std::int64_t offset, std::int64_t count, float* destination) const noexcept {
     for (std::int64_t i = 0; i < count; ++i) destination[i] = get(offset + i);
+  }
+  /// `count` elements from `offset` as float: a pointer into the array itself when it holds float32 (valid until the
+  /// array is next changed), else `scratch` (room for `count` floats) after converting the elements into it.
+  [[nodiscard]] const float* floats(std::int64_t offset, std::int64_t count, float* scratch) const noexcept {
+    if (type_ == dtype::float32) return reinterpret_cast<const float*>(bytes_.data()) + offset;
+    load(offset, count, scratch);
+    return scratch;
   }
   /// Rounds `count` floats to the dtype and writes them from `offset`.
   void store(std::int64_t offset, std::int64_t count, const float* source) noexcept {

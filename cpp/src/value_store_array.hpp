@@ -39,6 +39,16 @@ class value_store_array {
                                              : run_ * static_cast<std::int64_t>(dtype_size(type_));
   }
 
+  /// Runs it holds room for without reallocating.
+  [[nodiscard]] std::int64_t capacity_runs() const noexcept {
+    if (run_ == 0) return 0;
+    if (format_ == value_format::fp8_e4m3) {
+      return std::min(static_cast<std::int64_t>(scales_.capacity()),
+                      static_cast<std::int64_t>(codes_.capacity()) / run_);
+    }
+    return same_.capacity() / run_;
+  }
+
   /// Reserves room for `count` runs in all, so that appending up to it cannot throw.
   void reserve_runs(std::int64_t count) {
     if (format_ == value_format::fp8_e4m3) {
