@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import time
 
 import torch
@@ -83,11 +84,18 @@ def run_case(args, device, batch, seq_len, budget, value_store, target_hit, band
     values_on, *options = value_store.split("+")
     place, _, fp8 = values_on.partition("_")
     parts = next((int(o[1:]) for o in options if o.startswith("p")), 0)
+    fetch_ctas = next((o[1:] for o in options if o.startswith("c")), None)
+    saved_fetch_ctas = os.environ.pop("SHADOWKV_FETCH_CTAS", None)
+    if fetch_ctas is not None:
+        os.environ["SHADOWKV_FETCH_CTAS"] = fetch_ctas  # read once, when the CUDA backend is constructed
     store = KVStore(1, hq, hkv, dim, max_batch=batch, max_seq_len=capacity, rank=args.rank, chunk_size=chunk,
                     budget=budget, outlier_chunks=48, local_chunks=4, generation_window=256, dtype="bfloat16",
                     device=device, rope_theta=500000.0, value_store=place,
                     value_dtype="float8_e4m3" if fp8 else None, factor_dtype="float32" if "f32" in options else None,
                     decode_pipeline_parts=parts, group_score="max" if "max" in options else "mean")
+    os.environ.pop("SHADOWKV_FETCH_CTAS", None)
+    if saved_fetch_ctas is not None:
+        os.environ["SHADOWKV_FETCH_CTAS"] = saved_fetch_ctas
     slots = store.add_sequences(batch)
     keys_full, values_full = [], []
     for b in range(batch):  # one sequence at a time bounds host memory for the random data
@@ -155,6 +163,8 @@ def run_case(args, device, batch, seq_len, budget, value_store, target_hit, band
     floor = landmark_bytes / memory_bw + missed_bytes / (memory_bw if value_store.startswith("device") else link_bw)
     row = {"batch": batch, "seq_len": seq_len, "budget": budget, "value_store": values_on,
            "decode_pipeline_parts": parts,
+           "fetch_ctas": int(fetch_ctas) if fetch_ctas is not None else (
+               int(saved_fetch_ctas) if saved_fetch_ctas else None),
            "factor_dtype": store.config["factor_dtype"], "group_score": store.config["group_score"],
            "target_hit": target_hit, "hit": hit,
            "query_correlation": a, "ours_ms": ours * 1e3, "full_ms": full * 1e3, "floor_ms": floor * 1e3,
@@ -215,9 +225,10 @@ def _parse_config(text: str) -> tuple:
     batch, seq_len, budget = (int(x) for x in shape.split("x"))
     place, *options = value_store.split("+")
     if place not in ("", "host", "device", "host_fp8", "device_fp8") or not all(
-            o in ("f32", "max") or (o[:1] == "p" and o[1:].isdigit()) for o in options):
+            o in ("f32", "max") or (o[:1] in ("p", "c") and o[1:].isdigit()) for o in options):
         raise SystemExit(f"--config {text}: the value store must be :host, :device, :host_fp8 or :device_fp8, "
-                         f"optionally followed by +f32 (float32 factors), +pN (pipeline parts) and/or +max (group_score max)")
+                         f"optionally followed by +f32 (float32 factors), +pN (pipeline parts), +max (group_score max) "
+                         f"and/or +cN (value fetch CTAs)")
     return batch, seq_len, budget, "+".join([place or "host", *options])
 
 
@@ -291,7 +302,7 @@ def main(argv=None) -> int:
     for r in rows:
         g = f" {r['ours_graph_ms']:.3f} |" if graph else ""
         best = min(r["ours_ms"], r.get("ours_graph_ms", r["ours_ms"]))
-        print(f"| {r['batch']} | {r['seq_len']} | {r['budget']} | {r['value_store']}, {r['factor_dtype']}{', ' + r['group_score'] if r.get('group_score', 'mean') != 'mean' else ''}{', parts ' + str(r['decode_pipeline_parts']) if r.get('decode_pipeline_parts') else ''} | {r['hit']:.2f} | {r['ours_ms']:.3f} |{g} "
+        print(f"| {r['batch']} | {r['seq_len']} | {r['budget']} | {r['value_store']}, {r['factor_dtype']}{', ' + r['group_score'] if r.get('group_score', 'mean') != 'mean' else ''}{', parts ' + str(r['decode_pipeline_parts']) if r.get('decode_pipeline_parts') else ''}{', fetch CTAs ' + str(r['fetch_ctas']) if r.get('fetch_ctas') else ''} | {r['hit']:.2f} | {r['ours_ms']:.3f} |{g} "
               f"{r['full_ms']:.3f} | {r['floor_ms']:.3f} | {best / r['full_ms']:.2f} | {best * 1e3 / (r['floor_ms'] * 1e3):.1f} |")
     if graph:
         print("ratios use the faster of eager and graph-replayed steps")

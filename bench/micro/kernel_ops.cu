@@ -104,7 +104,7 @@ class kernel_state {
   void restore_previous_step(double hit);
   void select() {
     cuda::launch_select_chunks(d_, cuda::element_bf16, views_.get<layer_view>(), batch_slots_.get<int>(), 0,
-                               shape_.batch, query_tensor(), 1, workspace_, compute_);
+                               shape_.batch, query_tensor(), 1, workspace_, 0, compute_);
   }
   /// Leaves the state right after this step's selection at `hit` (miss lists and cache), and measures the hits.
   void ensure_selected(double hit);
@@ -117,7 +117,16 @@ class kernel_state {
   }
   void fetch_zero_copy() {
     cuda::launch_fetch_values(d_, cuda::element_bf16, views_.get<layer_view>(), batch_slots_.get<int>(), 0,
-                              shape_.batch, workspace_, copy_);
+                              shape_.batch, workspace_, fetch_ctas(), copy_);
+  }
+  /// The backend's value-fetch grid for host values (cuda_backend.cpp, fetch_ctas_for_host_values): a quarter of the
+  /// multiprocessors, at least 8.
+  static int fetch_ctas() {
+    int device = 0;
+    int multiprocessors = 0;
+    (void)cudaGetDevice(&device);
+    (void)cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device);
+    return std::max(8, multiprocessors / 4);
   }
   /// The end-to-end copy path on the copy stream, between timer.start and timer.stop; returns seconds.
   double fetch_by_copies(bool batched, event_timer& timer, std::size_t* api_calls);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 
 #include "chunk_rebuild.cuh"
 #include "chunk_selection.cuh"
@@ -19,6 +20,21 @@
 
 namespace shadowkv::cuda {
 namespace {
+
+// CTAs of the value fetch when values cross PCIe: a quarter of the multiprocessors (33 on an H200), 8 warps each with
+// 2 KiB of loads in flight a warp: ~0.5 MiB in flight, ~4x what 55 GB/s at ~2 us of latency needs, on a quarter of
+// the SMs (the rest run the key rebuild and later parts' selection beside it). SHADOWKV_FETCH_CTAS overrides it (a
+// measurement knob for bench/step_benchmark.py; bench/NOTES.md).
+int fetch_ctas_for_host_values(int multiprocessors) {
+  if (const char* text = std::getenv("SHADOWKV_FETCH_CTAS"); text != nullptr && *text != '\0') {
+    char* end = nullptr;
+    const long value = std::strtol(text, &end, 10);
+    SHADOWKV_EXPECTS(*end == '\0' && value >= 1 && value <= 65535, "SHADOWKV_FETCH_CTAS must be an integer in [1, "
+                     "65535], got '", text, "'");
+    return static_cast<int>(value);
+  }
+  return std::max(8, multiprocessors / 4);
+}
 
 constexpr std::size_t kAlignment = 256;
 
@@ -131,6 +147,8 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   cusolver_ = make_cusolver();
   stream_ = own_stream_;
   SHADOWKV_CUDA_TRY(cudaDeviceGetAttribute(&multiprocessors_, cudaDevAttrMultiProcessorCount, device_index));
+  fetch_ctas_host_ = fetch_ctas_for_host_values(multiprocessors_);
+  fetch_ctas_device_ = 2 * multiprocessors_;
 
   // Reserve everything up front.
   const std::size_t element = dtype_size(cfg.kv_dtype);
@@ -363,6 +381,10 @@ void cuda_backend::factorize(const float* keys_pre, int rows, float* basis) {
                                              split.slice_rows, &one, a_blocks, n, b_blocks, n, &zero, c_blocks, n,
                                              static_cast<int>(entries)));
     }
+    // The sum writes the lower block triangle only (FILL_MODE_LOWER is all syevdx should read); the upper blocks are
+    // zeroed so that no byte of the matrix is undefined: compute-sanitizer's initcheck reported one uninitialised
+    // 8-byte read inside syevdx's tridiagonal reduction (sytrd4_gpu) at 4e838fb. 8 MB at n = 1024: a few µs.
+    SHADOWKV_CUDA_TRY(cudaMemsetAsync(gram64.data(), 0, static_cast<std::size_t>(n) * n * sizeof(double), stream_));
     launch_sum_gram_partials(static_cast<const float*>(partials.data()), keys_pre, rows, n, split,
                              static_cast<double*>(gram64.data()), stream_);
     SHADOWKV_CUSOLVER_TRY(cusolverDnDsyevdx(cusolver_, CUSOLVER_EIG_MODE_VECTOR, CUSOLVER_EIG_RANGE_I,
@@ -601,22 +623,33 @@ void cuda_backend::select_chunks(int layer, std::span<const batch_entry> entries
     strided_tensor part_queries = all_queries;
     part_queries.data = static_cast<const std::uint8_t*>(all_queries.data) +
                         static_cast<std::ptrdiff_t>(part.first) * all_queries.stride[0] * static_cast<std::ptrdiff_t>(element);
+    // After the first part, an earlier part's fetch may hold up to its CTAs (one each on as many multiprocessors)
+    // while this part's landmark logits run: the one-wave logits grid leaves room for them.
+    const int beside = p == 0 ? 0 : fetch_ctas(entries.subspan(parts_[p - 1].first, parts_[p - 1].count));
     launch_select_chunks(dims_, kv_type_, static_cast<layer_view*>(views_.data()),
                          static_cast<const int*>(batch_slots_.data()) + part.first, layer, part.count, part_queries,
-                         static_cast<int>(queries.shape[1]), workspace_from(part.first), stream_);
+                         static_cast<int>(queries.shape[1]), workspace_from(part.first), beside, stream_);
     SHADOWKV_CUDA_TRY(cudaEventRecord(part_selected_events_[p], stream_));
   }
 }
 
-void cuda_backend::fetch_values(int layer, std::span<const batch_entry> /*entries*/) {
+void cuda_backend::fetch_values(int layer, std::span<const batch_entry> entries) {
   for (std::size_t p = 0; p < parts_.size(); ++p) {
     const batch_part& part = parts_[p];
     SHADOWKV_CUDA_TRY(cudaStreamWaitEvent(copy_stream_, part_selected_events_[p], 0));
     launch_fetch_values(dims_, kv_type_, static_cast<layer_view*>(views_.data()),
                         static_cast<const int*>(batch_slots_.data()) + part.first, layer, part.count,
-                        workspace_from(part.first), copy_stream_);
+                        workspace_from(part.first), fetch_ctas(entries.subspan(part.first, part.count)),
+                        copy_stream_);
   }
   SHADOWKV_CUDA_TRY(cudaEventRecord(fetched_event_, copy_stream_));
+}
+
+int cuda_backend::fetch_ctas(std::span<const batch_entry> entries) const {
+  const bool any_host = std::any_of(entries.begin(), entries.end(), [&](const batch_entry& entry) {
+    return values_on_[static_cast<std::size_t>(entry.slot)] != value_place::device;
+  });
+  return any_host ? fetch_ctas_host_ : fetch_ctas_device_;
 }
 
 void cuda_backend::rebuild_keys(int layer, std::span<const batch_entry> entries) {

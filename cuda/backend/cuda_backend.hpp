@@ -82,6 +82,9 @@ class cuda_backend final : public backend {
   /// The pipeline's parts for this batch: config::decode_pipeline_parts when set (at most the batch), else one (see
   /// the measurement in pipeline_parts).
   [[nodiscard]] std::vector<batch_part> pipeline_parts(std::span<const batch_entry> entries) const;
+  /// CTAs of the value fetch for these entries: few when any of their values are in pinned host memory (a PCIe
+  /// read holds its warp for microseconds), more when all are in device memory.
+  [[nodiscard]] int fetch_ctas(std::span<const batch_entry> entries) const;
   /// The decode workspace seen from batch entry `first` on (every per-entry array offset by `first` rows).
   [[nodiscard]] step_workspace workspace_from(int first) const;
 
@@ -90,6 +93,8 @@ class cuda_backend final : public backend {
   dims dims_{};
   int kv_type_;
   int multiprocessors_ = 1;             ///< SMs of the device (sizes the split-K Gram matrix)
+  int fetch_ctas_host_ = 1;             ///< value fetch CTAs when values cross PCIe (fetch_ctas_for_host_values)
+  int fetch_ctas_device_ = 1;           ///< value fetch CTAs when every value of the part is in device memory
   cudaStream_t stream_ = nullptr;       ///< the current call's compute stream (caller's or own_stream_)
   bool caller_stream_ = false;
   // Handles before buffers: members are destroyed in reverse order, so the buffers (freed on own_stream_) go first.

@@ -360,34 +360,49 @@ void launch_rebuild_for(const dims& d, layer_view* views, const int* batch_slots
   }
 }
 
-// One CTA per (entry, head); one warp per missed chunk at a time, 16-byte reads of the contiguous run.
+constexpr int kFetchWarps = 8;  // per CTA of the value fetch
+
+// A persistent grid of few CTAs (launch_fetch_values): the work is the flat list of (entry, head, miss) items, pair-
+// major (pair = entry * Hkv + head), and warp w of the grid takes items w, w + warps, ... — one missed chunk (a
+// contiguous run of C*D values) at a time, 16-byte reads. Items past a pair's miss count are skipped in one jump to
+// the next pair. The grid is small on purpose: a zero-copy read across PCIe keeps its warp resident for microseconds,
+// so a grid as large as the batch (one CTA per pair, as before) held every multiprocessor for the whole fetch and
+// slowed the key rebuild beside it 2.6x (bench/NOTES.md).
 template <typename T>
-__global__ void fetch_values_kernel(dims d, layer_view* views, const int* batch_slots, int layer,
+__global__ void fetch_values_kernel(dims d, layer_view* views, const int* batch_slots, int layer, int batch,
                                     step_workspace workspace) {
-  const int b = blockIdx.x;
-  const int h = blockIdx.y;
-  const layer_view* view = views + static_cast<long long>(batch_slots[b]) * d.num_layers + layer;
-  const int misses = workspace.miss_counts[b * d.kv_heads + h];
-  const int* miss_slots = workspace.miss_slots + static_cast<long long>(b * d.kv_heads + h) * d.budget;
-  const int* cache_chunks = view->cache_chunks + static_cast<long long>(h) * d.budget;
-  const long long run = static_cast<long long>(d.chunk) * d.head_dim;  // elements
-  const T* store = static_cast<const T*>(view->value_store);
-  const auto* codes = static_cast<const std::uint8_t*>(view->value_store);  // fp8 format
-  T* cache = static_cast<T*>(view->cache_values) + static_cast<long long>(h) * d.budget * run;
-  const int warp = blockIdx.z * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  const int warps = gridDim.z * (blockDim.x / 32);
+  const long long warps = static_cast<long long>(gridDim.x) * (blockDim.x / 32);
+  const long long items = static_cast<long long>(batch) * d.kv_heads * d.budget;
+  const long long run = static_cast<long long>(d.chunk) * d.head_dim;  // elements
   const bool vectorised = (run * sizeof(T)) % 16 == 0;
-  for (int m = warp; m < misses; m += warps) {
-    const int slot = miss_slots[m];
-    const int chunk = cache_chunks[slot];
+  long long item = static_cast<long long>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  while (item < items) {
+    const long long pair = item / d.budget;
+    const int m = static_cast<int>(item - pair * d.budget);
+    const int misses = workspace.miss_counts[pair];
+    if (m >= misses) {
+      // The warp's first item of the next pair: the smallest item + j * warps at or past (pair + 1) * budget.
+      const long long next_pair = (pair + 1) * d.budget;
+      item += (next_pair - item + warps - 1) / warps * warps;
+      continue;
+    }
+    const int b = static_cast<int>(pair / d.kv_heads);
+    const int h = static_cast<int>(pair - static_cast<long long>(b) * d.kv_heads);
+    const layer_view* view = views + static_cast<long long>(batch_slots[b]) * d.num_layers + layer;
+    if (m == 0 && lane == 0) {
+      const unsigned long long run_bytes = d.value_fp8 != 0 ? run + sizeof(float) : run * sizeof(T);
+      atomicAdd(workspace.counters + 3, static_cast<unsigned long long>(misses) * run_bytes);
+    }
+    const int slot = workspace.miss_slots[pair * d.budget + m];
+    const int chunk = view->cache_chunks[static_cast<long long>(h) * d.budget + slot];
     const long long source_run = static_cast<long long>(chunk) * d.kv_heads + h;
-    const T* source = store + source_run * run;
-    T* target = cache + static_cast<long long>(slot) * run;
+    T* target = static_cast<T*>(view->cache_values) + (static_cast<long long>(h) * d.budget + slot) * run;
     if (d.value_fp8 != 0) {
-      // 16 codes (16 bytes) a lane at a time, dequantized and rounded to T (shadowkv/fp8.hpp).
+      // 16 codes (16 bytes) a lane at a time, dequantized and rounded to T (shadowkv/fp8.hpp), stored as 16-byte
+      // vectors (16 * sizeof(T) bytes a lane).
       const float scale = view->value_scales[source_run];
-      const std::uint8_t* from = codes + source_run * run;
+      const auto* from = static_cast<const std::uint8_t*>(view->value_store) + source_run * run;
       if (run % 16 == 0) {
         // Two 16-byte loads a lane in flight before any store (the source is host memory across PCIe).
         constexpr long long kStride = 16LL * 32;
@@ -401,11 +416,18 @@ __global__ void fetch_values_kernel(dims d, layer_view* views, const int* batch_
           for (int u = 0; u < 2; ++u) {
             if (i0 + u * kStride >= run) break;
             const std::uint32_t words[4] = {packed[u].x, packed[u].y, packed[u].z, packed[u].w};
+            union {
+              uint4 vectors[sizeof(T)];
+              T elements[16];
+            } decoded;
 #pragma unroll
             for (int k = 0; k < 16; ++k) {
               const auto code = static_cast<std::uint8_t>(words[k / 4] >> (8 * (k % 4)));
-              target[i0 + u * kStride + k] = from_float<T>(fp8::decode_e4m3(code) * scale);
+              decoded.elements[k] = from_float<T>(fp8::decode_e4m3(code) * scale);
             }
+            auto* to = reinterpret_cast<uint4*>(target + i0 + u * kStride);
+#pragma unroll
+            for (int v = 0; v < static_cast<int>(sizeof(T)); ++v) to[v] = decoded.vectors[v];
           }
         }
       } else {
@@ -414,7 +436,7 @@ __global__ void fetch_values_kernel(dims d, layer_view* views, const int* batch_
     } else if (vectorised) {
       // Four 16-byte loads a lane in flight before any store: a 2 KiB run (C = 8, D = 128, bf16) in one round trip.
       const long long vectors = run * static_cast<long long>(sizeof(T)) / 16;
-      const int4* from = reinterpret_cast<const int4*>(source);
+      const int4* from = reinterpret_cast<const int4*>(static_cast<const T*>(view->value_store) + source_run * run);
       int4* to = reinterpret_cast<int4*>(target);
       for (long long i0 = lane; i0 < vectors; i0 += 4 * 32) {
         int4 loaded[4];
@@ -428,12 +450,10 @@ __global__ void fetch_values_kernel(dims d, layer_view* views, const int* batch_
         }
       }
     } else {
+      const T* source = static_cast<const T*>(view->value_store) + source_run * run;
       for (long long i = lane; i < run; i += 32) target[i] = source[i];
     }
-  }
-  if (blockIdx.z == 0 && threadIdx.x == 0 && misses > 0) {
-    const unsigned long long run_bytes = d.value_fp8 != 0 ? run + sizeof(float) : run * sizeof(T);
-    atomicAdd(workspace.counters + 3, static_cast<unsigned long long>(misses) * run_bytes);
+    item += warps;
   }
 }
 
@@ -467,16 +487,16 @@ void launch_rebuild_keys(const dims& d, int kv_type, layer_view* views, const in
 }
 
 void launch_fetch_values(const dims& d, int kv_type, layer_view* views, const int* batch_slots, int layer, int batch,
-                         const step_workspace& workspace, cudaStream_t stream) {
+                         const step_workspace& workspace, int ctas, cudaStream_t stream) {
+  SHADOWKV_EXPECTS(batch >= 0 && ctas >= 1, "value fetch: batch must be >= 0 and ctas >= 1, got batch ", batch,
+                   ", ctas ", ctas);
+  if (batch == 0) return;
+  // No more CTAs than there are items for their warps (8 a CTA).
+  const long long items = static_cast<long long>(batch) * d.kv_heads * d.budget;
+  const auto grid = static_cast<unsigned>(std::min<long long>(ctas, (items + kFetchWarps - 1) / kFetchWarps));
   shadowkv_dispatch_element(kv_type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    // 8 warps per CTA, one missed chunk per warp at a time, up to 4 loads a lane in flight: about 64 CTAs (1 MiB in
-    // flight) cover PCIe latency, and leave the other multiprocessors to the selection and the key rebuild, which run
-    // beside the fetch (cuda_backend.hpp).
-    const int pairs = std::max(1, batch * d.kv_heads);
-    const int splits = std::max(1, std::min((64 + pairs - 1) / pairs, (d.budget + 7) / 8));
-    fetch_values_kernel<T><<<dim3(batch, d.kv_heads, splits), 256, 0, stream>>>(d, views, batch_slots, layer,
-                                                                                workspace);
+    fetch_values_kernel<T><<<grid, 32 * kFetchWarps, 0, stream>>>(d, views, batch_slots, layer, batch, workspace);
   });
   SHADOWKV_CUDA_CHECK_LAUNCH();
 }

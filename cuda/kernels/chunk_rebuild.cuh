@@ -18,8 +18,11 @@ void launch_rebuild_keys(const dims& d, int kv_type, layer_view* views, const in
                          const step_workspace& workspace, const float* inv_freq, cudaStream_t stream);
 
 /// Values of every missed (entry, head, chunk): one contiguous run of C*D elements from the value store (mapped host
-/// memory, read by the kernel over PCIe) into its buffer slot of cache_values; adds the bytes to counters[3].
+/// memory, read by the kernel over PCIe, or device memory) into its buffer slot of cache_values; adds the bytes to
+/// counters[3]. A persistent grid of at most `ctas` CTAs (8 warps each) covers every item, whatever the batch: few
+/// CTAs leave the multiprocessors to the kernels that run beside the fetch (the key rebuild, a later part's
+/// selection); the caller sizes it (cuda_backend: enough bytes in flight for PCIe, more for device values).
 void launch_fetch_values(const dims& d, int kv_type, layer_view* views, const int* batch_slots, int layer, int batch,
-                         const step_workspace& workspace, cudaStream_t stream);
+                         const step_workspace& workspace, int ctas, cudaStream_t stream);
 
 }  // namespace shadowkv::cuda

@@ -827,7 +827,8 @@ constexpr int kv_type_of() {
 
 template <typename T>
 void launch_for_type(const dims& d, const layer_view* views, const int* batch_slots, int layer, int batch,
-                     const strided_tensor& queries, int tokens, const step_workspace& ws, cudaStream_t stream) {
+                     const strided_tensor& queries, int tokens, const step_workspace& ws, int beside_ctas,
+                     cudaStream_t stream) {
   const device_limits limits = current_device_limits();
   const logit_geometry logit_geo = plan_logits(d, static_cast<int>(sizeof(T)));
   select_geometry geo{};
@@ -840,7 +841,8 @@ void launch_for_type(const dims& d, const layer_view* views, const int* batch_sl
   const bool decode_kernel = tokens == 1 && geo.mode == kFromScores && logit_geo.tiles > 0 &&
                              launch_decode_landmark_logits(d, kv_type_of<T>(), views, batch_slots, layer, batch,
                                                            queries, logit_geo.tile_rows, logit_geo.tiles,
-                                                           limits.multiprocessors, ws.logits, ws.scores, stream);
+                                                           limits.multiprocessors, beside_ctas, ws.logits, ws.scores,
+                                                           stream);
   if (!decode_kernel && geo.mode != kInKernel && logit_geo.tiles > 0) {
     if (d.group == 1) {
       launch_logits<T, 1>(d, views, batch_slots, layer, batch, queries, tokens, logit_geo, ws, limits, stream);
@@ -885,7 +887,8 @@ void launch_for_type(const dims& d, const layer_view* views, const int* batch_sl
 }  // namespace
 
 void launch_select_chunks(const dims& d, int kv_type, layer_view* views, const int* batch_slots, int layer, int batch,
-                          strided_tensor queries, int tokens, const step_workspace& workspace, cudaStream_t stream) {
+                          strided_tensor queries, int tokens, const step_workspace& workspace, int beside_ctas,
+                          cudaStream_t stream) {
   SHADOWKV_EXPECTS(batch >= 0, "chunk selection: batch must be >= 0, got ", batch);
   if (batch == 0) return;
   SHADOWKV_EXPECTS(tokens >= 1, "chunk selection: tokens must be >= 1, got ", tokens);
@@ -897,7 +900,8 @@ void launch_select_chunks(const dims& d, int kv_type, layer_view* views, const i
                    "chunk selection: unknown query element type ", queries.type);
   shadowkv_dispatch_element(kv_type, [&](auto tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    launch_for_type<T>(d, views, batch_slots, layer, batch, queries, tokens, workspace, stream);
+    launch_for_type<T>(d, views, batch_slots, layer, batch, queries, tokens, workspace, std::max(beside_ctas, 0),
+                       stream);
   });
 }
 

@@ -21,8 +21,11 @@
 namespace shadowkv::cuda {
 
 /// queries: [B, Tq, Hq, D] (strides in queries.stride[0..3]), any element type; tokens = Tq >= 1.
-/// kv_type: element_type of landmarks. Never allocates; throws shadowkv::cuda_error on a launch failure.
+/// kv_type: element_type of landmarks. beside_ctas: CTAs another kernel may keep resident while this runs (an earlier
+/// pipeline part's value fetch; 0 when none): the one-wave landmark-logits grid is that many CTAs smaller, so that
+/// none of its CTAs waits for a second wave. Never allocates; throws shadowkv::cuda_error on a launch failure.
 void launch_select_chunks(const dims& d, int kv_type, layer_view* views, const int* batch_slots, int layer, int batch,
-                          strided_tensor queries, int tokens, const step_workspace& workspace, cudaStream_t stream);
+                          strided_tensor queries, int tokens, const step_workspace& workspace, int beside_ctas,
+                          cudaStream_t stream);
 
 }  // namespace shadowkv::cuda

@@ -459,16 +459,18 @@ int resident_ctas(int shared_bytes) {
 
 template <typename T, int kRowBytes, int kG>
 bool launch_with(const dims& d, const layer_view* views, const int* batch_slots, int layer, int batch,
-                 const strided_tensor& queries, int tile_rows, int tiles, int multiprocessors, float* logits,
-                 float* scores, cudaStream_t stream) {
+                 const strided_tensor& queries, int tile_rows, int tiles, int multiprocessors, int beside_ctas,
+                 float* logits, float* scores, cudaStream_t stream) {
   using split = row_split<T, kRowBytes, kG>;
   const shared_layout layout = shared_layout_for<split, kG>(tile_rows, batch);
   const int per_multiprocessor = resident_ctas<T, kRowBytes, kG>(layout.bytes);
   if (per_multiprocessor < 1) return false;
-  // Exactly the resident CTAs (one wave), fewer only when there are fewer tiles than that even with every chunk live.
+  // Exactly the resident CTAs (one wave) less those another kernel may hold beside it (each takes the place of one of
+  // ours on its multiprocessor), fewer only when there are fewer tiles than that even with every chunk live.
   const long long most_tiles = static_cast<long long>(batch) * d.kv_heads * tiles;
-  const long long ctas =
-      std::min<long long>(static_cast<long long>(per_multiprocessor) * std::max(multiprocessors, 1), most_tiles);
+  const long long resident = static_cast<long long>(per_multiprocessor) * std::max(multiprocessors, 1);
+  const long long ctas = std::min<long long>(
+      std::max<long long>(resident - std::max(beside_ctas, 0), std::max(multiprocessors, 1)), most_tiles);
   decode_landmark_logits_kernel<T, kRowBytes, kG>
       <<<static_cast<unsigned>(ctas), kThreads, static_cast<std::size_t>(layout.bytes), stream>>>(
           d, views, batch_slots, layer, batch, queries, tile_rows, tiles, logits, scores);
@@ -478,29 +480,30 @@ bool launch_with(const dims& d, const layer_view* views, const int* batch_slots,
 
 template <typename T, int kRowBytes>
 bool launch_for_group(const dims& d, const layer_view* views, const int* batch_slots, int layer, int batch,
-                      const strided_tensor& queries, int tile_rows, int tiles, int multiprocessors, float* logits,
-                      float* scores, cudaStream_t stream) {
+                      const strided_tensor& queries, int tile_rows, int tiles, int multiprocessors, int beside_ctas,
+                      float* logits, float* scores, cudaStream_t stream) {
   if (d.group == 1) {
-    return launch_with<T, kRowBytes, 1>(d, views, batch_slots, layer, batch, queries, tile_rows, tiles,
-                                        multiprocessors, logits, scores, stream);
+    return launch_with<T, kRowBytes, 1>(d, views, batch_slots, layer, batch, queries, tile_rows, tiles, multiprocessors,
+                                        beside_ctas, logits, scores, stream);
   }
   if (d.group == 2) {
-    return launch_with<T, kRowBytes, 2>(d, views, batch_slots, layer, batch, queries, tile_rows, tiles,
-                                        multiprocessors, logits, scores, stream);
+    return launch_with<T, kRowBytes, 2>(d, views, batch_slots, layer, batch, queries, tile_rows, tiles, multiprocessors,
+                                        beside_ctas, logits, scores, stream);
   }
   if (d.group <= 4) {
-    return launch_with<T, kRowBytes, 4>(d, views, batch_slots, layer, batch, queries, tile_rows, tiles,
-                                        multiprocessors, logits, scores, stream);
+    return launch_with<T, kRowBytes, 4>(d, views, batch_slots, layer, batch, queries, tile_rows, tiles, multiprocessors,
+                                        beside_ctas, logits, scores, stream);
   }
   return launch_with<T, kRowBytes, 8>(d, views, batch_slots, layer, batch, queries, tile_rows, tiles, multiprocessors,
-                                      logits, scores, stream);
+                                      beside_ctas, logits, scores, stream);
 }
 
 }  // namespace
 
 bool launch_decode_landmark_logits(const dims& d, int kv_type, const layer_view* views, const int* batch_slots,
                                    int layer, int batch, const strided_tensor& queries, int tile_rows, int tiles,
-                                   int multiprocessors, float* logits, float* scores, cudaStream_t stream) {
+                                   int multiprocessors, int beside_ctas, float* logits, float* scores,
+                                   cudaStream_t stream) {
   if (d.group < 1 || d.group > 8 || batch <= 0 || tiles <= 0 || tile_rows <= 0) return false;
   bool launched = false;
   shadowkv_dispatch_element(kv_type, [&](auto* tag) {
@@ -509,15 +512,15 @@ bool launch_decode_landmark_logits(const dims& d, int kv_type, const layer_view*
     switch (row_bytes) {
       case 128:
         launched = launch_for_group<T, 128>(d, views, batch_slots, layer, batch, queries, tile_rows, tiles,
-                                            multiprocessors, logits, scores, stream);
+                                            multiprocessors, beside_ctas, logits, scores, stream);
         break;
       case 256:
         launched = launch_for_group<T, 256>(d, views, batch_slots, layer, batch, queries, tile_rows, tiles,
-                                            multiprocessors, logits, scores, stream);
+                                            multiprocessors, beside_ctas, logits, scores, stream);
         break;
       case 512:
         launched = launch_for_group<T, 512>(d, views, batch_slots, layer, batch, queries, tile_rows, tiles,
-                                            multiprocessors, logits, scores, stream);
+                                            multiprocessors, beside_ctas, logits, scores, stream);
         break;
       default: break;
     }

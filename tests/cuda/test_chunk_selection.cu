@@ -350,13 +350,13 @@ void run_case(const case_config& cfg) {
     queries.stride[3] = 1;
     if (!cfg.graph) {
       ASSERT_NO_THROW(shadowkv::cuda::launch_select_chunks(d, cfg.kv_type, views_device.get<layer_view>(),
-                                                            slots_device.get<int>(), layer, B, queries, Tq, ws, stream));
+                                                            slots_device.get<int>(), layer, B, queries, Tq, ws, 0, stream));
     } else {
       // One graph for both steps: the context length changes on the device only.
       if (step == 0) {
         CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
         ASSERT_NO_THROW(shadowkv::cuda::launch_select_chunks(d, cfg.kv_type, views_device.get<layer_view>(),
-                                                              slots_device.get<int>(), layer, B, queries, Tq, ws,
+                                                              slots_device.get<int>(), layer, B, queries, Tq, ws, 0,
                                                               stream));
         cudaGraph_t graph = nullptr;
         CUDA_OK(cudaStreamEndCapture(stream, &graph));
@@ -720,18 +720,18 @@ TEST(ChunkSelectionArguments, RejectsInvalidArguments) {
   strided_tensor q{};
   q.type = shadowkv::cuda::element_f32;
   const step_workspace ws{};
-  EXPECT_NO_THROW(shadowkv::cuda::launch_select_chunks(d, 0, nullptr, nullptr, 0, 0, q, 1, ws, nullptr));
-  EXPECT_THROW(shadowkv::cuda::launch_select_chunks(d, 0, nullptr, nullptr, 0, 1, q, 0, ws, nullptr),
+  EXPECT_NO_THROW(shadowkv::cuda::launch_select_chunks(d, 0, nullptr, nullptr, 0, 0, q, 1, ws, 0, nullptr));
+  EXPECT_THROW(shadowkv::cuda::launch_select_chunks(d, 0, nullptr, nullptr, 0, 1, q, 0, ws, 0, nullptr),
                shadowkv::invalid_argument);
   dims bad = d;
   bad.q_heads = 5;
-  EXPECT_THROW(shadowkv::cuda::launch_select_chunks(bad, 0, nullptr, nullptr, 0, 1, q, 1, ws, nullptr),
+  EXPECT_THROW(shadowkv::cuda::launch_select_chunks(bad, 0, nullptr, nullptr, 0, 1, q, 1, ws, 0, nullptr),
                shadowkv::invalid_argument);
   q.type = 7;
-  EXPECT_THROW(shadowkv::cuda::launch_select_chunks(d, 0, nullptr, nullptr, 0, 1, q, 1, ws, nullptr),
+  EXPECT_THROW(shadowkv::cuda::launch_select_chunks(d, 0, nullptr, nullptr, 0, 1, q, 1, ws, 0, nullptr),
                shadowkv::invalid_argument);
   q.type = shadowkv::cuda::element_f32;
-  EXPECT_THROW(shadowkv::cuda::launch_select_chunks(d, 9, nullptr, nullptr, 0, 1, q, 1, ws, nullptr),
+  EXPECT_THROW(shadowkv::cuda::launch_select_chunks(d, 9, nullptr, nullptr, 0, 1, q, 1, ws, 0, nullptr),
                shadowkv::invalid_argument);
 }
 

@@ -280,3 +280,46 @@ def test_cuda_pipelined_decode_equals_unpipelined():
                 assert stores[1].selected_chunks(0, slots[1][b]) == stores[3].selected_chunks(0, slots[3][b])
         H.assert_nontrivial(outs[3].float(), "pipelined output", seed)
         assert stores[1].stats() == stores[3].stats()
+
+
+def test_cuda_fetch_grid_changes_nothing_but_speed(monkeypatch):
+    """The value fetch is a persistent grid whose size the backend picks (cuda_backend.cpp, fetch_ctas_for_host_values;
+    SHADOWKV_FETCH_CTAS overrides it when the store is constructed). One CTA (8 warps for 7 x 2 x 16 items, so every
+    warp takes many items and skips past the pairs' hits) gives bit-identical outputs, selections and statistics to
+    the default, with bf16 and fp8 host values and with the batch cut in parts; a value that is not a count is refused."""
+    seed, hq, hkv, d, steps = 37, 8, 2, 128, 10
+    lengths = [900, 530, 1200, 610, 770, 1000, 480]
+    g = H.generator(seed)
+    for value_dtype, parts in ((None, 1), ("float8_e4m3", 1), (None, 3)):
+        kw = dict(num_layers=1, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, max_batch=len(lengths), max_seq_len=2048,
+                  rank=64, chunk_size=8, budget=128, outlier_chunks=2, local_chunks=2, generation_window=16,
+                  dtype="bfloat16", device="cuda:0", value_store="host", value_dtype=value_dtype,
+                  decode_pipeline_parts=parts)
+        monkeypatch.delenv("SHADOWKV_FETCH_CTAS", raising=False)
+        stores = {"default": KVStore(**kw)}
+        monkeypatch.setenv("SHADOWKV_FETCH_CTAS", "1")
+        stores["one CTA"] = KVStore(**kw)
+        monkeypatch.delenv("SHADOWKV_FETCH_CTAS")
+        keys = torch.zeros(len(lengths), max(lengths), hkv, d)
+        values = torch.zeros_like(keys)
+        for b, n in enumerate(lengths):
+            keys[b, :n] = H.structured_keys(g, n, hkv, d)
+            values[b, :n] = H.randn(g, n, hkv, d)
+        slots = {}
+        for name, store in stores.items():
+            slots[name] = store.add_sequences(len(lengths))
+            store.prefill(0, slots[name], keys.cuda(), values.cuda(), lengths=lengths)
+        for step in range(steps):
+            q = H.randn(g, len(lengths), hq, d, scale=2.0).cuda()
+            k_new, v_new = H.randn(g, len(lengths), hkv, d).cuda(), H.randn(g, len(lengths), hkv, d).cuda()
+            outs = {name: store.decode(0, slots[name], q, k_new, v_new) for name, store in stores.items()}
+            assert torch.equal(outs["default"], outs["one CTA"]), f"step {step}: output differs ({value_dtype}, {parts})"
+            for b in range(len(lengths)):
+                assert (stores["default"].selected_chunks(0, slots["default"][b])
+                        == stores["one CTA"].selected_chunks(0, slots["one CTA"][b]))
+        H.assert_nontrivial(outs["one CTA"].float(), "output with a one-CTA fetch", seed)
+        stats = stores["one CTA"].stats()
+        assert stats == stores["default"].stats() and stats["misses"] > 0, stats
+    monkeypatch.setenv("SHADOWKV_FETCH_CTAS", "0")
+    with pytest.raises(ValueError, match="SHADOWKV_FETCH_CTAS"):
+        KVStore(**kw)
