@@ -141,6 +141,7 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   own_stream_ = make_stream();
   copy_stream_ = make_stream();
   for (event_handle& event : part_selected_events_) event = make_event();
+  for (event_handle& event : part_fetched_events_) event = make_event();
   fetched_event_ = make_event();
   values_ready_event_ = make_event();
   cublas_ = make_cublas();
@@ -269,6 +270,7 @@ bool cuda_backend::capturing() const {
 }
 
 void cuda_backend::finish_call() {
+  join_fetch();
   if (!caller_stream_) SHADOWKV_CUDA_TRY(cudaStreamSynchronize(stream_));
 }
 
@@ -587,12 +589,13 @@ void cuda_backend::append_token(int layer, std::span<const batch_entry> entries,
 
 std::vector<cuda_backend::batch_part> cuda_backend::pipeline_parts(std::span<const batch_entry> entries) const {
   const int batch = static_cast<int>(entries.size());
-  // The backend's choice is one part: measured on the H200 (bench/NOTES.md, 45e32d4), 4 parts at B=24 took 1.41 ms
-  // where one took 1.35: the fetch kernels of earlier parts hold multiprocessors, so the one-wave landmark-logits
-  // kernels of later parts run in a second wave (790 us instead of 226 us in all). Kept as an option until the logits
-  // kernel takes its tiles dynamically and the fetch leaves the multiprocessors free.
-  const int count = std::clamp(config_.decode_pipeline_parts > 0 ? config_.decode_pipeline_parts : 1, 1,
-                               std::max(1, batch));
+  // The backend's choice: kDefaultPipelineParts parts from kPipelineFromBatch sequences when values cross PCIe, else
+  // one. Measured on the H200 (bench/NOTES.md, f582837, B=24, S=122880, hit 0.61, graph replay): 1 part 1.190 ms,
+  // 4 parts 1.073, 8 parts 1.102 (each part adds ~65 µs of latency-bound score and select kernels to the compute
+  // stream); device values have no PCIe transfer to hide.
+  int count = config_.decode_pipeline_parts;
+  if (count <= 0) count = batch >= kPipelineFromBatch && any_host_values(entries) ? kDefaultPipelineParts : 1;
+  count = std::clamp(count, 1, std::max(1, batch));
   std::vector<batch_part> parts(static_cast<std::size_t>(count));
   for (int p = 0; p < count; ++p) {
     parts[static_cast<std::size_t>(p)].first = p * batch / count;
@@ -614,6 +617,7 @@ step_workspace cuda_backend::workspace_from(int first) const {
 }
 
 void cuda_backend::select_chunks(int layer, std::span<const batch_entry> entries, const tensor_view& queries) {
+  join_fetch();  // a call that failed after its fetch was queued: the selection below rewrites what it reads
   upload_batch(entries);
   parts_ = pipeline_parts(entries);
   const strided_tensor all_queries = as_strided(queries);
@@ -641,30 +645,64 @@ void cuda_backend::fetch_values(int layer, std::span<const batch_entry> entries)
                         static_cast<const int*>(batch_slots_.data()) + part.first, layer, part.count,
                         workspace_from(part.first), fetch_ctas(entries.subspan(part.first, part.count)),
                         copy_stream_);
+    SHADOWKV_CUDA_TRY(cudaEventRecord(part_fetched_events_[p], copy_stream_));
   }
   SHADOWKV_CUDA_TRY(cudaEventRecord(fetched_event_, copy_stream_));
+  fetch_pending_ = true;
+}
+
+bool cuda_backend::any_host_values(std::span<const batch_entry> entries) const {
+  return std::any_of(entries.begin(), entries.end(), [&](const batch_entry& entry) {
+    return values_on_[static_cast<std::size_t>(entry.slot)] != value_place::device;
+  });
 }
 
 int cuda_backend::fetch_ctas(std::span<const batch_entry> entries) const {
-  const bool any_host = std::any_of(entries.begin(), entries.end(), [&](const batch_entry& entry) {
-    return values_on_[static_cast<std::size_t>(entry.slot)] != value_place::device;
-  });
-  return any_host ? fetch_ctas_host_ : fetch_ctas_device_;
+  return any_host_values(entries) ? fetch_ctas_host_ : fetch_ctas_device_;
 }
 
 void cuda_backend::rebuild_keys(int layer, std::span<const batch_entry> entries) {
   launch_rebuild_keys(dims_, kv_type_, static_cast<layer_view*>(views_.data()),
                       static_cast<const int*>(batch_slots_.data()), layer, static_cast<int>(entries.size()), workspace_,
                       static_cast<const float*>(inv_freq_.data()), stream_);
-  // Attention (and the caller's next use of the store) must see the fetched values.
+  // No wait for the fetch here: attention waits for each part's values (attend), and finish_call (or the next
+  // select_chunks, after a failed call) joins the whole fetch.
+}
+
+void cuda_backend::join_fetch() {
+  if (!fetch_pending_) return;
   SHADOWKV_CUDA_TRY(cudaStreamWaitEvent(stream_, fetched_event_, 0));
+  fetch_pending_ = false;
 }
 
 void cuda_backend::attend(int layer, std::span<const batch_entry> entries, const tensor_view& queries,
                           const mutable_tensor_view& out) {
-  launch_sparse_attention(dims_, kv_type_, static_cast<const layer_view*>(views_.data()),
-                          static_cast<const int*>(batch_slots_.data()), layer, static_cast<int>(entries.size()),
-                          as_strided(queries), as_strided(out), workspace_.partial, workspace_.max_splits, stream_);
+  // Part by part, each as soon as its values are in: the attention of the earlier parts runs while the later parts'
+  // values still cross PCIe, so only the last part's attention follows the fetch. The split count is chosen per part
+  // (sparse_attention.cu): a part's outputs equal the whole batch's up to the rounding of the split combine.
+  const strided_tensor all_queries = as_strided(queries);
+  const strided_tensor all_out = as_strided(out);
+  const auto query_element = static_cast<std::ptrdiff_t>(dtype_size(queries.float_type));
+  const auto out_element = static_cast<std::ptrdiff_t>(dtype_size(out.float_type));
+  const std::vector<batch_part> one_part{batch_part{0, static_cast<int>(entries.size())}};
+  const std::vector<batch_part>& parts = parts_.empty() ? one_part : parts_;
+  for (std::size_t p = 0; p < parts.size(); ++p) {
+    const batch_part& part = parts[p];
+    if (fetch_pending_ && !parts_.empty()) {
+      SHADOWKV_CUDA_TRY(cudaStreamWaitEvent(stream_, part_fetched_events_[p], 0));
+    }
+    strided_tensor part_queries = all_queries;
+    strided_tensor part_out = all_out;
+    part_queries.data = static_cast<const std::uint8_t*>(all_queries.data) +
+                        static_cast<std::ptrdiff_t>(part.first) * all_queries.stride[0] * query_element;
+    part_out.data = static_cast<const std::uint8_t*>(all_out.data) +
+                    static_cast<std::ptrdiff_t>(part.first) * all_out.stride[0] * out_element;
+    launch_sparse_attention(dims_, kv_type_, static_cast<const layer_view*>(views_.data()),
+                            static_cast<const int*>(batch_slots_.data()) + part.first, layer, part.count,
+                            part_queries, part_out, workspace_from(part.first).partial, workspace_.max_splits,
+                            stream_);
+  }
+  join_fetch();
 }
 
 chunk_ids_per_head cuda_backend::selected_chunks(int layer, int slot) const {

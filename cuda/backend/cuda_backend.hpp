@@ -78,10 +78,16 @@ class cuda_backend final : public backend {
     int first = 0;
     int count = 0;
   };
-  static constexpr int kMaxPipelineParts = 8;  ///< config::decode_pipeline_parts' limit
-  /// The pipeline's parts for this batch: config::decode_pipeline_parts when set (at most the batch), else one (see
-  /// the measurement in pipeline_parts).
+  static constexpr int kMaxPipelineParts = 8;      ///< config::decode_pipeline_parts' limit
+  static constexpr int kDefaultPipelineParts = 4;  ///< the backend's choice from kPipelineFromBatch sequences
+  static constexpr int kPipelineFromBatch = 16;    ///< (with host values; bench/NOTES.md)
+  /// stream_ waits for the whole fetch queued by fetch_values, once (no-op when none is pending).
+  void join_fetch();
+  /// The pipeline's parts for this batch: config::decode_pipeline_parts when set (at most the batch), else the
+  /// backend's choice (see the measurement in pipeline_parts).
   [[nodiscard]] std::vector<batch_part> pipeline_parts(std::span<const batch_entry> entries) const;
+  /// Whether any of these entries' values are in pinned host memory.
+  [[nodiscard]] bool any_host_values(std::span<const batch_entry> entries) const;
   /// CTAs of the value fetch for these entries: few when any of their values are in pinned host memory (a PCIe
   /// read holds its warp for microseconds), more when all are in device memory.
   [[nodiscard]] int fetch_ctas(std::span<const batch_entry> entries) const;
@@ -101,7 +107,9 @@ class cuda_backend final : public backend {
   stream_handle own_stream_;
   stream_handle copy_stream_;
   std::array<event_handle, kMaxPipelineParts> part_selected_events_;  ///< part p selected (the copy stream waits)
-  event_handle fetched_event_;
+  std::array<event_handle, kMaxPipelineParts> part_fetched_events_;   ///< part p's values fetched (attention waits)
+  event_handle fetched_event_;  ///< every part's values fetched
+  bool fetch_pending_ = false;  ///< a fetch was queued that stream_ has not joined yet (join_fetch)
   event_handle values_ready_event_;
   cublas_handle cublas_;
   cusolver_handle cusolver_;

@@ -197,8 +197,9 @@ class KVStore:
             float16 stores, float32 for float32 stores), "bfloat16" (half the bytes of the largest per-sequence
             array; A and B are rounded once, docs/semantics.md "Low-rank factors") or "float32".
         decode_pipeline_parts: on CUDA, cut the decode batch into this many parts (2-8, never more than the batch) so
-            that the PCIe fetch of one part overlaps the selection of the next. 0 (default) lets the backend choose:
-            one part today, since 4 parts measured slower at B=24 (bench/NOTES.md).
+            that the PCIe fetch of one part overlaps the selection of the next, and attention runs part by part as
+            the values arrive. 0 (default) lets the backend choose: 4 parts from 16 sequences when any of their values
+            are in host memory, else one (measured at B=24: bench/NOTES.md).
         device_value_budget: bytes of device memory the values of "auto" sequences may take together. Default:
             on CUDA, the device memory free after the store's own reservations less a margin (5%, at least 2 GiB),
             measured when the store is built — pass a budget when the model still needs memory after that; on the

@@ -252,8 +252,10 @@ def test_cuda_rejects_shapes_its_kernels_cannot_serve_at_construction(bad):
 
 
 def test_cuda_pipelined_decode_equals_unpipelined():
-    """Cutting the batch into parts (decode_pipeline_parts, cuda_backend.hpp) changes only the order of the work:
-    outputs, selections and statistics are bit-identical to one part, with host (pinned) and fp8 values."""
+    """Cutting the batch into parts (decode_pipeline_parts, cuda_backend.hpp) changes the order of the work and, as
+    attention runs part by part, its split count (the split combine's rounding): selections and statistics are
+    bit-identical to one part and the outputs equal to a few float32 ulps before the output rounding, with host
+    (pinned) and fp8 values."""
     seed, hq, hkv, d, steps = 31, 8, 2, 128, 12
     lengths = [900, 530, 1200, 610, 770, 1000, 480]
     g = H.generator(seed)
@@ -275,7 +277,8 @@ def test_cuda_pipelined_decode_equals_unpipelined():
             q = H.randn(g, len(lengths), hq, d, scale=2.0).cuda()
             k_new, v_new = H.randn(g, len(lengths), hkv, d).cuda(), H.randn(g, len(lengths), hkv, d).cuda()
             outs = {parts: store.decode(0, slots[parts], q, k_new, v_new) for parts, store in stores.items()}
-            assert torch.equal(outs[1], outs[3]), f"step {step}: pipelined output differs ({value_dtype})"
+            err = H.rel_err(outs[3].float(), outs[1].float())
+            assert err < 2e-3, f"step {step}: pipelined output differs by {err:.2e} ({value_dtype})"
             for b in range(len(lengths)):
                 assert stores[1].selected_chunks(0, slots[1][b]) == stores[3].selected_chunks(0, slots[3][b])
         H.assert_nontrivial(outs[3].float(), "pipelined output", seed)
