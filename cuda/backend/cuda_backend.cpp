@@ -590,9 +590,10 @@ void cuda_backend::append_token(int layer, std::span<const batch_entry> entries,
 std::vector<cuda_backend::batch_part> cuda_backend::pipeline_parts(std::span<const batch_entry> entries) const {
   const int batch = static_cast<int>(entries.size());
   // The backend's choice: kDefaultPipelineParts parts from kPipelineFromBatch sequences when values cross PCIe, else
-  // one. Measured on the H200 (bench/NOTES.md, f582837, B=24, S=122880, hit 0.61, graph replay): 1 part 1.190 ms,
-  // 4 parts 1.073, 8 parts 1.102 (each part adds ~65 µs of latency-bound score and select kernels to the compute
-  // stream); device values have no PCIe transfer to hide.
+  // one. Measured on the H200 (bench/NOTES.md, 1dbd902: attention part by part; B=24, S=122880, hit 0.61, eager /
+  // graph replay): 1 part 1.371 / 1.235 ms, 2 parts 1.104 / 0.989, 3 parts 1.087 / 0.989, 4 parts 1.117 / 1.025,
+  // 6 parts 1.271 / 1.077 (each part adds ~65 µs of latency-bound score and select kernels to the compute stream);
+  // device values have no PCIe transfer to hide.
   int count = config_.decode_pipeline_parts;
   if (count <= 0) count = batch >= kPipelineFromBatch && any_host_values(entries) ? kDefaultPipelineParts : 1;
   count = std::clamp(count, 1, std::max(1, batch));

@@ -198,7 +198,7 @@ class KVStore:
             array; A and B are rounded once, docs/semantics.md "Low-rank factors") or "float32".
         decode_pipeline_parts: on CUDA, cut the decode batch into this many parts (2-8, never more than the batch) so
             that the PCIe fetch of one part overlaps the selection of the next, and attention runs part by part as
-            the values arrive. 0 (default) lets the backend choose: 4 parts from 16 sequences when any of their values
+            the values arrive. 0 (default) lets the backend choose: 3 parts from 16 sequences when any of their values
             are in host memory, else one (measured at B=24: bench/NOTES.md).
         device_value_budget: bytes of device memory the values of "auto" sequences may take together. Default:
             on CUDA, the device memory free after the store's own reservations less a margin (5%, at least 2 GiB),
