@@ -39,8 +39,9 @@ tail -30 "$out_dir/cmake.log" | grep -E "error|Error|warning: |FAILED" | head -4
 # 20 steps with folds, fp8 device values and bf16 host values, a graph replay, rejected NaN inputs). Runs go in order
 # of value (memcheck first) within SANITIZE_BUDGET_S (default 290 s) of sanitizer time, ending at the latest
 # SANITIZE_DEADLINE_S (560) after the script started; each run has its own cap and a run left without time is listed
-# as skipped. Racecheck (slow: every shared-memory access is tracked) runs a subset
-# of each test executable (SANITIZE_RACECHECK_FILTER overrides it, as a --gtest_filter for every executable). Writes
+# as skipped. SANITIZE_ONLY (an extended regular expression matched against "TOOL TARGET", e.g.
+# 'initcheck|sanitize_decode') runs only the matching runs. Racecheck (slow: every shared-memory access is tracked)
+# runs a subset of each test executable (SANITIZE_RACECHECK_FILTER overrides it, as a --gtest_filter for every executable). Writes
 # the counts to $out_dir/sanitize-summary.txt and bench/results/<date>-<commit>-sanitize.txt; one log per run in
 # $out_dir/sanitize/. Exit status 1 when any run reports an error or fails.
 if [ "$mode" = "--sanitize" ]; then
@@ -78,6 +79,7 @@ if [ "$mode" = "--sanitize" ]; then
   run() {
     local tool="$1" name="$2" cap="$3"
     shift 3
+    if [ -n "${SANITIZE_ONLY:-}" ] && ! [[ "$tool $name" =~ $SANITIZE_ONLY ]]; then return; fi
     local left=$((budget - (SECONDS - started)))
     local log="$logs/$tool-$name.log"
     if [ "$left" -lt 15 ]; then
@@ -87,12 +89,23 @@ if [ "$mode" = "--sanitize" ]; then
     fi
     [ "$cap" -gt "$left" ] && cap=$left
     local t0=$SECONDS
+    local filter=()
+    [ "$tool" = initcheck ] && filter=(${initcheck_exclude[@]+"${initcheck_exclude[@]}"})
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$cap" "$sanitizer" --tool "$tool" --error-exitcode 99 --print-limit 100 \
-      "$@" >"$log" 2>&1
+      ${filter[@]+"${filter[@]}"} "$@" >"$log" 2>&1
     local rc=$?
     printf '%s\t%s\t%s\t%s\n' "$tool" "$name" "$rc" "$((SECONDS - t0))" >>"$table"
     echo "  $tool $name: rc=$rc, $((SECONDS - t0)) s, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -1)"
   }
+  # initcheck leaves out cuSOLVER's tridiagonal reduction (sytrd4_gpu, inside cusolverDnDsyevdx of
+  # cuda_backend::factorize): it reads words of its own workspace that it has not written (261888 reports at 5316a3c,
+  # all in that kernel, with the Gram matrix it is given fully written). Every kernel of ours stays checked.
+  initcheck_exclude=(--kernel-name-exclude kns=sytrd4_gpu)
+  "$sanitizer" --tool initcheck "${initcheck_exclude[@]}" true >/dev/null 2>&1 || {
+    echo "this compute-sanitizer has no --kernel-name-exclude: initcheck checks cuSOLVER's kernels too"
+    initcheck_exclude=()
+  }
+  echo "initcheck filter: ${initcheck_exclude[*]:-none}"
   probe=(python3 bench/probes/sanitize_decode.py)
   for exe in "${executables[@]}"; do run memcheck "$(basename "$exe")" 60 "$exe"; done
   run memcheck sanitize_decode 150 "${probe[@]}"
@@ -170,6 +183,8 @@ print("total errors: " + ", ".join(f"{t} {totals[t]}" for t in ("memcheck", "rac
 print("runs not clean: " + (", ".join(failed) if failed else "none"))
 print("runs skipped (no sanitizer time left): " + (", ".join(skipped) if skipped else "none"))
 PY
+  echo "initcheck filter: ${initcheck_exclude[*]:-none}; runs selected by SANITIZE_ONLY: ${SANITIZE_ONLY:-all}" \
+    >>"$out_dir/sanitize-summary.txt"
   cp "$out_dir/sanitize-summary.txt" "$sanitize_result"
   cp "$sanitize_result" "$out_dir/" 2>/dev/null
   cat "$out_dir/sanitize-summary.txt"

@@ -101,9 +101,13 @@ def main():
     check(a.decode(1, slots, q, k, v), "A eager step before capture, layer 1")
     synchronize()
     if DEVICE != "cpu":
+        # The output is allocated before the capture: under PYTORCH_NO_CUDA_MEMORY_CACHING=1 (how gpu_check.sh runs
+        # this, so that the sanitizer sees every tensor as its own allocation) torch allocates with cudaMalloc, which a
+        # capturing stream refuses (5316a3c: the capture failed in torch, before any of the store's launches).
+        out = torch.empty_like(q)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = a.decode(0, slots, q, k, v)
+            a.decode(0, slots, q, k, v, out=out)
         for _ in range(3):
             q.copy_(torch.randn(3, HQ, D, device=DEVICE, generator=gen))
             graph.replay()

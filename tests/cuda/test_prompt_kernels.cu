@@ -185,6 +185,9 @@ void run_landmarks(std::uint64_t seed, int type, int heads, int head_dim, int ch
   device_buffer cosine_device(static_cast<std::size_t>(heads) * chunks * sizeof(float));
   ASSERT_TRUE(keys_device.ok() && landmarks_device.ok() && cosine_device.ok());
   CUDA_OK(upload(keys_device, keys));
+  // Rows past the chunks are not the kernel's to write; set so that the whole-array copy below reads defined bytes
+  // (compute-sanitizer initcheck).
+  CUDA_OK(cudaMemset(landmarks_device.get(), 0x5A, static_cast<std::size_t>(heads) * max_chunks * head_dim * bytes));
   ASSERT_NO_THROW(shadowkv::cuda::launch_landmarks(d, type, keys_device.get(), chunks, landmarks_device.get(),
                                                    cosine_device.get<float>(), nullptr));
   CUDA_OK(cudaDeviceSynchronize());
@@ -615,6 +618,8 @@ void run_gram(std::uint64_t seed, int n, int rows, int multiprocessors) {
                                  a, n, b, n, &zero, c, n, static_cast<int>(entries)),
               CUBLAS_STATUS_SUCCESS);
   }
+  // The sum writes the lower block triangle; the upper blocks are zeroed first, as cuda_backend::factorize does.
+  CUDA_OK(cudaMemset(gram_device.get(), 0, static_cast<std::size_t>(n) * n * sizeof(double)));
   ASSERT_NO_THROW(shadowkv::cuda::launch_sum_gram_partials(partials.get<float>(), keys_device.get<float>(), rows, n,
                                                            split, gram_device.get<double>(), nullptr));
   CUDA_OK(cudaDeviceSynchronize());
