@@ -10,7 +10,8 @@ What runs, on two stores of 2 layers, Hq 8, Hkv 2, D 128, chunks of 8, rank 48, 
     prefill of 3 sequences (lengths, positions, q_last), 20 decode steps (folds every 16 steps), a rejected decode
     with a NaN value, a prefill with a NaN key (rejected), one decode step captured in a CUDA graph and replayed 3
     times (account_replayed_steps), a sequence released and another added and prefilled;
-  * store B: host values in bfloat16 (pinned; the batch of 8 is cut into pipeline parts), check_finite="prefill"
+  * store B: host values in bfloat16 (pinned; the batch of 8 is cut into 3 pipeline parts: per-part selection, fetch
+    and attention), check_finite="prefill"
     (what "auto" does on CUDA), 20 decode steps of 8 sequences, then an unchecked NaN query for one sequence (its
     output NaN, the others' finite).
 Prints one line per phase and "sanitize_decode: ok" at the end; exits non-zero on a failed check.
@@ -127,7 +128,7 @@ def main():
     print("A: released one, added and prefilled another, 3 more steps", flush=True)
 
     # --- store B: pinned host bf16 values, a batch of 8 (pipeline parts), decode unchecked -------------------------
-    b = store(max_batch=8, value_store="host", check_finite="prefill")
+    b = store(max_batch=8, value_store="host", check_finite="prefill", decode_pipeline_parts=3)
     slots = b.add_sequences(8)
     prefill(b, slots, 90, gen)
     decode_steps(b, slots, STEPS, gen, "B")

@@ -646,7 +646,7 @@ void cuda_backend::fetch_values(int layer, std::span<const batch_entry> entries)
                         static_cast<const int*>(batch_slots_.data()) + part.first, layer, part.count,
                         workspace_from(part.first), fetch_ctas(entries.subspan(part.first, part.count)),
                         copy_stream_);
-    SHADOWKV_CUDA_TRY(cudaEventRecord(part_fetched_events_[p], copy_stream_));
+    if (p + 1 < parts_.size()) SHADOWKV_CUDA_TRY(cudaEventRecord(part_fetched_events_[p], copy_stream_));
   }
   SHADOWKV_CUDA_TRY(cudaEventRecord(fetched_event_, copy_stream_));
   fetch_pending_ = true;
@@ -689,7 +689,10 @@ void cuda_backend::attend(int layer, std::span<const batch_entry> entries, const
   const std::vector<batch_part>& parts = parts_.empty() ? one_part : parts_;
   for (std::size_t p = 0; p < parts.size(); ++p) {
     const batch_part& part = parts[p];
-    if (fetch_pending_ && !parts_.empty()) {
+    // The last part waits for the whole fetch (fetched_event_ follows its fetch), the others for their own.
+    if (p + 1 == parts.size()) {
+      join_fetch();
+    } else if (fetch_pending_) {
       SHADOWKV_CUDA_TRY(cudaStreamWaitEvent(stream_, part_fetched_events_[p], 0));
     }
     strided_tensor part_queries = all_queries;
@@ -703,7 +706,6 @@ void cuda_backend::attend(int layer, std::span<const batch_entry> entries, const
                             part_queries, part_out, workspace_from(part.first).partial, workspace_.max_splits,
                             stream_);
   }
-  join_fetch();
 }
 
 chunk_ids_per_head cuda_backend::selected_chunks(int layer, int slot) const {
