@@ -713,7 +713,7 @@ chunk_ids_per_head cuda_backend::selected_chunks(int layer, int slot) const {
   const layer_view& view = host_view(slot, layer);
   std::vector<int> chunks(static_cast<std::size_t>(config_.num_kv_heads) * config_.budget_chunks());
   SHADOWKV_CUDA_TRY(cudaStreamSynchronize(stream_));
-  SHADOWKV_CUDA_TRY(cudaMemcpy(chunks.data(), view.cache_chunks, chunks.size() * sizeof(int), cudaMemcpyDeviceToHost));
+  read_back(chunks.data(), view.cache_chunks, chunks.size() * sizeof(int));
   chunk_ids_per_head result(static_cast<std::size_t>(config_.num_kv_heads));
   for (int h = 0; h < config_.num_kv_heads; ++h) {
     for (int s = 0; s < config_.budget_chunks(); ++s) {
@@ -730,9 +730,9 @@ chunk_ids_per_head cuda_backend::outlier_chunks(int layer, int slot) const {
   const layer_view& view = host_view(slot, layer);
   layer_view counters{};
   SHADOWKV_CUDA_TRY(cudaStreamSynchronize(stream_));
-  SHADOWKV_CUDA_TRY(cudaMemcpy(&counters, device_view(slot, layer), sizeof(layer_view), cudaMemcpyDeviceToHost));
+  read_back(&counters, device_view(slot, layer), sizeof(layer_view));
   std::vector<std::uint8_t> flags(static_cast<std::size_t>(config_.num_kv_heads) * dims_.max_chunks);
-  SHADOWKV_CUDA_TRY(cudaMemcpy(flags.data(), view.is_outlier, flags.size(), cudaMemcpyDeviceToHost));
+  read_back(flags.data(), view.is_outlier, flags.size());
   chunk_ids_per_head result(static_cast<std::size_t>(config_.num_kv_heads));
   for (int h = 0; h < config_.num_kv_heads; ++h) {
     for (int c = 0; c < counters.context_chunks; ++c) {
@@ -746,7 +746,7 @@ std::int64_t cuda_backend::last_position(int layer, int slot) const {
   device_guard guard(device_);
   layer_view counters{};
   SHADOWKV_CUDA_TRY(cudaStreamSynchronize(stream_));
-  SHADOWKV_CUDA_TRY(cudaMemcpy(&counters, device_view(slot, layer), sizeof(layer_view), cudaMemcpyDeviceToHost));
+  read_back(&counters, device_view(slot, layer), sizeof(layer_view));
   return counters.last_position;
 }
 
@@ -781,7 +781,7 @@ store_stats cuda_backend::selection_stats() const {
   unsigned long long counters[4] = {0, 0, 0, 0};
   SHADOWKV_CUDA_TRY(cudaStreamSynchronize(stream_));
   SHADOWKV_CUDA_TRY(cudaStreamSynchronize(copy_stream_));
-  SHADOWKV_CUDA_TRY(cudaMemcpy(counters, workspace_.counters, sizeof(counters), cudaMemcpyDeviceToHost));
+  read_back(counters, workspace_.counters, sizeof(counters));
   store_stats stats;
   stats.hits = static_cast<std::int64_t>(counters[0]);
   stats.misses = static_cast<std::int64_t>(counters[1]);
@@ -795,7 +795,13 @@ void cuda_backend::reset_selection_stats() noexcept {
   (void)cudaSetDevice(device_);
   (void)cudaStreamSynchronize(stream_);
   (void)cudaStreamSynchronize(copy_stream_);
-  (void)cudaMemset(workspace_.counters, 0, 4 * sizeof(unsigned long long));
+  (void)cudaMemsetAsync(workspace_.counters, 0, 4 * sizeof(unsigned long long), own_stream_);
+  (void)cudaStreamSynchronize(own_stream_);
+}
+
+void cuda_backend::read_back(void* host, const void* device, std::size_t bytes) const {
+  SHADOWKV_CUDA_TRY(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, own_stream_));
+  SHADOWKV_CUDA_TRY(cudaStreamSynchronize(own_stream_));
 }
 
 // --- non-finite inputs (docs/semantics.md, "Non-finite inputs") ----------------------------------------------------

@@ -83,6 +83,10 @@ class cuda_backend final : public backend {
   static constexpr int kPipelineFromBatch = 16;    ///< (with host values; bench/NOTES.md)
   /// stream_ waits for the whole fetch queued by fetch_values, once (no-op when none is pending).
   void join_fetch();
+  /// Copies `bytes` from the device to the host on the backend's own (non-blocking) stream and waits for it: the
+  /// inspection calls read through it instead of the legacy default stream, which would wait for every blocking
+  /// stream of the device (the caller's included).
+  void read_back(void* host, const void* device, std::size_t bytes) const;
   /// The pipeline's parts for this batch: config::decode_pipeline_parts when set (at most the batch), else the
   /// backend's choice (see the measurement in pipeline_parts).
   [[nodiscard]] std::vector<batch_part> pipeline_parts(std::span<const batch_entry> entries) const;

@@ -6,19 +6,22 @@ namespace shadowkv::cuda {
 
 void* device_memory_resource::allocate(std::size_t bytes, cudaStream_t stream) {
   if (bytes == 0) return nullptr;
-  std::size_t free_bytes = 0;
-  std::size_t total_bytes = 0;
-  SHADOWKV_CUDA_TRY(cudaMemGetInfo(&free_bytes, &total_bytes));
-  if (bytes > free_bytes) {
-    throw out_of_memory(shadowkv::detail::format_message("cannot allocate ", bytes, " bytes on cuda:", device_,
-                                                         ": ", free_bytes, " of ", total_bytes, " bytes are free"));
-  }
+  // No cudaMemGetInfo before the allocation: it ignores what the stream-ordered pool already holds (a request the
+  // pool can serve was refused when the device's free bytes were fewer), and it costs a driver call on every
+  // allocation. The free bytes are asked only to word the error.
   void* pointer = nullptr;
   const cudaError_t status = cudaMallocAsync(&pointer, bytes, stream);
   if (status == cudaErrorMemoryAllocation) {
     (void)cudaGetLastError();
-    throw out_of_memory(shadowkv::detail::format_message("cannot allocate ", bytes, " bytes on cuda:", device_,
-                                                         " (", free_bytes, " bytes were free)"));
+    std::size_t free_bytes = 0;
+    std::size_t total_bytes = 0;
+    const bool known = cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess;
+    (void)cudaGetLastError();
+    throw out_of_memory(known ? shadowkv::detail::format_message("cannot allocate ", bytes, " bytes on cuda:", device_,
+                                                                 ": ", free_bytes, " of ", total_bytes,
+                                                                 " bytes are free")
+                              : shadowkv::detail::format_message("cannot allocate ", bytes, " bytes on cuda:",
+                                                                 device_));
   }
   SHADOWKV_CUDA_TRY(status);
   return pointer;
