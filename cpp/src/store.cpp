@@ -11,6 +11,7 @@
 
 #include "capacity.hpp"
 #include "fold_rule.hpp"
+#include "shadowkv/generated_region.hpp"
 #include "tensor_checks.hpp"
 
 namespace shadowkv {
@@ -329,7 +330,7 @@ void kv_store::decode(int layer, std::span<const int> slots, const tensor_view& 
   for (std::size_t b = 0; b < slots.size(); ++b) {
     const layer_state& state = sequences_[static_cast<std::size_t>(slots[b])].layers[static_cast<std::size_t>(layer)];
     entries[b] = {slots[b], static_cast<std::int64_t>(b), &state};
-    if (state.generated_exact_len == config_.generation_window) folding.push_back(entries[b]);
+    if (rules::fold_due<std::int64_t>(state.generated_exact_len, config_.generation_window)) folding.push_back(entries[b]);
   }
 
   backend_->use_stream(options.stream);
@@ -354,8 +355,12 @@ void kv_store::decode(int layer, std::span<const int> slots, const tensor_view& 
       for (const batch_entry& entry : folding) {
         layer_state& state =
             sequences_[static_cast<std::size_t>(entry.slot)].layers[static_cast<std::size_t>(layer)];
-        state.context_chunks += 1;
-        state.generated_exact_len -= config_.chunk_size;
+        // The CPU-side counters keep no ring (ring_head 0): the CUDA kernel keeps its own on the device.
+        const rules::generated_region<std::int64_t> folded = rules::after_fold(
+            rules::generated_region<std::int64_t>{state.context_chunks, state.generated_exact_len, 0},
+            static_cast<std::int64_t>(config_.chunk_size), static_cast<std::int64_t>(config_.generation_window));
+        state.context_chunks = folded.context_chunks;
+        state.generated_exact_len = folded.exact_len;
       }
       folds_ += static_cast<std::int64_t>(folding.size());
     }

@@ -3,6 +3,7 @@
 #include "element_access.cuh"
 #include "generated_tokens.cuh"
 #include "shadowkv/fp8.hpp"
+#include "shadowkv/generated_region.hpp"
 
 namespace shadowkv::cuda {
 namespace {
@@ -26,17 +27,18 @@ __global__ void advance_generated_kernel(dims d, layer_view* views, const int* b
   // ring is full and the context chunks already fill the arena, there is nowhere to fold, so the step leaves the
   // sequence as it is instead of writing past its arrays; the host rejects such replays in account_replayed_steps
   // (they took the sequence past max_seq_len). Every thread reads the same counters before any write: uniform exit.
-  if (generated == d.window && view->context_chunks >= d.max_chunks) return;
+  const bool fold = rules::fold_due(generated, d.window);
+  if (fold && view->context_chunks >= d.max_chunks) return;
 
   // 1. Fold the oldest C generated tokens into context chunk `chunk` when the ring is full.
-  if (generated == d.window) {
+  if (fold) {
     const int chunk = view->context_chunks;
     // Un-rotated keys of the C tokens, heads concatenated.
     for (int index = threadIdx.x; index < d.chunk * width; index += blockDim.x) {
       const int i = index / width;
       const int h = (index % width) / d.head_dim;
       const int dim = index % d.head_dim;
-      const int ring_row = d.local_capacity + (ring_head + i) % d.window;
+      const int ring_row = d.local_capacity + rules::ring_row(ring_head, i, d.window);
       const long long position = view->exact_positions[ring_row];
       const T* key = exact_keys + (h * head_rows + ring_row) * d.head_dim;
       float value = to_float(key[dim]);
@@ -74,7 +76,7 @@ __global__ void advance_generated_kernel(dims d, layer_view* views, const int* b
     }
     for (int i = threadIdx.x; i < d.chunk; i += blockDim.x) {
       view->context_positions[static_cast<long long>(chunk) * d.chunk + i] =
-          view->exact_positions[d.local_capacity + (ring_head + i) % d.window];
+          view->exact_positions[d.local_capacity + rules::ring_row(ring_head, i, d.window)];
     }
     T* landmarks = static_cast<T*>(view->landmarks);
     T* value_store = static_cast<T*>(view->value_store);
@@ -84,7 +86,8 @@ __global__ void advance_generated_kernel(dims d, layer_view* views, const int* b
       for (int h = threadIdx.x; h < d.kv_heads; h += blockDim.x) {
         float amax = 0.0F;
         for (int i = 0; i < d.chunk; ++i) {
-          const T* row = exact_values + (h * head_rows + d.local_capacity + (ring_head + i) % d.window) * d.head_dim;
+          const T* row =
+              exact_values + (h * head_rows + d.local_capacity + rules::ring_row(ring_head, i, d.window)) * d.head_dim;
           for (int dim = 0; dim < d.head_dim; ++dim) amax = fmaxf(amax, fabsf(to_float(row[dim])));
         }
         head_scales[h] = fp8::scale_for(amax);
@@ -98,7 +101,7 @@ __global__ void advance_generated_kernel(dims d, layer_view* views, const int* b
       const int dim = index % d.head_dim;
       double sum = 0.0;
       for (int i = 0; i < d.chunk; ++i) {
-        const int ring_row = d.local_capacity + (ring_head + i) % d.window;
+        const int ring_row = d.local_capacity + rules::ring_row(ring_head, i, d.window);
         sum += to_float(exact_keys[(h * head_rows + ring_row) * d.head_dim + dim]);
         const long long target = ((static_cast<long long>(chunk) * d.kv_heads + h) * d.chunk + i) * d.head_dim + dim;
         const T value = exact_values[(h * head_rows + ring_row) * d.head_dim + dim];
@@ -113,16 +116,18 @@ __global__ void advance_generated_kernel(dims d, layer_view* views, const int* b
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-      view->context_chunks = chunk + 1;
-      view->ring_head = (ring_head + d.chunk) % d.window;
-      view->generated_exact_len = generated - d.chunk;
+      const rules::generated_region<int> folded =
+          rules::after_fold(rules::generated_region<int>{chunk, generated, ring_head}, d.chunk, d.window);
+      view->context_chunks = folded.context_chunks;
+      view->ring_head = folded.ring_head;
+      view->generated_exact_len = folded.exact_len;
     }
     __syncthreads();
   }
 
   // 2. Append the new token at the ring's end.
   const int length = view->generated_exact_len;
-  const int ring_row = d.local_capacity + (view->ring_head + length) % d.window;
+  const int ring_row = d.local_capacity + rules::ring_row(view->ring_head, length, d.window);
   const long long position = positions.data == nullptr
                                  ? view->last_position + 1
                                  : load_index_any(positions.data, positions_bits, b * positions.stride[0]);

@@ -7,22 +7,29 @@
 #include <limits>
 
 #include "fold_rule.hpp"
+#include "shadowkv/generated_region.hpp"
 
 namespace {
 
 using shadowkv::detail::advance_generated;
 using shadowkv::detail::generated_advance;
 
-// The rule as a decode step applies it.
+// The rule as a decode step applies it: the one-step functions the store and the CUDA kernel call
+// (shadowkv/generated_region.hpp), ring included (it must come back to where the region's oldest token is).
 generated_advance loop_advance(std::int64_t exact, std::int64_t steps, std::int64_t window, std::int64_t chunk) {
   generated_advance result{0, exact};
+  shadowkv::rules::generated_region<std::int64_t> region{0, exact, 0};
   for (std::int64_t s = 0; s < steps; ++s) {
-    if (result.generated_exact_len == window) {
+    if (shadowkv::rules::fold_due(region.exact_len, window)) {
+      region = shadowkv::rules::after_fold(region, chunk, window);
       result.folds += 1;
-      result.generated_exact_len -= chunk;
     }
-    result.generated_exact_len += 1;
+    region.exact_len += 1;
   }
+  EXPECT_EQ(region.context_chunks, result.folds);
+  // The ring moved by `chunk` rows per fold.
+  EXPECT_EQ(region.ring_head, (result.folds % window) * chunk % window);
+  result.generated_exact_len = region.exact_len;
   return result;
 }
 

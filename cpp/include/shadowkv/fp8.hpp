@@ -11,11 +11,7 @@
 
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define SHADOWKV_HOST_DEVICE __host__ __device__ __forceinline__
-#else
-#define SHADOWKV_HOST_DEVICE inline
-#endif
+#include "shadowkv/host_device.hpp"
 
 namespace shadowkv::fp8 {
 
