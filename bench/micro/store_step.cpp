@@ -154,7 +154,7 @@ void store_state::decode() {
   const mutable_tensor_view out =
       make_contiguous_output_view(out_.get(), dtype::bfloat16, kDevice, {B, shape::q_heads, shape::head_dim});
   decode_options options;
-  options.stream = reinterpret_cast<std::uintptr_t>(stream_);
+  options.stream = shadowkv::stream_view(stream_);
   store_->decode(0, slots_, q, k_new, v_new, out, options);
   ++steps_;
 }

@@ -255,10 +255,10 @@ cuda_backend::~cuda_backend() {
   // The handles destroy themselves (members declared before the buffers, so destroyed after them).
 }
 
-void cuda_backend::use_stream(std::optional<std::uintptr_t> stream) {
+void cuda_backend::use_stream(std::optional<stream_view> stream) {
   SHADOWKV_CUDA_TRY(cudaSetDevice(device_));
   caller_stream_ = stream.has_value();
-  stream_ = caller_stream_ ? reinterpret_cast<cudaStream_t>(*stream) : own_stream_;
+  stream_ = caller_stream_ ? reinterpret_cast<cudaStream_t>(stream->handle()) : own_stream_;
   SHADOWKV_CUBLAS_TRY(cublasSetStream(cublas_, stream_));
   SHADOWKV_CUSOLVER_TRY(cusolverDnSetStream(cusolver_, stream_));
 }

@@ -37,7 +37,7 @@ class cuda_backend final : public backend {
   ~cuda_backend() override;
 
   [[nodiscard]] device where() const noexcept override { return {device_type::cuda, device_}; }
-  void use_stream(std::optional<std::uintptr_t> stream) override;
+  void use_stream(std::optional<stream_view> stream) override;
   void finish_call() override;
   [[nodiscard]] bool capturing() const override;
   void open_sequence(int slot, value_place values_on) override;

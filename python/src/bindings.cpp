@@ -203,7 +203,7 @@ NB_MODULE(_core, m) {
              const std::optional<input_array>& positions, const std::optional<input_array>& q_last,
              bool keys_post_rope, std::optional<std::uintptr_t> stream) {
             shadowkv::prefill_options options;
-            options.stream = stream;
+            if (stream) options.stream = shadowkv::stream_view::from_integer(*stream);
             options.lengths = lengths;
             options.positions = optional_view(positions, "positions");
             options.q_last = optional_view(q_last, "q_last");
@@ -220,7 +220,7 @@ NB_MODULE(_core, m) {
              const input_array& k_new, const input_array& v_new, const output_array& out,
              const std::optional<input_array>& positions, bool k_new_post_rope, std::optional<std::uintptr_t> stream) {
             shadowkv::decode_options options;
-            options.stream = stream;
+            if (stream) options.stream = shadowkv::stream_view::from_integer(*stream);
             options.positions = optional_view(positions, "positions");
             options.keys_post_rope = k_new_post_rope;
             const shadowkv::tensor_view q_view = to_view(q, "q");  // inputs first: errors name them, not `out`

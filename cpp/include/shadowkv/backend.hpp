@@ -15,6 +15,7 @@
 
 #include "shadowkv/config.hpp"
 #include "shadowkv/report.hpp"
+#include "shadowkv/stream_view.hpp"
 #include "shadowkv/tensor_view.hpp"
 
 namespace shadowkv {
@@ -78,7 +79,7 @@ class backend {
 
   /// Makes the following operations run on the caller's stream (a cudaStream_t as an integer); unset: the
   /// backend's own stream, and finish_call() then waits for it. Backends without streams ignore it.
-  virtual void use_stream(std::optional<std::uintptr_t> stream) { (void)stream; }
+  virtual void use_stream(std::optional<stream_view> stream) { (void)stream; }
 
   /// Prepares storage for a new sequence in `slot` (all layers empty), its value store in `values_on`. May throw
   /// out_of_memory, and then holds nothing for the slot.

@@ -24,6 +24,7 @@
 #include "shadowkv/config.hpp"
 #include "shadowkv/errors.hpp"
 #include "shadowkv/report.hpp"
+#include "shadowkv/stream_view.hpp"
 #include "shadowkv/tensor_view.hpp"
 
 namespace shadowkv {
@@ -34,9 +35,9 @@ struct prefill_options {
   tensor_view positions;              ///< int [B, S]; empty: 0..S-1
   tensor_view q_last;                 ///< post-RoPE queries [B, Hq, D] or [B, Tq, Hq, D] to warm the selection
   bool keys_post_rope = false;        ///< keys carry RoPE already (the store removes it)
-  /// cudaStream_t (as an integer; 0 is the legacy default stream) the inputs are ready on and the work is ordered
-  /// on (CUDA). Unset: the store's own stream, and the call completes before it returns (inputs must be ready).
-  std::optional<std::uintptr_t> stream;
+  /// The caller's CUDA stream the inputs are ready on and the work is ordered on (CUDA backend; others ignore it).
+  /// Unset: the store's own stream, and the call completes before it returns (inputs must be ready).
+  std::optional<stream_view> stream;
 };
 
 /// Optional inputs of kv_store::decode.
@@ -44,7 +45,7 @@ struct decode_options {
   tensor_view positions;         ///< int [B]; empty: each sequence's last position + 1
   bool keys_post_rope = true;    ///< k_new carries RoPE (false: the store applies it)
   /// As prefill_options::stream; `out` is written in stream order.
-  std::optional<std::uintptr_t> stream;
+  std::optional<stream_view> stream;
 };
 
 /// Makes a store's backend from the configuration the store runs with (kv_store's second constructor).
