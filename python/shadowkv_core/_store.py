@@ -440,7 +440,9 @@ class KVStore:
         return self._store.sequence_info(_integer("layer", layer), _integer("slot", slot))
 
     def memory_report(self) -> dict:
-        """Bytes held by kind (see docs/semantics.md) with their total and what a plain KV cache would take."""
+        """Bytes by kind (docs/semantics.md): low_rank_factors, landmarks, outliers, exact_tokens, value_store
+        (= value_store_device + value_store_host), selection_cache, total (the six kinds), full_attention_equivalent
+        (a plain KV cache of the same tokens), device_reserved and host_reserved (CUDA reservations; 0 on the CPU)."""
         return self._store.memory_report()
 
     def stats(self) -> dict:
