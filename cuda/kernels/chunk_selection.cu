@@ -47,6 +47,7 @@
 #include <algorithm>
 #include <type_traits>
 
+#include "common/per_device_cache.hpp"
 #include "cuda_check.hpp"
 #include "dispatch.cuh"
 #include "landmark_logits.cuh"
@@ -63,13 +64,15 @@ using selection::logit_geometry;
 using selection::select_geometry;
 using selection::select_mode;
 
+/// The current device's limits, asked once per device ordinal (each GPU of a process gets its own numbers).
 device_limits current_device_limits() {
-  int device = 0;
-  SHADOWKV_CUDA_TRY(cudaGetDevice(&device));
-  device_limits limits{};
-  SHADOWKV_CUDA_TRY(cudaDeviceGetAttribute(&limits.optin_shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  SHADOWKV_CUDA_TRY(cudaDeviceGetAttribute(&limits.multiprocessors, cudaDevAttrMultiProcessorCount, device));
-  return limits;
+  static per_device_cache<device_limits> known;
+  return known.get(0, [](int device, int) {
+    device_limits limits{};
+    SHADOWKV_CUDA_TRY(cudaDeviceGetAttribute(&limits.optin_shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    SHADOWKV_CUDA_TRY(cudaDeviceGetAttribute(&limits.multiprocessors, cudaDevAttrMultiProcessorCount, device));
+    return limits;
+  });
 }
 
 void plan_and_launch(const dims& d, int kv_type, int element_bytes, const layer_view* views, const int* batch_slots,

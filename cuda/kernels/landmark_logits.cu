@@ -4,12 +4,11 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
-#include <map>
-#include <mutex>
 #include <type_traits>
-#include <utility>
 
+#include "common/per_device_cache.hpp"
 #include "cuda_check.hpp"
 #include "dispatch.cuh"
 #include "element_access.cuh"
@@ -435,26 +434,21 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG>())
 /// second wave of whole shares).
 template <typename T, int kRowBytes, int kG>
 int resident_ctas(int shared_bytes) {
-  static std::mutex mutex;
-  static std::map<std::pair<int, int>, int> known;  // (device, shared bytes) -> CTAs per multiprocessor
-  int device = 0;
-  SHADOWKV_CUDA_TRY(cudaGetDevice(&device));
-  const std::lock_guard<std::mutex> lock(mutex);
-  const auto found = known.find({device, shared_bytes});
-  if (found != known.end()) return found->second;
-  auto kernel = decode_landmark_logits_kernel<T, kRowBytes, kG>;
-  int optin = 0;
-  SHADOWKV_CUDA_TRY(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  int ctas = 0;
-  if (shared_bytes <= optin) {
-    SHADOWKV_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin));
-    SHADOWKV_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                           cudaSharedmemCarveoutMaxShared));
-    SHADOWKV_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, kThreads,
-                                                                    static_cast<std::size_t>(shared_bytes)));
-  }
-  known.emplace(std::make_pair(device, shared_bytes), ctas);
-  return ctas;
+  static per_device_cache<int> known;  // (device, shared bytes) -> CTAs per multiprocessor
+  return known.get(shared_bytes, [](int device, int bytes) {
+    auto kernel = decode_landmark_logits_kernel<T, kRowBytes, kG>;
+    int optin = 0;
+    SHADOWKV_CUDA_TRY(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    int ctas = 0;
+    if (bytes <= optin) {
+      SHADOWKV_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin));
+      SHADOWKV_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                             cudaSharedmemCarveoutMaxShared));
+      SHADOWKV_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, kThreads,
+                                                                      static_cast<std::size_t>(bytes)));
+    }
+    return ctas;
+  });
 }
 
 template <typename T, int kRowBytes, int kG>

@@ -10,6 +10,7 @@
 #include <type_traits>
 
 #include "common/float_constants.cuh"
+#include "common/per_device_cache.hpp"
 #include "cuda_check.hpp"
 #include "dispatch.cuh"
 #include "element_access.cuh"
@@ -270,10 +271,15 @@ void launch_logits(const dims& d, const layer_view* views, const int* batch_slot
   auto kernel = landmark_logits_kernel<T, kHeadBlock>;
   allow_shared(kernel, shared);
   // Tiles per CTA: about one wave of resident CTAs when every chunk is live. Depends on dims, batch and the device
-  // only, never on the context lengths (the step stays capturable).
-  int resident = 0;
-  SHADOWKV_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, kLogitThreads,
-                                                                  static_cast<size_t>(shared)));
+  // only, never on the context lengths (the step stays capturable). The occupancy is asked once per (device,
+  // shared bytes) of each instantiation.
+  static per_device_cache<int, long long> resident_per_multiprocessor;
+  const int resident = resident_per_multiprocessor.get(shared, [&](int, long long bytes) {
+    int ctas = 0;
+    SHADOWKV_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, kLogitThreads,
+                                                                    static_cast<size_t>(bytes)));
+    return ctas;
+  });
   const long long slots = static_cast<long long>(limits.multiprocessors) * (resident > 0 ? resident : 1);
   const long long work = static_cast<long long>(batch) * d.kv_heads * geo.tiles;
   const long long per_cta = std::min<long long>(std::max<long long>((work + slots - 1) / slots, 1), kMaxTilesPerCta);
