@@ -47,9 +47,9 @@
 #include <algorithm>
 #include <type_traits>
 
+#include "common/dispatch.cuh"
 #include "common/per_device_cache.hpp"
 #include "cuda_check.hpp"
-#include "dispatch.cuh"
 #include "landmark_logits.cuh"
 #include "selection/landmark_scoring.cuh"
 #include "selection/score_merge.cuh"

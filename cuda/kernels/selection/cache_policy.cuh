@@ -5,7 +5,7 @@
 
 #include <cuda_runtime.h>
 
-#include "ordered_compaction.cuh"
+#include "common/ordered_compaction.cuh"
 
 namespace shadowkv::cuda::selection {
 

@@ -7,9 +7,9 @@
 
 #include <cstdint>
 
+#include "common/element_access.cuh"
 #include "common/float_constants.cuh"
 #include "device_layout.cuh"
-#include "element_access.cuh"
 #include "selection/softmax_partials.cuh"
 
 namespace shadowkv::cuda::selection {

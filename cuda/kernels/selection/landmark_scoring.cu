@@ -3,17 +3,17 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <cuda_pipeline.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
+#include "common/async_copy.cuh"
+#include "common/dispatch.cuh"
+#include "common/element_access.cuh"
 #include "common/float_constants.cuh"
 #include "common/per_device_cache.hpp"
 #include "cuda_check.hpp"
-#include "dispatch.cuh"
-#include "element_access.cuh"
 #include "selection/softmax_partials.cuh"
 
 namespace shadowkv::cuda::selection {
@@ -40,8 +40,7 @@ __device__ __forceinline__ void stage_tile(unsigned char* buffer, const T* sourc
     for (int i = threadIdx.x; i < rows * per_row; i += kLogitThreads) {
       const int r = i / per_row;
       const int v = i - r * per_row;
-      __pipeline_memcpy_async(buffer + r * geo.row_stride + v * 16, bytes + static_cast<long long>(r) * row_bytes + v * 16,
-                              16);
+      copy_async<16>(buffer + r * geo.row_stride + v * 16, bytes + static_cast<long long>(r) * row_bytes + v * 16);
     }
   } else {
     const int padded = geo.vectors * kElements;
@@ -52,7 +51,7 @@ __device__ __forceinline__ void stage_tile(unsigned char* buffer, const T* sourc
           e < head_dim ? source[static_cast<long long>(r) * head_dim + e] : from_float<T>(0.0F);
     }
   }
-  __pipeline_commit();
+  commit_async_copies();
 }
 
 /// Grid (ceil(tiles / tiles_per_cta), Hkv, B): CTA x takes tiles x, x + gridDim.x, ... below context_chunks, so a
@@ -128,9 +127,9 @@ __global__ void __launch_bounds__(kLogitThreads) landmark_logits_kernel(const di
       stage_tile(stage(i + 1), head_landmarks + static_cast<long long>(next) * geo.tile_rows * d.head_dim,
                  rows_of(next), d.head_dim, geo, async_copy);
       next_outlier = outlier_of(next);
-      __pipeline_wait_prior(1);
+      wait_async_copies<1>();
     } else {
-      __pipeline_wait_prior(0);
+      wait_async_copies<0>();
     }
     __syncthreads();
 
@@ -320,15 +319,10 @@ void launch_landmark_scoring(const dims& d, int kv_type, const layer_view* views
                              const step_workspace& ws, const device_limits& limits, cudaStream_t stream) {
   shadowkv_dispatch_element(kv_type, [&](auto tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    if (d.group == 1) {
-      launch_logits<T, 1>(d, views, batch_slots, layer, batch, queries, tokens, geo, ws, limits, stream);
-    } else if (d.group == 2) {
-      launch_logits<T, 2>(d, views, batch_slots, layer, batch, queries, tokens, geo, ws, limits, stream);
-    } else if (d.group <= 4) {
-      launch_logits<T, 4>(d, views, batch_slots, layer, batch, queries, tokens, geo, ws, limits, stream);
-    } else {
-      launch_logits<T, 8>(d, views, batch_slots, layer, batch, queries, tokens, geo, ws, limits, stream);
-    }
+    shadowkv_dispatch_head_tile(d.group, [&](auto head_tile) {
+      launch_logits<T, decltype(head_tile)::value>(d, views, batch_slots, layer, batch, queries, tokens, geo, ws,
+                                                   limits, stream);
+    });
   });
 }
 

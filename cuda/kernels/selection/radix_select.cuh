@@ -8,7 +8,7 @@
 #include <cub/block/block_scan.cuh>
 #include <cuda_runtime.h>
 
-#include "ordered_compaction.cuh"
+#include "common/ordered_compaction.cuh"
 
 namespace shadowkv::cuda::selection {
 

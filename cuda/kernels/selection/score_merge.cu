@@ -1,9 +1,9 @@
 // Kernel 1b of the chunk selection: scores from the logits and the merged tile partials (see chunk_selection.cu).
 #include "selection/score_merge.cuh"
 
+#include "common/element_access.cuh"
 #include "common/float_constants.cuh"
 #include "cuda_check.hpp"
-#include "element_access.cuh"
 #include "selection/softmax_partials.cuh"
 
 namespace shadowkv::cuda::selection {

@@ -11,11 +11,11 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "common/dispatch.cuh"
+#include "common/element_access.cuh"
 #include "common/float_constants.cuh"
+#include "common/ordered_compaction.cuh"
 #include "cuda_check.hpp"
-#include "dispatch.cuh"
-#include "element_access.cuh"
-#include "ordered_compaction.cuh"
 #include "selection/cache_policy.cuh"
 #include "selection/in_kernel_scoring.cuh"
 #include "selection/radix_select.cuh"
