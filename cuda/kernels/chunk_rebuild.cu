@@ -1,7 +1,6 @@
 // Decode step 4 (misses only). Keys: a gather-GEMM on tensor cores (CuTe; 3xTF32 for fp32 accuracy on float32 factors,
 // one TF32 MMA on bf16 factors, whose products it computes exactly) followed by RoPE at each token's own position.
 // Values: a copy of contiguous runs from the value store.
-#include <cute/arch/copy_sm80.hpp>
 #include <cute/atom/mma_atom.hpp>
 #include <cute/tensor.hpp>
 
@@ -10,11 +9,12 @@
 #include <type_traits>
 
 #include "chunk_rebuild.cuh"
-#include "shadowkv/fp8.hpp"
+#include "common/async_copy.cuh"
+#include "common/dispatch.cuh"
+#include "common/element_access.cuh"
 #include "cuda_check.hpp"
-#include "dispatch.cuh"
+#include "shadowkv/fp8.hpp"
 #include "shape_support.hpp"
-#include "element_access.cuh"
 
 namespace shadowkv::cuda {
 namespace {
@@ -185,8 +185,7 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
         const long long token = row_token[row];
         const bool valid = token >= 0 && k0 + k < rank;
         const F* source = valid ? coefficients + token * rank + k0 + k : coefficients;
-        SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint128_t>::copy(*reinterpret_cast<const uint128_t*>(source),
-                                                         *reinterpret_cast<uint128_t*>(&sA(row, k, stage)), valid);
+        copy_async_or_zero<16, copy_cache::l2_only, true>(&sA(row, k, stage), source, valid);
       }
     } else {
       for (int e = static_cast<int>(threadIdx.x); e < kRebuildRows * kRebuildRankTile; e += kRebuildThreads) {
@@ -196,9 +195,7 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
         const bool valid = token >= 0 && k0 + k < rank;
         const F* source = valid ? coefficients + token * rank + k0 + k : coefficients;
         if constexpr (kSplitOperands) {
-          SM80_CP_ASYNC_CACHEALWAYS_ZFILL<std::uint32_t>::copy(*reinterpret_cast<const std::uint32_t*>(source),
-                                                               *reinterpret_cast<std::uint32_t*>(&sA(row, k, stage)),
-                                                               valid);
+          copy_async_or_zero<4, copy_cache::all_levels, true>(&sA(row, k, stage), source, valid);
         } else {
           // cp.async moves 4 bytes at least: 2-byte elements off the vector path are plain loads.
           sA(row, k, stage) = valid ? *source : F(0.0F);
@@ -212,8 +209,7 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
         const int n = (v % per_row) * tile::vector;
         const bool valid = k0 + k < rank;
         const F* source = valid ? basis + (k0 + k) * width + n : basis;
-        SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint128_t>::copy(*reinterpret_cast<const uint128_t*>(source),
-                                                         *reinterpret_cast<uint128_t*>(&sB(n, k, stage)), valid);
+        copy_async_or_zero<16, copy_cache::l2_only, true>(&sB(n, k, stage), source, valid);
       }
     } else {
       for (int e = static_cast<int>(threadIdx.x); e < kRebuildRankTile * D; e += kRebuildThreads) {
@@ -222,9 +218,7 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
         const bool valid = k0 + k < rank;
         const F* source = valid ? basis + (k0 + k) * width + n : basis;
         if constexpr (kSplitOperands) {
-          SM80_CP_ASYNC_CACHEALWAYS_ZFILL<std::uint32_t>::copy(*reinterpret_cast<const std::uint32_t*>(source),
-                                                               *reinterpret_cast<std::uint32_t*>(&sB(n, k, stage)),
-                                                               valid);
+          copy_async_or_zero<4, copy_cache::all_levels, true>(&sB(n, k, stage), source, valid);
         } else {
           sB(n, k, stage) = valid ? *source : F(0.0F);
         }
@@ -256,15 +250,15 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
 
     // Main loop: two stages; stage kt % 2 is computed while tile kt + 1 lands in the other one.
     load_stage(0, 0);
-    cp_async_fence();
+    commit_async_copies();
     clear(accumulators);
     for (int kt = 0; kt < k_tiles; ++kt) {
       if (kt + 1 < k_tiles) {
         load_stage(kt + 1, (kt + 1) % kRebuildStages);
-        cp_async_fence();
-        cp_async_wait<1>();  // tile kt has landed (this thread's copies) ...
+        commit_async_copies();
+        wait_async_copies<1>();  // tile kt has landed (this thread's copies) ...
       } else {
-        cp_async_wait<0>();
+        wait_async_copies<0>();
       }
       __syncthreads();  // ... and every thread's
       const int stage = kt % kRebuildStages;
@@ -475,13 +469,10 @@ void launch_rebuild_keys(const dims& d, int kv_type, layer_view* views, const in
   if (batch == 0) return;
   shadowkv_dispatch_element(kv_type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    switch (d.head_dim) {
-      case 64: launch_rebuild_for<T, 64>(d, views, batch_slots, layer, batch, workspace, inv_freq, stream); break;
-      case 80: launch_rebuild_for<T, 80>(d, views, batch_slots, layer, batch, workspace, inv_freq, stream); break;
-      case 96: launch_rebuild_for<T, 96>(d, views, batch_slots, layer, batch, workspace, inv_freq, stream); break;
-      case 128: launch_rebuild_for<T, 128>(d, views, batch_slots, layer, batch, workspace, inv_freq, stream); break;
-      default: launch_rebuild_for<T, 256>(d, views, batch_slots, layer, batch, workspace, inv_freq, stream); break;
-    }
+    shadowkv_dispatch_head_dim(d.head_dim, "key rebuild", [&](auto head_dim) {
+      launch_rebuild_for<T, decltype(head_dim)::value>(d, views, batch_slots, layer, batch, workspace, inv_freq,
+                                                       stream);
+    });
   });
   SHADOWKV_CUDA_CHECK_LAUNCH();
 }

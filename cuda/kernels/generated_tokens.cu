@@ -1,6 +1,6 @@
+#include "common/dispatch.cuh"
+#include "common/element_access.cuh"
 #include "cuda_check.hpp"
-#include "dispatch.cuh"
-#include "element_access.cuh"
 #include "generated_tokens.cuh"
 #include "shadowkv/fp8.hpp"
 #include "shadowkv/generated_region.hpp"

@@ -4,15 +4,16 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
-#include <map>
-#include <mutex>
 #include <type_traits>
-#include <utility>
 
+#include "common/async_copy.cuh"
+#include "common/dispatch.cuh"
+#include "common/element_access.cuh"
+#include "common/float_constants.cuh"
+#include "common/per_device_cache.hpp"
 #include "cuda_check.hpp"
-#include "dispatch.cuh"
-#include "element_access.cuh"
 
 namespace shadowkv::cuda {
 namespace {
@@ -32,7 +33,6 @@ constexpr int kStages = 3;
 // Sequence entries in shared memory are reserved in multiples of this, so that the dynamic shared memory size (and
 // the cached occupancy that depends on it) changes only every kSequenceRounding sequences of batch size.
 constexpr int kSequenceRounding = 32;
-constexpr float kNegativeInfinity = -__builtin_huge_valf();
 
 /// How a warp covers landmark rows of T, kRowBytes each, for kG query heads. A lane reads two 16-byte vectors of a row
 /// (vectors part and part + kLanesPerRow: each warp-wide copy covers whole 32-byte sectors) and two rows per batch, so
@@ -105,22 +105,6 @@ __host__ __device__ shared_layout shared_layout_for(int tile_rows, int batch) {
   const int entries = (batch + 1 + kSequenceRounding - 1) / kSequenceRounding * kSequenceRounding;
   layout.bytes = layout.sequences + entries * static_cast<int>(sizeof(sequence_entry));
   return layout;
-}
-
-/// 16-byte asynchronous copy global -> shared (bypassing L1); zeros instead when !live.
-__device__ __forceinline__ void copy16_async(void* shared_destination, const void* global_source, bool live) {
-  const unsigned destination = static_cast<unsigned>(__cvta_generic_to_shared(shared_destination));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(destination), "l"(global_source),
-               "r"(live ? 16 : 0)
-               : "memory");
-}
-
-__device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-
-/// Waits until at most kPending of this thread's copy groups are still in flight.
-template <int kPending>
-__device__ __forceinline__ void wait_copies() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
 /// Sums each of the kSums values over the lanes of a row group (kOffset: half their number; `part`: the lane's index
@@ -324,7 +308,8 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG>())
               tile_source + static_cast<long long>(live ? row : 0) * split::kDims + part * split::kElements;
 #pragma unroll
           for (int k = 0; k < kVectorsPerLane; ++k) {
-            copy16_async(ring + (u * kVectorsPerLane + k) * 32, source + k * kLanesPerRow * split::kElements, live);
+            copy_async_or_zero<16>(ring + (u * kVectorsPerLane + k) * 32, source + k * kLanesPerRow * split::kElements,
+                                   live);
           }
         }
       }
@@ -333,7 +318,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG>())
         ++copy_ordinal;
       }
     }
-    commit_copies();  // possibly empty: one group per step keeps the wait count fixed
+    commit_async_copies();  // possibly empty: one group per step keeps the wait count fixed
   };
 
 #pragma unroll
@@ -360,7 +345,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG>())
     for (int sub = 0; sub < steps_per_tile; ++sub) {
       // Refills the stage that the previous step read (its values were consumed before this point).
       issue_copies(stage == 0 ? kStages - 1 : stage - 1);
-      wait_copies<kStages - 1>();  // this lane's copies for this step have landed
+      wait_async_copies<kStages - 1>();  // this lane's copies for this step have landed
       const int rows = tile.rows;
       const int first_row = (warp + sub * kWarps) * split::kBatchRows;
       if (first_row < rows) {
@@ -435,26 +420,21 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG>())
 /// second wave of whole shares).
 template <typename T, int kRowBytes, int kG>
 int resident_ctas(int shared_bytes) {
-  static std::mutex mutex;
-  static std::map<std::pair<int, int>, int> known;  // (device, shared bytes) -> CTAs per multiprocessor
-  int device = 0;
-  SHADOWKV_CUDA_TRY(cudaGetDevice(&device));
-  const std::lock_guard<std::mutex> lock(mutex);
-  const auto found = known.find({device, shared_bytes});
-  if (found != known.end()) return found->second;
-  auto kernel = decode_landmark_logits_kernel<T, kRowBytes, kG>;
-  int optin = 0;
-  SHADOWKV_CUDA_TRY(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  int ctas = 0;
-  if (shared_bytes <= optin) {
-    SHADOWKV_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin));
-    SHADOWKV_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                           cudaSharedmemCarveoutMaxShared));
-    SHADOWKV_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, kThreads,
-                                                                    static_cast<std::size_t>(shared_bytes)));
-  }
-  known.emplace(std::make_pair(device, shared_bytes), ctas);
-  return ctas;
+  static per_device_cache<int> known;  // (device, shared bytes) -> CTAs per multiprocessor
+  return known.get(shared_bytes, [](int device, int bytes) {
+    auto kernel = decode_landmark_logits_kernel<T, kRowBytes, kG>;
+    int optin = 0;
+    SHADOWKV_CUDA_TRY(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    int ctas = 0;
+    if (bytes <= optin) {
+      SHADOWKV_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin));
+      SHADOWKV_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                             cudaSharedmemCarveoutMaxShared));
+      SHADOWKV_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, kThreads,
+                                                                      static_cast<std::size_t>(bytes)));
+    }
+    return ctas;
+  });
 }
 
 template <typename T, int kRowBytes, int kG>
@@ -482,20 +462,13 @@ template <typename T, int kRowBytes>
 bool launch_for_group(const dims& d, const layer_view* views, const int* batch_slots, int layer, int batch,
                       const strided_tensor& queries, int tile_rows, int tiles, int multiprocessors, int beside_ctas,
                       float* logits, float* scores, cudaStream_t stream) {
-  if (d.group == 1) {
-    return launch_with<T, kRowBytes, 1>(d, views, batch_slots, layer, batch, queries, tile_rows, tiles, multiprocessors,
-                                        beside_ctas, logits, scores, stream);
-  }
-  if (d.group == 2) {
-    return launch_with<T, kRowBytes, 2>(d, views, batch_slots, layer, batch, queries, tile_rows, tiles, multiprocessors,
-                                        beside_ctas, logits, scores, stream);
-  }
-  if (d.group <= 4) {
-    return launch_with<T, kRowBytes, 4>(d, views, batch_slots, layer, batch, queries, tile_rows, tiles, multiprocessors,
-                                        beside_ctas, logits, scores, stream);
-  }
-  return launch_with<T, kRowBytes, 8>(d, views, batch_slots, layer, batch, queries, tile_rows, tiles, multiprocessors,
-                                      beside_ctas, logits, scores, stream);
+  bool launched = false;
+  shadowkv_dispatch_head_tile(d.group, [&](auto head_tile) {
+    launched = launch_with<T, kRowBytes, decltype(head_tile)::value>(d, views, batch_slots, layer, batch, queries,
+                                                                     tile_rows, tiles, multiprocessors, beside_ctas,
+                                                                     logits, scores, stream);
+  });
+  return launched;
 }
 
 }  // namespace

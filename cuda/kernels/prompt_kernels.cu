@@ -15,10 +15,10 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "common/dispatch.cuh"
+#include "common/element_access.cuh"
+#include "common/ordered_compaction.cuh"
 #include "cuda_check.hpp"
-#include "dispatch.cuh"
-#include "element_access.cuh"
-#include "ordered_compaction.cuh"
 #include "prompt_kernels.cuh"
 
 namespace shadowkv::cuda {

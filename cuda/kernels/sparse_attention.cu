@@ -37,14 +37,15 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 
+#include "common/async_copy.cuh"
+#include "common/dispatch.cuh"
+#include "common/element_access.cuh"
+#include "common/float_constants.cuh"
 #include "cuda_check.hpp"
-#include "dispatch.cuh"
-#include "shape_support.hpp"
-#include "element_access.cuh"
 #include "shadowkv/errors.hpp"
+#include "shape_support.hpp"
 
 namespace shadowkv::cuda {
 namespace {
@@ -60,13 +61,11 @@ constexpr int kMinRowsPerSplit = 64;
 /// CTAs the split count aims for: one wave at 3 CTAs per SM of an H200 (132 SMs). A constant, not the device's SM
 /// count, so that the split count (and with it the rounding of the result) depends only on the dims and the batch.
 constexpr int kTargetCtas = 132 * 3;
-constexpr int kMaxHeadTile = 8;
 /// Shared memory for the K/V pipeline stages of one CTA. At least two stages are kept, so a step larger than half of
 /// this (fp32, D = 256, 4 heads per lane: 32 KiB) takes more (64 KiB, over the 48 KiB default; see launch_split).
 constexpr int kPipelineBytes = 40 * 1024;
 /// Shared memory (static and dynamic) a CTA may use without the opt-in attribute.
 constexpr int kDefaultSharedBytes = 48 * 1024;
-constexpr float kLog2e = 1.4426950408889634F;
 
 constexpr int next_power_of_two(int n) { return n <= 1 ? 1 : 2 * next_power_of_two((n + 1) / 2); }
 
@@ -107,59 +106,6 @@ struct cta_layout {
   /// The kernel's static shared arrays (warp_last_filled, row_is_token), with room for their alignment.
   static constexpr int static_bytes = kWarps * static_cast<int>(sizeof(int)) + stages * step_rows + 16;
 };
-
-/// 16-byte asynchronous copy global -> shared, cached in L2 only (the rows are read once).
-__device__ __forceinline__ void copy_async_16(void* shared, const void* global) {
-  const auto address = static_cast<unsigned>(__cvta_generic_to_shared(shared));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(address), "l"(global) : "memory");
-}
-
-__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-
-/// Waits until at most `Pending` of this thread's committed copy groups are still in flight.
-template <int Pending>
-__device__ __forceinline__ void copy_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(Pending) : "memory");
-}
-
-__device__ __forceinline__ unsigned word_of(const int4& raw, int i) {
-  return static_cast<unsigned>(i == 0 ? raw.x : i == 1 ? raw.y : i == 2 ? raw.z : raw.w);
-}
-
-/// The 16 / sizeof(T) elements of a 16-byte vector as float.
-template <typename T>
-__device__ __forceinline__ void unpack(const int4& raw, float* out);
-
-template <>
-__device__ __forceinline__ void unpack<float>(const int4& raw, float* out) {
-  out[0] = __int_as_float(raw.x);
-  out[1] = __int_as_float(raw.y);
-  out[2] = __int_as_float(raw.z);
-  out[3] = __int_as_float(raw.w);
-}
-
-template <>
-__device__ __forceinline__ void unpack<__half>(const int4& raw, float* out) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const unsigned word = word_of(raw, i);
-    __half2 pair;
-    memcpy(&pair, &word, sizeof(pair));
-    const float2 f = __half22float2(pair);
-    out[2 * i] = f.x;
-    out[2 * i + 1] = f.y;
-  }
-}
-
-template <>
-__device__ __forceinline__ void unpack<__nv_bfloat16>(const int4& raw, float* out) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const unsigned word = word_of(raw, i);
-    out[2 * i] = __uint_as_float(word << 16);              // low half: element 2i
-    out[2 * i + 1] = __uint_as_float(word & 0xFFFF0000U);  // high half: element 2i + 1
-  }
-}
 
 /// exp2(x - m) for a merge weight; 0 when m is -inf (then x is -inf too: nothing was seen).
 __device__ __forceinline__ float merge_weight(float x, float m) { return m == -INFINITY ? 0.0F : exp2f(x - m); }
@@ -285,13 +231,13 @@ __global__ void __launch_bounds__(kThreads, 3)
         for (int v = 0; v < kPerLane; ++v) {
           const int vector = segment + v * kLanes;
           if (vector < layout::vectors) {
-            copy_async_16(stage_row(stage, 0, r) + vector * kVec, key + vector * kVec);
-            copy_async_16(stage_row(stage, 1, r) + vector * kVec, value + vector * kVec);
+            copy_async<16>(stage_row(stage, 0, r) + vector * kVec, key + vector * kVec);  // L2 only: rows read once
+            copy_async<16>(stage_row(stage, 1, r) + vector * kVec, value + vector * kVec);
           }
         }
       }
     }
-    copy_async_commit();
+    commit_async_copies();
   };
 
   const float q_scale = d.softmax_scale * kLog2e;
@@ -332,13 +278,13 @@ __global__ void __launch_bounds__(kThreads, 3)
     }
 
     for (int step = 0; step < steps; ++step) {
-      copy_async_wait<kStages - 2>();  // this thread's copies of `step` have landed ...
+      wait_async_copies<kStages - 2>();  // this thread's copies of `step` have landed ...
       __syncthreads();                 // ... everyone's have, and nobody still reads the stage refilled next
       issue_step(step + kStages - 1);
 
       const int stage = step % kStages;
-      int4 key_raw[kRows][kPerLane];
-      int4 value_raw[kRows][kPerLane];
+      uint4 key_raw[kRows][kPerLane];
+      uint4 value_raw[kRows][kPerLane];
       bool valid[kRows];
 #pragma unroll
       for (int u = 0; u < kRows; ++u) {
@@ -347,11 +293,11 @@ __global__ void __launch_bounds__(kThreads, 3)
 #pragma unroll
         for (int v = 0; v < kPerLane; ++v) {
           const int vector = segment + v * kLanes;
-          key_raw[u][v] = make_int4(0, 0, 0, 0);  // rows outside the token set hold stale bytes: never read them
-          value_raw[u][v] = make_int4(0, 0, 0, 0);
+          key_raw[u][v] = make_uint4(0, 0, 0, 0);  // rows outside the token set hold stale bytes: never read them
+          value_raw[u][v] = make_uint4(0, 0, 0, 0);
           if (valid[u] && vector < layout::vectors) {
-            key_raw[u][v] = *reinterpret_cast<const int4*>(stage_row(stage, 0, r) + vector * kVec);
-            value_raw[u][v] = *reinterpret_cast<const int4*>(stage_row(stage, 1, r) + vector * kVec);
+            key_raw[u][v] = *reinterpret_cast<const uint4*>(stage_row(stage, 0, r) + vector * kVec);
+            value_raw[u][v] = *reinterpret_cast<const uint4*>(stage_row(stage, 1, r) + vector * kVec);
           }
         }
       }
@@ -361,7 +307,7 @@ __global__ void __launch_bounds__(kThreads, 3)
       for (int u = 0; u < kRows; ++u) {
         float key_row[kElements];
 #pragma unroll
-        for (int v = 0; v < kPerLane; ++v) unpack<T>(key_raw[u][v], key_row + v * kVec);
+        for (int v = 0; v < kPerLane; ++v) vector16<T>::to_floats(key_raw[u][v], key_row + v * kVec);
 #pragma unroll
         for (int g = 0; g < kHeads; ++g) {
           float dot = 0.0F;
@@ -401,7 +347,7 @@ __global__ void __launch_bounds__(kThreads, 3)
       for (int u = 0; u < kRows; ++u) {
         float value_row[kElements];
 #pragma unroll
-        for (int v = 0; v < kPerLane; ++v) unpack<T>(value_raw[u][v], value_row + v * kVec);
+        for (int v = 0; v < kPerLane; ++v) vector16<T>::to_floats(value_raw[u][v], value_row + v * kVec);
 #pragma unroll
         for (int g = 0; g < kHeads; ++g) {
 #pragma unroll
@@ -409,7 +355,7 @@ __global__ void __launch_bounds__(kThreads, 3)
         }
       }
     }
-    copy_async_wait<0>();  // only empty groups can be left; the stages become the reduction buffer
+    wait_async_copies<0>();  // only empty groups can be left; the stages become the reduction buffer
     __syncthreads();
 
     // Merge the row groups of a warp that hold the same heads (a butterfly: all of them end with the merged state) ...
@@ -561,34 +507,6 @@ void launch_split(const split_launch& a) {
   SHADOWKV_CUDA_CHECK_LAUNCH();
 }
 
-template <typename T, int D>
-void launch_split_for_group(const split_launch& a) {
-  // Query-head tile: the group rounded up to a power of two, at most 8 (larger groups loop over tiles).
-  if (a.d.group >= 5) {
-    launch_split<T, D, kMaxHeadTile>(a);
-  } else if (a.d.group >= 3) {
-    launch_split<T, D, 4>(a);
-  } else if (a.d.group == 2) {
-    launch_split<T, D, 2>(a);
-  } else {
-    launch_split<T, D, 1>(a);
-  }
-}
-
-template <typename T>
-void launch_split_for_head_dim(const split_launch& a) {
-  switch (a.d.head_dim) {
-    case 64: launch_split_for_group<T, 64>(a); return;
-    case 80: launch_split_for_group<T, 80>(a); return;
-    case 96: launch_split_for_group<T, 96>(a); return;
-    case 128: launch_split_for_group<T, 128>(a); return;
-    case 256: launch_split_for_group<T, 256>(a); return;
-    default: break;
-  }
-  throw shadowkv::invalid_argument(
-      shadowkv::detail::format_message("sparse attention: unsupported head_dim ", a.d.head_dim));
-}
-
 }  // namespace
 
 int sparse_attention_max_splits(const dims& d) {
@@ -626,7 +544,13 @@ void launch_sparse_attention(const dims& d, int kv_type, const layer_view* views
   const int splits = choose_splits(d, batch, max_splits);
   const split_launch launch{d, views, batch_slots, layer, batch, q, partial, splits, max_splits, stream};
   shadowkv_dispatch_element(kv_type, [&](auto* tag) {
-    launch_split_for_head_dim<std::remove_pointer_t<decltype(tag)>>(launch);
+    using T = std::remove_pointer_t<decltype(tag)>;
+    shadowkv_dispatch_head_dim(d.head_dim, "sparse attention", [&](auto head_dim) {
+      // Query-head tile: larger groups loop over tiles.
+      shadowkv_dispatch_head_tile(d.group, [&](auto head_tile) {
+        launch_split<T, decltype(head_dim)::value, decltype(head_tile)::value>(launch);
+      });
+    });
   });
   sparse_attention_combine_kernel<<<dim3(static_cast<unsigned>(d.q_heads), static_cast<unsigned>(batch)),
                                     kCombineThreads, 0, stream>>>(d.head_dim, d.q_heads, partial, splits, max_splits,

@@ -1,0 +1,116 @@
+// Block-wide top-k over per-chunk radix keys (unsigned, larger is better, 0 for non-candidates): the threshold by an
+// MSB-first radix select, then the selected ids compacted in ascending order with ties to the smaller id.
+//
+// Not cub::BlockRadixSort: it sorts a fixed tile of ITEMS_PER_THREAD keys held in registers, while n here is up to
+// ~54K chunks and only the k-th key is needed; the digit search below does use cub::BlockScan.
+#pragma once
+
+#include <cub/block/block_scan.cuh>
+#include <cuda_runtime.h>
+
+#include "common/ordered_compaction.cuh"
+
+namespace shadowkv::cuda::selection {
+
+/// Bits of the first radix digit: its histogram (1 << 12 bins, 4 a thread in the digit search) is counted by the
+/// caller while it writes the radix keys, saving a pass over them.
+constexpr int kRadixFirstBits = 12;
+
+/// The digit search's block scan (64-bit counts: a bin may hold up to n items and the sums run over 4 bins a thread).
+template <int kThreads>
+using radix_digit_scan = cub::BlockScan<unsigned long long, kThreads, cub::BLOCK_SCAN_WARP_SCANS>;
+
+/// The selection rule found by the radix select: radix key c is taken when (key & mask) > prefix, or when
+/// (key & mask) == prefix for the first need_ties such items in id order.
+struct radix_threshold {
+  unsigned prefix;
+  unsigned mask;
+  unsigned need_ties;
+};
+
+/// The rule that takes the k largest of radix_keys[0, n), of which `candidates` are nonzero. Called by every thread
+/// of a block of kThreads threads. On entry `histogram` (1 << kRadixFirstBits unsigned, shared) holds the counts of
+/// the top kRadixFirstBits of every key; it is reused for the later digits. `radix_found`: 3 unsigned, shared.
+template <int kThreads>
+__device__ __forceinline__ radix_threshold find_radix_threshold(
+    const unsigned* radix_keys, int n, int candidates, int k, unsigned* histogram,
+    typename radix_digit_scan<kThreads>::TempStorage& scan_storage, unsigned* radix_found) {
+  static_assert(4 * kThreads >= (1 << kRadixFirstBits), "a thread owns 4 bins of the largest digit");
+  const int tid = threadIdx.x;
+  // MSB-first, digits of 12, 11 and 9 bits. 12 bits first (exponent and 3 mantissa bits) spread probabilities over
+  // many bins, so plain shared atomics rarely collide; after it only a few dozen keys still match the prefix.
+  unsigned prefix = 0;
+  unsigned mask = 0xffffffffU;
+  unsigned need_ties = 0;
+  if (candidates > k) {
+    mask = 0;
+    unsigned remaining = static_cast<unsigned>(k);
+    for (int pass = 0; pass < 3; ++pass) {
+      const int bits = pass == 0 ? kRadixFirstBits : (pass == 1 ? 11 : 9);
+      const int shift = pass == 0 ? 32 - kRadixFirstBits : (pass == 1 ? 9 : 0);
+      const int bins = 1 << bits;
+      const unsigned digit_mask = static_cast<unsigned>(bins - 1);
+      if (pass > 0) {  // the first histogram was counted with the radix keys
+        for (int i = tid; i < bins; i += kThreads) histogram[i] = 0;
+        __syncthreads();
+        for (int c = tid; c < n; c += kThreads) {
+          const unsigned radix_key = radix_keys[c];
+          if ((radix_key & mask) == prefix) atomicAdd(&histogram[(radix_key >> shift) & digit_mask], 1U);
+        }
+        __syncthreads();
+      }
+      // Thread t owns bins bins-1-4t-i (descending); a block scan finds where the count from the top reaches
+      // `remaining`.
+      unsigned count[4];
+      unsigned local = 0;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int index = 4 * tid + i;
+        count[i] = index < bins ? histogram[bins - 1 - index] : 0U;
+        local += count[i];
+      }
+      unsigned long long before_wide;
+      radix_digit_scan<kThreads>(scan_storage).ExclusiveSum(static_cast<unsigned long long>(local), before_wide);
+      unsigned before = static_cast<unsigned>(before_wide);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        if (before < remaining && before + count[i] >= remaining) {
+          radix_found[0] = static_cast<unsigned>(bins - 1 - (4 * tid + i));
+          radix_found[1] = before;
+          radix_found[2] = count[i];
+        }
+        before += count[i];
+      }
+      __syncthreads();
+      prefix |= radix_found[0] << shift;
+      mask |= digit_mask << shift;
+      remaining -= radix_found[1];
+      if (radix_found[2] == remaining) break;  // the whole bin is taken: no tie to break below this digit
+    }
+    need_ties = remaining;
+  }
+  return radix_threshold{prefix, mask, need_ties};
+}
+
+/// Writes the ids the rule takes to selected[0, take) ascending (ordered_pass: every chunk strictly above the
+/// threshold and the first ties in ascending id) and pads selected[take, k) with -1. radix_keys[c] becomes the
+/// "selected" flag of chunk c (1 or 0). Called by every thread of a block of kOrderedPassThreads threads;
+/// `pass_scratch`: ordered_pass's shared scratch.
+__device__ __forceinline__ void compact_top_k(unsigned* radix_keys, int n, int take, int k,
+                                              const radix_threshold& rule, unsigned* pass_scratch, int* selected) {
+  ordered_pass(
+      n, pass_scratch,
+      [&](int c) -> unsigned {
+        const unsigned masked = radix_keys[c] & rule.mask;
+        return (masked > rule.prefix ? 1U : 0U) | (masked == rule.prefix ? 2U : 0U);
+      },
+      [&](int c, unsigned f, unsigned above_before, unsigned ties_before) {
+        const bool taken = (f & 1U) != 0 || ((f & 2U) != 0 && ties_before < rule.need_ties);
+        if (taken) selected[above_before + min(ties_before, rule.need_ties)] = c;
+        radix_keys[c] = taken ? 1U : 0U;
+      });
+  for (int i = take + static_cast<int>(threadIdx.x); i < k; i += kOrderedPassThreads) selected[i] = -1;
+  __syncthreads();
+}
+
+}  // namespace shadowkv::cuda::selection
