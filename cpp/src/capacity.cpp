@@ -46,6 +46,10 @@ std::int64_t max_chunks_per_sequence(const config& cfg) noexcept { return cfg.ma
 config effective_config(config cfg) {
   const std::int64_t most = std::max<std::int64_t>(1, max_chunks_per_sequence(cfg));
   if (cfg.budget_chunks() > most) cfg.budget = most * cfg.chunk_size;
+  // The cache holds at most every chunk a sequence can have; an LRU cache that never needs to evict behaves alike
+  // at any larger size, so the clamp changes no hit. 0 (the default) becomes the budget, the size used.
+  if (cfg.cache_tokens == 0) cfg.cache_tokens = cfg.budget;
+  if (cfg.cache_slots() > most) cfg.cache_tokens = most * cfg.chunk_size;
   return cfg;
 }
 
@@ -55,13 +59,15 @@ fixed_costs fixed_costs_of(const config& cfg) noexcept {
   fixed_costs costs;
   costs.slot_tables = saturating_mul(cfg.max_batch, slot_record_bytes);
   costs.per_sequence = saturating_mul(cfg.num_layers, layer_record_bytes);
-  // Selection cache (keys and values of k chunks per KV head, plus per-slot chunk ids and flags), B, and the Gram
-  // matrix (float32 product and its float64 copy).
+  // Selection cache (keys and values of K chunks per KV head, plus per-slot chunk ids and flags, and with K > k the
+  // slots' last-used steps and selected flags), B, and the Gram matrix (float32 product and its float64 copy).
   const std::int64_t most_chunks = std::max<std::int64_t>(1, max_chunks_per_sequence(cfg));
   const std::int64_t k = std::min<std::int64_t>(cfg.budget_chunks(), most_chunks);
-  const std::int64_t cache_rows = saturating_mul(k, cfg.chunk_size);
+  const std::int64_t slots = std::max(k, std::min<std::int64_t>(cfg.cache_slots(), most_chunks));
+  const std::int64_t cache_rows = saturating_mul(slots, cfg.chunk_size);
   std::int64_t prefill = saturating_mul(saturating_mul(cache_rows, width), 2 * e);
-  prefill = saturating_add(prefill, saturating_mul(saturating_mul(k, cfg.num_kv_heads), 8 + 2));
+  prefill = saturating_add(prefill, saturating_mul(saturating_mul(slots, cfg.num_kv_heads), 8 + 2));
+  if (slots > k) prefill = saturating_add(prefill, saturating_mul(saturating_mul(slots, cfg.num_kv_heads), 8 + 1));
   prefill = saturating_add(prefill, saturating_mul(saturating_mul(cfg.rank, width), 4));
   prefill = saturating_add(prefill, saturating_mul(saturating_mul(width, width), 4 + 8));
   costs.per_prefill = prefill;
@@ -103,7 +109,8 @@ void check_capacity(const config& cfg, std::int64_t host_bytes) {
   expect_fits(costs.per_sequence, "num_layers = ", cfg.num_layers, ": every sequence needs ", layer_record_bytes,
               " bytes of records per layer");
   expect_fits(costs.per_prefill, "every prefilled (sequence, layer) holds a selection cache of ",
-              cfg.budget_chunks(), " chunks x ", cfg.chunk_size, " tokens x num_kv_heads*head_dim = ", cfg.kv_width(),
+              cfg.cache_slots(), " chunks (cache_tokens = ", cfg.cache_tokens, ", budget = ", cfg.budget,
+              " tokens) x ", cfg.chunk_size, " tokens x num_kv_heads*head_dim = ", cfg.kv_width(),
               " x keys and values, the basis and the Gram matrix of the factorisation");
 }
 

@@ -22,8 +22,9 @@ inline constexpr std::int64_t saturated_bytes = std::numeric_limits<std::int64_t
 /// The most chunks one sequence can ever hold: max_seq_len / chunk_size.
 [[nodiscard]] std::int64_t max_chunks_per_sequence(const config& cfg) noexcept;
 
-/// `cfg` as a store runs it: budget clamped to max_chunks_per_sequence chunks (a selection never holds more chunks
-/// than exist, so the clamp changes no output, only the selection cache's size). `cfg` must be valid.
+/// `cfg` as a store runs it: budget and cache_tokens clamped to max_chunks_per_sequence chunks (a selection never
+/// holds more chunks than exist, and a cache that holds them all never evicts, so the clamp changes no output, only
+/// the selection cache's size); cache_tokens 0 resolved to the budget. `cfg` must be valid.
 [[nodiscard]] config effective_config(config cfg);
 
 /// Host bytes a store allocates whatever its sequences hold (estimates of the bookkeeping, exact for the buffers).

@@ -41,6 +41,16 @@ void config::validate() const {
   SHADOWKV_EXPECTS(budget_chunks() <= std::numeric_limits<int>::max(), "budget = ", budget, " tokens is ",
                    budget_chunks(), " chunks of ", chunk_size, ", more than a C int holds (",
                    std::numeric_limits<int>::max(), ")");
+  SHADOWKV_EXPECTS(cache_tokens >= 0, "cache_tokens must be >= 0 tokens (0 means the budget), got ", cache_tokens);
+  if (cache_tokens != 0) {
+    SHADOWKV_EXPECTS(cache_tokens % chunk_size == 0, "cache_tokens must be a multiple of chunk_size (", chunk_size,
+                     ") tokens, got ", cache_tokens);
+    SHADOWKV_EXPECTS(cache_tokens >= budget, "cache_tokens (", cache_tokens,
+                     ") must be >= budget (", budget, " tokens): the cache holds at least the last selection");
+    SHADOWKV_EXPECTS(cache_slots() <= std::numeric_limits<int>::max(), "cache_tokens = ", cache_tokens,
+                     " tokens is ", cache_slots(), " chunks of ", chunk_size, ", more than a C int holds (",
+                     std::numeric_limits<int>::max(), ")");
+  }
   SHADOWKV_EXPECTS(outlier_chunks >= 0, "outlier_chunks must be >= 0, got ", outlier_chunks);
   SHADOWKV_EXPECTS(sink_chunks >= 0, "sink_chunks must be >= 0, got ", sink_chunks);
   SHADOWKV_EXPECTS(local_chunks >= 0, "local_chunks must be >= 0, got ", local_chunks);

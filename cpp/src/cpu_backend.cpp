@@ -10,6 +10,7 @@
 #include "factorization.hpp"
 #include "growth.hpp"
 #include "low_rank_rows.hpp"
+#include "lru_selection_cache.hpp"
 #include "row_dots.hpp"
 #include "shadowkv/errors.hpp"
 
@@ -240,15 +241,19 @@ cpu_layer_data cpu_backend::prefill_one(const batch_entry& entry, const prefill_
   }
   out.last_position = positions.back();
 
-  // An empty selection cache of k slots per head.
-  const std::int64_t budget_chunks = config_.budget_chunks();
-  out.cache_chunks.assign(static_cast<std::size_t>(heads * budget_chunks), -1);
-  out.pending_rebuild.assign(static_cast<std::size_t>(heads * budget_chunks), 0);
-  out.pending_fetch.assign(static_cast<std::size_t>(heads * budget_chunks), 0);
+  // An empty selection cache of K slots per head.
+  const std::int64_t cache_slots = config_.cache_slots();
+  out.cache_chunks.assign(static_cast<std::size_t>(heads * cache_slots), -1);
+  out.pending_rebuild.assign(static_cast<std::size_t>(heads * cache_slots), 0);
+  out.pending_fetch.assign(static_cast<std::size_t>(heads * cache_slots), 0);
+  if (cache_slots > config_.budget_chunks()) {
+    out.cache_last_used.assign(static_cast<std::size_t>(heads * cache_slots), 0);
+    out.cache_selected.assign(static_cast<std::size_t>(heads * cache_slots), 0);
+  }
   out.cache_keys = host_array(type);
   out.cache_values = host_array(type);
-  out.cache_keys.resize(heads * budget_chunks * chunk * dim);
-  out.cache_values.resize(heads * budget_chunks * chunk * dim);
+  out.cache_keys.resize(heads * cache_slots * chunk * dim);
+  out.cache_values.resize(heads * cache_slots * chunk * dim);
   return out;
 }
 
@@ -356,6 +361,7 @@ void cpu_backend::select_chunks(int layer, std::span<const batch_entry> entries,
   const std::int64_t dim = config_.head_dim;
   const std::int64_t group = config_.group_size();
   const std::int64_t budget_chunks = config_.budget_chunks();
+  const std::int64_t cache_slots = config_.cache_slots();
   const std::int64_t tokens = queries.shape[1];
   const double scale = config_.effective_softmax_scale();
   workspace_.queries.resize(static_cast<std::size_t>(dim * group));  // reserved by reserve_decode / reserve_selection
@@ -432,11 +438,26 @@ void cpu_backend::select_chunks(int layer, std::span<const batch_entry> entries,
       }
       std::sort(selected.begin(), selected.end());
 
+      std::vector<std::uint8_t>& cached = workspace_.cached;
+      if (!d.cache_selected.empty()) {
+        // K > k slots: chunks stay until evicted, least recently selected first (lru_selection_cache.hpp).
+        const auto first = static_cast<std::size_t>(h * cache_slots);
+        const auto slots = static_cast<std::size_t>(cache_slots);
+        const lru_cache_slots view{std::span(d.cache_chunks).subspan(first, slots),
+                                   std::span(d.cache_last_used).subspan(first, slots),
+                                   std::span(d.cache_selected).subspan(first, slots),
+                                   std::span(d.pending_rebuild).subspan(first, slots),
+                                   std::span(d.pending_fetch).subspan(first, slots)};
+        cached.resize(selected.size());
+        const std::int64_t hits = assign_lru_slots(selected, d.selection_steps + 1, view, cached);
+        stats_.hits += hits;
+        stats_.misses += static_cast<std::int64_t>(selected.size()) - hits;
+        continue;
+      }
       // Temporal cache: selected chunks already in a slot are hits; the others take freed slots.
       std::int64_t* slots = d.cache_chunks.data() + h * budget_chunks;
       std::uint8_t* rebuild = d.pending_rebuild.data() + h * budget_chunks;
       std::uint8_t* fetch = d.pending_fetch.data() + h * budget_chunks;
-      std::vector<std::uint8_t>& cached = workspace_.cached;
       cached.assign(selected.size(), 0);
       for (std::int64_t s = 0; s < budget_chunks; ++s) {
         rebuild[s] = 0;
@@ -460,6 +481,7 @@ void cpu_backend::select_chunks(int layer, std::span<const batch_entry> entries,
         stats_.misses += 1;
       }
     }
+    d.selection_steps += 1;
     stats_.selections += 1;
   }
 }
@@ -467,12 +489,12 @@ void cpu_backend::select_chunks(int layer, std::span<const batch_entry> entries,
 void cpu_backend::fetch_values(int layer, std::span<const batch_entry> entries) {
   const std::int64_t heads = config_.num_kv_heads;
   const std::int64_t run = static_cast<std::int64_t>(config_.chunk_size) * config_.head_dim;
-  const std::int64_t budget_chunks = config_.budget_chunks();
+  const std::int64_t cache_slots = config_.cache_slots();
   for (const batch_entry& entry : entries) {
     cpu_layer_data& d = data(entry.slot, layer);
     for (std::int64_t h = 0; h < heads; ++h) {
-      for (std::int64_t s = 0; s < budget_chunks; ++s) {
-        const std::size_t index = static_cast<std::size_t>(h * budget_chunks + s);
+      for (std::int64_t s = 0; s < cache_slots; ++s) {
+        const std::size_t index = static_cast<std::size_t>(h * cache_slots + s);
         if (d.pending_fetch[index] == 0) continue;
         const std::int64_t c = d.cache_chunks[index];
         d.value_store.read_run(c * heads + h, d.cache_values, static_cast<std::int64_t>(index) * run);
@@ -488,7 +510,7 @@ void cpu_backend::rebuild_keys(int layer, std::span<const batch_entry> entries) 
   const std::int64_t dim = config_.head_dim;
   const std::int64_t width = config_.kv_width();
   const std::int64_t chunk = config_.chunk_size;
-  const std::int64_t budget_chunks = config_.budget_chunks();
+  const std::int64_t cache_slots = config_.cache_slots();
   const std::int64_t rank = config_.rank;
   // Work buffers reserved by reserve_decode / reserve_selection.
   workspace_.gathered.resize(static_cast<std::size_t>(chunk * rank));
@@ -499,8 +521,8 @@ void cpu_backend::rebuild_keys(int layer, std::span<const batch_entry> entries) 
     workspace_.basis.resize(static_cast<std::size_t>(d.basis.size()));
     const float* basis = d.basis.floats(0, d.basis.size(), workspace_.basis.data());
     for (std::int64_t h = 0; h < heads; ++h) {
-      for (std::int64_t s = 0; s < budget_chunks; ++s) {
-        const auto index = static_cast<std::size_t>(h * budget_chunks + s);
+      for (std::int64_t s = 0; s < cache_slots; ++s) {
+        const auto index = static_cast<std::size_t>(h * cache_slots + s);
         if (d.pending_rebuild[index] == 0) continue;
         const std::int64_t c = d.cache_chunks[index];
         const float* a = d.coefficients.floats(c * chunk * rank, chunk * rank, workspace_.gathered.data());
@@ -508,7 +530,7 @@ void cpu_backend::rebuild_keys(int layer, std::span<const batch_entry> entries) 
         for (std::int64_t i = 0; i < chunk; ++i) {
           float* key = keys + i * dim;
           rope_.apply(key, d.context_positions[static_cast<std::size_t>(c * chunk + i)]);
-          d.cache_keys.store(((h * budget_chunks + s) * chunk + i) * dim, dim, key);
+          d.cache_keys.store(((h * cache_slots + s) * chunk + i) * dim, dim, key);
         }
         d.pending_rebuild[index] = 0;
         stats_.chunks_rebuilt += 1;
@@ -523,7 +545,7 @@ void cpu_backend::attend(int layer, std::span<const batch_entry> entries, const 
   const std::int64_t dim = config_.head_dim;
   const std::int64_t width = config_.kv_width();
   const std::int64_t chunk = config_.chunk_size;
-  const std::int64_t budget_chunks = config_.budget_chunks();
+  const std::int64_t cache_slots = config_.cache_slots();
   const std::int64_t group = config_.group_size();
   const double scale = config_.effective_softmax_scale();
   workspace_.queries.resize(static_cast<std::size_t>(dim * group));  // reserved by reserve_decode
@@ -544,10 +566,10 @@ void cpu_backend::attend(int layer, std::span<const batch_entry> entries, const 
       for (std::int64_t i = 0; i < exact_rows; ++i) {
         union_rows.push_back({&d.exact_keys, &d.exact_values, i * width + h * dim});
       }
-      for (std::int64_t s = 0; s < budget_chunks; ++s) {
-        if (d.cache_chunks[static_cast<std::size_t>(h * budget_chunks + s)] < 0) continue;
+      for (std::int64_t s = 0; s < cache_slots; ++s) {
+        if (!d.slot_selected(static_cast<std::size_t>(h * cache_slots + s))) continue;
         for (std::int64_t i = 0; i < chunk; ++i) {
-          union_rows.push_back({&d.cache_keys, &d.cache_values, ((h * budget_chunks + s) * chunk + i) * dim});
+          union_rows.push_back({&d.cache_keys, &d.cache_values, ((h * cache_slots + s) * chunk + i) * dim});
         }
       }
       const auto count = static_cast<std::int64_t>(union_rows.size());
@@ -673,13 +695,13 @@ void cpu_backend::reserve_selection(int /*layer*/, std::span<const batch_entry> 
 
 chunk_ids_per_head cpu_backend::selected_chunks(int layer, int slot) const {
   const cpu_layer_data& d = data(slot, layer);
-  const std::int64_t budget_chunks = config_.budget_chunks();
+  const std::int64_t cache_slots = config_.cache_slots();
   chunk_ids_per_head result(static_cast<std::size_t>(config_.num_kv_heads));
   if (d.cache_chunks.empty()) return result;
   for (std::int64_t h = 0; h < config_.num_kv_heads; ++h) {
-    for (std::int64_t s = 0; s < budget_chunks; ++s) {
-      const std::int64_t c = d.cache_chunks[static_cast<std::size_t>(h * budget_chunks + s)];
-      if (c >= 0) result[static_cast<std::size_t>(h)].push_back(c);
+    for (std::int64_t s = 0; s < cache_slots; ++s) {
+      const auto index = static_cast<std::size_t>(h * cache_slots + s);
+      if (d.slot_selected(index)) result[static_cast<std::size_t>(h)].push_back(d.cache_chunks[index]);
     }
     std::sort(result[static_cast<std::size_t>(h)].begin(), result[static_cast<std::size_t>(h)].end());
   }

@@ -30,12 +30,21 @@ struct cpu_layer_data {
   host_array exact_values;  ///< [tokens, Hkv, D]
   std::vector<std::int64_t> exact_positions;
   std::int64_t last_position = -1;
-  // Selection cache: k buffer slots per KV head.
-  std::vector<std::int64_t> cache_chunks;    ///< [Hkv, k]; -1 = empty
-  std::vector<std::uint8_t> pending_rebuild;  ///< [Hkv, k]: missed this step, keys to rebuild
-  std::vector<std::uint8_t> pending_fetch;    ///< [Hkv, k]: missed this step, values to fetch
-  host_array cache_keys;    ///< [Hkv, k, C, D]
-  host_array cache_values;  ///< [Hkv, k, C, D]
+  // Selection cache: K = config::cache_slots() buffer slots per KV head (K = k: exactly the last selection).
+  std::vector<std::int64_t> cache_chunks;    ///< [Hkv, K]; -1 = empty
+  std::vector<std::uint8_t> pending_rebuild;  ///< [Hkv, K]: missed this step, keys to rebuild
+  std::vector<std::uint8_t> pending_fetch;    ///< [Hkv, K]: missed this step, values to fetch
+  host_array cache_keys;    ///< [Hkv, K, C, D]
+  host_array cache_values;  ///< [Hkv, K, C, D]
+  // Only when K > k (lru_selection_cache.hpp); empty otherwise, where every occupied slot is selected.
+  std::vector<std::int64_t> cache_last_used;  ///< [Hkv, K]: the selection step that last selected the slot's chunk
+  std::vector<std::uint8_t> cache_selected;   ///< [Hkv, K]: the slot's chunk is in the last selection
+  std::int64_t selection_steps = 0;           ///< selections of this (sequence, layer) so far (the LRU clock)
+
+  /// Whether attention reads slot `index` ([Hkv, K] flat): it holds a chunk of the last selection.
+  [[nodiscard]] bool slot_selected(std::size_t index) const noexcept {
+    return cache_chunks[index] >= 0 && (cache_selected.empty() || cache_selected[index] != 0);
+  }
 };
 
 /// One token of the attention's union: the array pair holding it and the element offset of its key/value row.
@@ -57,7 +66,7 @@ struct cpu_workspace {
   std::vector<double> probability;                    ///< [G, context chunks]
   std::vector<std::int64_t> order;                    ///< [context chunks]
   std::vector<std::int64_t> selected;                 ///< [k]
-  std::vector<std::uint8_t> cached;                   ///< [k]
+  std::vector<std::uint8_t> cached;                   ///< [k]: selected chunk i is a hit
   std::vector<double> queries;                        ///< [D, G] one KV head's query heads, interleaved (row_dots.hpp)
   std::vector<float> rows;                            ///< [dot_block_rows, D] rows converted to float (row_dots.hpp)
   std::vector<float> gathered;                        ///< [C, r] rebuild_keys: one chunk's rows of A as float

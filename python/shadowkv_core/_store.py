@@ -178,6 +178,11 @@ class KVStore:
         rank: rank of the key factorisation. chunk_size: tokens per chunk.
         budget: selected tokens per KV head per step (a positive multiple of chunk_size; more than max_seq_len is
             clamped, docs/semantics.md "Capacity and errors").
+        cache_tokens: capacity of the selection cache per (sequence, layer, KV head) in tokens: 0 (default) means
+            `budget` (the cache holds the last selection only); a larger multiple of chunk_size keeps chunks selected
+            earlier (least recently selected evicted first), so that more selections hit and fewer chunks are rebuilt
+            and fetched (docs/semantics.md, Decode 6). Its bytes are `selection_cache` in memory_report(). The CPU
+            backend only, for now: the CUDA backend rejects cache_tokens > budget.
         outlier_chunks, local_chunks: chunks kept exact. sink_chunks: how many of the outlier chunks are the prompt's
             first chunks, always (attention sinks), the rest chosen by the min-cosine rule. generation_window: exact generated tokens kept before the
             oldest chunk is folded into the compressed store (a multiple of chunk_size).
@@ -229,6 +234,7 @@ class KVStore:
         rank: int = 160,
         chunk_size: int = 8,
         budget: int = 2048,
+        cache_tokens: int = 0,
         outlier_chunks: int = 48,
         sink_chunks: int = 1,
         local_chunks: int = 4,
@@ -254,6 +260,7 @@ class KVStore:
         softmax_scale = None if softmax_scale is None else _real("softmax_scale", softmax_scale)
         rank, chunk_size = _integer("rank", rank), _integer("chunk_size", chunk_size)
         budget = _integer("budget", budget, _INT64)
+        cache_tokens = _integer("cache_tokens", cache_tokens, _INT64)
         outlier_chunks = _integer("outlier_chunks", outlier_chunks)
         sink_chunks = _integer("sink_chunks", sink_chunks)
         local_chunks = _integer("local_chunks", local_chunks)
@@ -281,6 +288,7 @@ class KVStore:
         cfg.rank = rank
         cfg.chunk_size = chunk_size
         cfg.budget = budget
+        cfg.cache_tokens = cache_tokens
         cfg.outlier_chunks = outlier_chunks
         cfg.sink_chunks = sink_chunks
         cfg.local_chunks = local_chunks

@@ -149,6 +149,7 @@ NB_MODULE(_core, m) {
       .def_rw("rank", &shadowkv::config::rank)
       .def_rw("chunk_size", &shadowkv::config::chunk_size)
       .def_rw("budget", &shadowkv::config::budget)
+      .def_rw("cache_tokens", &shadowkv::config::cache_tokens)
       .def_rw("outlier_chunks", &shadowkv::config::outlier_chunks)
       .def_rw("sink_chunks", &shadowkv::config::sink_chunks)
       .def_rw("local_chunks", &shadowkv::config::local_chunks)

@@ -146,6 +146,7 @@ class RefConfig:
     rank: int = 160
     chunk_size: int = 8
     budget: int = 2048                 # tokens; a multiple of chunk_size
+    cache_tokens: int = 0              # selection cache slots x chunk_size; 0: the budget (semantics.md Decode 6)
     outlier_chunks: int = 48
     sink_chunks: int = 1                # of the outliers, the prompt's first chunks (attention sinks)
     local_chunks: int = 4
@@ -171,6 +172,7 @@ class RefConfig:
         if self.softmax_scale is None:
             self.softmax_scale = 1.0 / math.sqrt(self.head_dim)
         assert self.budget % self.chunk_size == 0
+        assert self.cache_tokens == 0 or (self.cache_tokens % self.chunk_size == 0 and self.cache_tokens >= self.budget)
         assert self.generation_window % self.chunk_size == 0
         assert self.num_q_heads % self.num_kv_heads == 0
         assert self.rotary_dim % 2 == 0 and self.rotary_dim <= self.head_dim
@@ -190,6 +192,11 @@ class RefConfig:
     @property
     def budget_chunks(self) -> int:
         return self.budget // self.chunk_size
+
+    @property
+    def cache_slots(self) -> int:
+        """K, the selection cache's slots per KV head (k when cache_tokens is 0)."""
+        return (self.cache_tokens or self.budget) // self.chunk_size
 
 
 def _min_cos(landmark: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -228,8 +235,44 @@ class ReferenceStore:
         self.outliers = [[] for _ in range(c.num_kv_heads)]
         self.last_scores = [(torch.empty(0, dtype=torch.long), torch.empty(0, dtype=F64))
                             for _ in range(c.num_kv_heads)]
-        # selection cache per KV head: chunk id -> (rebuilt keys [C, D], values [C, D])
-        self.cache = [dict() for _ in range(c.num_kv_heads)]
+        self._empty_cache()
+
+    # ---------------------------------------------------------------- selection cache (semantics.md Decode 6)
+    def _empty_cache(self):
+        """Per KV head, K slots; a slot holds ``None`` (empty) or ``[chunk id, last used step, keys, values]``."""
+        self.cache_slots = [[None] * self.cfg.cache_slots for _ in range(self.cfg.num_kv_heads)]
+        self.selection_step = 0
+
+    @property
+    def cache(self):
+        """Per KV head: chunk id -> (keys [C, D], values [C, D]) of every chunk the cache holds."""
+        return [{s[0]: (s[2], s[3]) for s in slots if s is not None} for slots in self.cache_slots]
+
+    def _place_in_cache(self, h: int, chosen: list) -> list:
+        """Puts the selection ``chosen`` (ascending ids) of head ``h`` into its slots; returns the missed ids.
+
+        Hits (chosen chunks held by a slot) are stamped with this step. Misses, in ascending id, each take the lowest
+        empty slot, else the slot not chosen at this step that was used longest ago (ties: lowest slot index). With
+        K = k this keeps exactly the selection (the store's K = k path frees unselected slots instead; same hits)."""
+        now = self.selection_step
+        slots = self.cache_slots[h]
+        held = {s[0]: i for i, s in enumerate(slots) if s is not None}
+        taken = set()                                   # slot indices chosen at this step
+        for ci in chosen:
+            if ci in held:
+                slots[held[ci]][1] = now
+                taken.add(held[ci])
+        missed = [ci for ci in chosen if ci not in held]
+        rebuilt = self.rebuild_keys(missed, h) if missed else None
+        for i, ci in enumerate(missed):
+            empty = [j for j, s in enumerate(slots) if s is None]
+            if empty:
+                j = empty[0]
+            else:
+                j = min((j for j in range(len(slots)) if j not in taken), key=lambda j: (slots[j][1], j))
+            slots[j] = [ci, now, rebuilt[i], self.value_store[ci, :, h].clone()]
+            taken.add(j)
+        return missed
 
     # ---------------------------------------------------------------- helpers
     def _rope(self, x, positions):
@@ -314,7 +357,7 @@ class ReferenceStore:
         self.gen_values = torch.empty(0, hkv, d, dtype=F64)
         self.gen_positions = torch.empty(0, dtype=torch.int64)
         self.last_position = int(positions[-1])
-        self.cache = [dict() for _ in range(hkv)]
+        self._empty_cache()
         self.selected = [[] for _ in range(hkv)]
         self.prefilled = True
 
@@ -348,11 +391,13 @@ class ReferenceStore:
         c = self.cfg
         g, hkv = c.group, c.num_kv_heads
         self.selections += 1
+        self.selection_step += 1
         self.last_hits = self.last_misses = 0
         for h in range(hkv):
             out_set = set(self.outliers[h])
             cand = torch.tensor([ci for ci in range(self.n_ctx_chunks) if ci not in out_set], dtype=torch.long)
             if cand.numel() == 0:
+                self._place_in_cache(h, [])
                 self.selected[h] = []
                 self.last_scores[h] = (cand, torch.empty(0, dtype=F64))
                 continue
@@ -365,16 +410,10 @@ class ReferenceStore:
             k = min(c.budget_chunks, cand.numel())
             chosen = sorted(cand[order[:k]].tolist())
             self.last_scores[h] = (cand, score)
-            # temporal cache: hits keep their buffers, misses are rebuilt and fetched
-            old = self.cache[h]
-            missed = [ci for ci in chosen if ci not in old]
-            rebuilt = self.rebuild_keys(missed, h) if missed else None
-            new = {ci: old[ci] for ci in chosen if ci in old}
-            for i, ci in enumerate(missed):
-                new[ci] = (rebuilt[i], self.value_store[ci, :, h].clone())
+            # temporal cache: hits keep their buffers, misses are rebuilt and fetched into slots
+            missed = self._place_in_cache(h, chosen)
             self.last_hits += len(chosen) - len(missed)
             self.last_misses += len(missed)
-            self.cache[h] = new
             self.selected[h] = chosen
         self.hits += self.last_hits
         self.misses += self.last_misses
@@ -465,7 +504,7 @@ class ReferenceStore:
             outliers=min(c.outlier_chunks, self.n_prompt_chunks) * C * hkv * d * 2 * e,
             exact_tokens=(info["local_len"] + info["generated_exact_len"]) * hkv * d * 2 * e,
             value_store=n_ctx * C * hkv * d * e,
-            selection_cache=c.budget_chunks * C * hkv * d * 2 * e,
+            selection_cache=c.cache_slots * C * hkv * d * 2 * e,
         )
         rep["total"] = sum(rep.values())
         rep["full_attention_equivalent"] = info["total_len"] * hkv * d * 2 * e

@@ -84,6 +84,10 @@ struct config {
   /// Tokens selected per KV head per step: a positive multiple of chunk_size (the same unit as Python's `budget`).
   /// More than max_seq_len is allowed: the store clamps it (docs/semantics.md, "Capacity and errors").
   std::int64_t budget = 2048;
+  /// Capacity of the selection cache per (sequence, layer, KV head) in tokens (docs/semantics.md, Decode 6): 0 means
+  /// the budget (the cache holds exactly the last selection); else a multiple of chunk_size >= budget, whose extra
+  /// slots keep recently selected chunks (LRU) so that more selections hit. Clamped with the budget (see there).
+  std::int64_t cache_tokens = 0;
   int outlier_chunks = 48;       ///< chunks per KV head kept exact as outliers
   int sink_chunks = 1;           ///< of those, the prompt's first chunks, always (attention sinks; at most outlier_chunks)
   int local_chunks = 4;          ///< chunks at the end of the prompt kept exact as the local window
@@ -126,6 +130,11 @@ struct config {
   }
   /// The budget in chunks, k = budget / chunk_size (what the selection and its cache are sized by).
   [[nodiscard]] std::int64_t budget_chunks() const noexcept { return chunk_size > 0 ? budget / chunk_size : 0; }
+  /// The selection cache's slots per (sequence, layer, KV head), K = cache_tokens / chunk_size (k when 0).
+  [[nodiscard]] std::int64_t cache_slots() const noexcept {
+    if (cache_tokens == 0) return budget_chunks();
+    return chunk_size > 0 ? cache_tokens / chunk_size : 0;
+  }
 };
 
 /// "half" or "interleaved".
