@@ -29,6 +29,7 @@ export ASAN_OPTIONS="halt_on_error=1:detect_leaks=1:strict_init_order=1:detect_s
 export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1"
 
 echo "== configure and build ($build: -fsanitize=address,undefined, CUDA off) =="
+mkdir -p "$(dirname "$build")"  # the configure log goes next to the build folder (a fresh clone has no build/)
 generator=()
 command -v ninja >/dev/null 2>&1 && generator=(-G Ninja)
 cmake -S . -B "$build" ${generator[@]+"${generator[@]}"} -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSHADOWKV_CUDA=OFF \
