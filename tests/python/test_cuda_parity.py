@@ -251,38 +251,63 @@ def test_cuda_rejects_shapes_its_kernels_cannot_serve_at_construction(bad):
     KVStore(**kw, device="cpu")  # the reference takes it
 
 
+TWIN_LENGTHS = [900, 530, 1200, 610, 770, 1000, 480]
+
+
+def _twin_kw(value_dtype, **extra):
+    """One layer, Hq 8, Hkv 2, D 128, a batch of 7 ragged sequences with pinned host values: the shape of the tests
+    that run the same steps through two CUDA stores that differ only in how the work is laid out."""
+    return dict(num_layers=1, num_q_heads=8, num_kv_heads=2, head_dim=128, max_batch=len(TWIN_LENGTHS),
+                max_seq_len=2048, rank=64, chunk_size=8, budget=128, outlier_chunks=2, local_chunks=2,
+                generation_window=16, dtype="bfloat16", device="cuda:0", value_store="host", value_dtype=value_dtype,
+                **extra)
+
+
+def _run_twins(stores, g, steps, compare_outputs, what):
+    """Prefills the same ragged batch into every store of `stores` (name -> KVStore), runs `steps` decode steps with
+    the same inputs through each, and checks after every step that selections are identical and that
+    compare_outputs(first, other) holds for the outputs; then that the statistics are identical and non-trivial.
+    Returns the last outputs."""
+    lengths, hkv, d, hq = TWIN_LENGTHS, 2, 128, 8
+    keys = torch.zeros(len(lengths), max(lengths), hkv, d)
+    values = torch.zeros_like(keys)
+    for b, n in enumerate(lengths):
+        keys[b, :n] = H.structured_keys(g, n, hkv, d)
+        values[b, :n] = H.randn(g, n, hkv, d)
+    slots = {}
+    for name, store in stores.items():
+        slots[name] = store.add_sequences(len(lengths))
+        store.prefill(0, slots[name], keys.cuda(), values.cuda(), lengths=lengths)
+    (first, reference), *others = stores.items()
+    for step in range(steps):
+        q = H.randn(g, len(lengths), hq, d, scale=2.0).cuda()
+        k_new, v_new = H.randn(g, len(lengths), hkv, d).cuda(), H.randn(g, len(lengths), hkv, d).cuda()
+        outs = {name: store.decode(0, slots[name], q, k_new, v_new) for name, store in stores.items()}
+        for name, store in others:
+            compare_outputs(outs[first], outs[name], f"step {step}, {what}, {name} vs {first}")
+            for b in range(len(lengths)):
+                assert reference.selected_chunks(0, slots[first][b]) == store.selected_chunks(0, slots[name][b])
+    for name, store in others:
+        H.assert_nontrivial(outs[name].float(), f"{what}: {name} output", 0)
+        stats = store.stats()
+        assert stats == reference.stats() and stats["misses"] > 0, (what, name, stats)
+    return outs
+
+
 def test_cuda_pipelined_decode_equals_unpipelined():
     """Cutting the batch into parts (decode_pipeline_parts, cuda_backend.hpp) changes the order of the work and, as
     attention runs part by part, its split count (the split combine's rounding): selections and statistics are
     bit-identical to one part and the outputs equal to a few float32 ulps before the output rounding, with host
     (pinned) and fp8 values."""
-    seed, hq, hkv, d, steps = 31, 8, 2, 128, 12
-    lengths = [900, 530, 1200, 610, 770, 1000, 480]
-    g = H.generator(seed)
+    g = H.generator(31)
+
+    def close(a, b, where):
+        err = H.rel_err(b.float(), a.float())
+        assert err < 2e-3, f"{where}: pipelined output differs by {err:.2e}"
+
     for value_dtype in (None, "float8_e4m3"):
-        kw = dict(num_layers=1, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, max_batch=len(lengths), max_seq_len=2048,
-                  rank=64, chunk_size=8, budget=128, outlier_chunks=2, local_chunks=2, generation_window=16,
-                  dtype="bfloat16", device="cuda:0", value_store="host", value_dtype=value_dtype)
-        stores = {parts: KVStore(**kw, decode_pipeline_parts=parts) for parts in (1, 3)}
-        keys = torch.zeros(len(lengths), max(lengths), hkv, d)
-        values = torch.zeros_like(keys)
-        for b, n in enumerate(lengths):
-            keys[b, :n] = H.structured_keys(g, n, hkv, d)
-            values[b, :n] = H.randn(g, n, hkv, d)
-        slots = {}
-        for parts, store in stores.items():
-            slots[parts] = store.add_sequences(len(lengths))
-            store.prefill(0, slots[parts], keys.cuda(), values.cuda(), lengths=lengths)
-        for step in range(steps):
-            q = H.randn(g, len(lengths), hq, d, scale=2.0).cuda()
-            k_new, v_new = H.randn(g, len(lengths), hkv, d).cuda(), H.randn(g, len(lengths), hkv, d).cuda()
-            outs = {parts: store.decode(0, slots[parts], q, k_new, v_new) for parts, store in stores.items()}
-            err = H.rel_err(outs[3].float(), outs[1].float())
-            assert err < 2e-3, f"step {step}: pipelined output differs by {err:.2e} ({value_dtype})"
-            for b in range(len(lengths)):
-                assert stores[1].selected_chunks(0, slots[1][b]) == stores[3].selected_chunks(0, slots[3][b])
-        H.assert_nontrivial(outs[3].float(), "pipelined output", seed)
-        assert stores[1].stats() == stores[3].stats()
+        stores = {f"{parts} parts": KVStore(**_twin_kw(value_dtype, decode_pipeline_parts=parts)) for parts in (1, 3)}
+        _run_twins(stores, g, 12, close, f"values {value_dtype}")
 
 
 def test_cuda_fetch_grid_changes_nothing_but_speed(monkeypatch):
@@ -290,39 +315,19 @@ def test_cuda_fetch_grid_changes_nothing_but_speed(monkeypatch):
     SHADOWKV_FETCH_CTAS overrides it when the store is constructed). One CTA (8 warps for 7 x 2 x 16 items, so every
     warp takes many items and skips past the pairs' hits) gives bit-identical outputs, selections and statistics to
     the default, with bf16 and fp8 host values and with the batch cut in parts; a value that is not a count is refused."""
-    seed, hq, hkv, d, steps = 37, 8, 2, 128, 10
-    lengths = [900, 530, 1200, 610, 770, 1000, 480]
-    g = H.generator(seed)
+    g = H.generator(37)
+
+    def equal(a, b, where):
+        assert torch.equal(a, b), f"{where}: output differs"
+
     for value_dtype, parts in ((None, 1), ("float8_e4m3", 1), (None, 3)):
-        kw = dict(num_layers=1, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, max_batch=len(lengths), max_seq_len=2048,
-                  rank=64, chunk_size=8, budget=128, outlier_chunks=2, local_chunks=2, generation_window=16,
-                  dtype="bfloat16", device="cuda:0", value_store="host", value_dtype=value_dtype,
-                  decode_pipeline_parts=parts)
+        kw = _twin_kw(value_dtype, decode_pipeline_parts=parts)
         monkeypatch.delenv("SHADOWKV_FETCH_CTAS", raising=False)
         stores = {"default": KVStore(**kw)}
         monkeypatch.setenv("SHADOWKV_FETCH_CTAS", "1")
         stores["one CTA"] = KVStore(**kw)
         monkeypatch.delenv("SHADOWKV_FETCH_CTAS")
-        keys = torch.zeros(len(lengths), max(lengths), hkv, d)
-        values = torch.zeros_like(keys)
-        for b, n in enumerate(lengths):
-            keys[b, :n] = H.structured_keys(g, n, hkv, d)
-            values[b, :n] = H.randn(g, n, hkv, d)
-        slots = {}
-        for name, store in stores.items():
-            slots[name] = store.add_sequences(len(lengths))
-            store.prefill(0, slots[name], keys.cuda(), values.cuda(), lengths=lengths)
-        for step in range(steps):
-            q = H.randn(g, len(lengths), hq, d, scale=2.0).cuda()
-            k_new, v_new = H.randn(g, len(lengths), hkv, d).cuda(), H.randn(g, len(lengths), hkv, d).cuda()
-            outs = {name: store.decode(0, slots[name], q, k_new, v_new) for name, store in stores.items()}
-            assert torch.equal(outs["default"], outs["one CTA"]), f"step {step}: output differs ({value_dtype}, {parts})"
-            for b in range(len(lengths)):
-                assert (stores["default"].selected_chunks(0, slots["default"][b])
-                        == stores["one CTA"].selected_chunks(0, slots["one CTA"][b]))
-        H.assert_nontrivial(outs["one CTA"].float(), "output with a one-CTA fetch", seed)
-        stats = stores["one CTA"].stats()
-        assert stats == stores["default"].stats() and stats["misses"] > 0, stats
+        _run_twins(stores, g, 10, equal, f"values {value_dtype}, {parts} parts")
     monkeypatch.setenv("SHADOWKV_FETCH_CTAS", "0")
     with pytest.raises(ValueError, match="SHADOWKV_FETCH_CTAS"):
         KVStore(**kw)
