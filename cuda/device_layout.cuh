@@ -25,7 +25,9 @@ struct dims {
   int head_dim;        ///< D
   int group;           ///< G = Hq / Hkv
   int chunk;           ///< C
-  int budget;          ///< k, chunks per KV head
+  int budget;          ///< k, chunks a selection takes per KV head (miss and selection lists have k entries)
+  int cache_slots;     ///< K >= k, selection-cache slots per KV head (config::cache_slots()); K == k: the cache
+                       ///< holds exactly the last selection, K > k: slots keep their chunk until evicted (LRU)
   int max_outliers;    ///< O (per head; actual count is layer_view::outlier_chunks)
   int rank;            ///< r
   int window;          ///< W, generated ring capacity in tokens
@@ -64,11 +66,17 @@ struct layer_view {
   void* exact_keys;              ///< T [Hkv, local_capacity + W, D]: local window rows, then the generated ring
   void* exact_values;            ///< T [Hkv, local_capacity + W, D]
   long long* exact_positions;    ///< [local_capacity + W]
-  // Selection cache.
-  int* cache_chunks;             ///< [Hkv, k]: chunk id per buffer slot, -1 = empty
+  // Selection cache of K = dims::cache_slots slots per head.
+  int* cache_chunks;             ///< [Hkv, K]: chunk id per buffer slot, -1 = empty
   int* slot_of_chunk;            ///< [Hkv, max_chunks]: buffer slot holding a chunk, -1 = none
-  void* cache_keys;              ///< T [Hkv, k*C, D] rebuilt post-RoPE keys
-  void* cache_values;            ///< T [Hkv, k*C, D] fetched values
+  void* cache_keys;              ///< T [Hkv, K*C, D] rebuilt post-RoPE keys
+  void* cache_values;            ///< T [Hkv, K*C, D] fetched values
+  // Only when K > k (null otherwise: with K == k every filled slot is selected). Reset by the prefill; advanced by
+  // the select kernel, so that graph replays keep them exact (cpp/src/lru_selection_cache.hpp is the rule).
+  long long* cache_last_used;    ///< [Hkv, K]: the selection number that last selected the slot's chunk (0: never)
+  long long* selection_clock;    ///< [Hkv]: selections of this (sequence, layer) so far, one copy per head (each
+                                 ///< select CTA advances its own: no CTA waits for another's read)
+  int* selected_slots;           ///< [Hkv, k]: the slots of the last selection, ascending, -1 padding (attention)
   // Value store in device memory or pinned, mapped host memory (device-accessible pointers), set when a sequence
   // joins the slot.
   void* value_store;             ///< T [max_chunks, Hkv, C, D]: one (chunk, head) = one contiguous run; fp8: codes

@@ -213,6 +213,7 @@ kernel_state::kernel_state(const shape& s) : shape_(s) {
   d_.group = shape::q_heads / Hkv;
   d_.chunk = C;
   d_.budget = k;
+  d_.cache_slots = k;  // the default cache (K == k): slot stride k below
   d_.max_outliers = shape::outliers;
   d_.rank = shape::rank;
   d_.window = shape::generation_window;

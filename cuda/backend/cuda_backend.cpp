@@ -77,7 +77,7 @@ class device_guard {
 // Bytes of every array of one (slot, layer), each aligned.
 struct cuda_backend::layer_sizes {
   std::size_t basis, coefficients, context_positions, landmarks, is_outlier, outlier, exact, exact_positions,
-      cache_chunks, slot_of_chunk, cache, value_store, value_codes;
+      cache_chunks, slot_of_chunk, cache, cache_last_used, selection_clock, selected_slots, value_store, value_codes;
 
   explicit layer_sizes(const dims& d, std::size_t element) {
     const std::size_t width = static_cast<std::size_t>(d.kv_heads) * d.head_dim;
@@ -91,9 +91,15 @@ struct cuda_backend::layer_sizes {
     outlier = align_up(static_cast<std::size_t>(d.max_outliers) * d.chunk * width * element);
     exact = align_up(static_cast<std::size_t>(d.local_capacity + d.window) * width * element);
     exact_positions = align_up(static_cast<std::size_t>(d.local_capacity + d.window) * sizeof(long long));
-    cache_chunks = align_up(static_cast<std::size_t>(d.kv_heads) * d.budget * sizeof(int));
+    // The selection cache: K = cache_slots slots per head; the LRU state only when K > k (none when K == k, so
+    // that the default cache's arena is what it was before larger caches existed).
+    cache_chunks = align_up(static_cast<std::size_t>(d.kv_heads) * d.cache_slots * sizeof(int));
     slot_of_chunk = align_up(static_cast<std::size_t>(d.kv_heads) * d.max_chunks * sizeof(int));
-    cache = align_up(static_cast<std::size_t>(d.budget) * d.chunk * width * element);
+    cache = align_up(static_cast<std::size_t>(d.cache_slots) * d.chunk * width * element);
+    const bool lru = d.cache_slots > d.budget;
+    cache_last_used = lru ? align_up(static_cast<std::size_t>(d.kv_heads) * d.cache_slots * sizeof(long long)) : 0;
+    selection_clock = lru ? align_up(static_cast<std::size_t>(d.kv_heads) * sizeof(long long)) : 0;
+    selected_slots = lru ? align_up(static_cast<std::size_t>(d.kv_heads) * d.budget * sizeof(int)) : 0;
     // The value store: T [max_chunks, Hkv, C, D], or fp8 codes of the same shape then float scales [max_chunks, Hkv].
     value_codes = align_up(context_tokens * width * (d.value_fp8 != 0 ? 1 : element));
     value_store = value_codes +
@@ -101,7 +107,8 @@ struct cuda_backend::layer_sizes {
   }
   [[nodiscard]] std::size_t device_total() const {
     return basis + coefficients + context_positions + landmarks + is_outlier + 2 * outlier + 2 * exact +
-           exact_positions + cache_chunks + slot_of_chunk + 2 * cache;
+           exact_positions + cache_chunks + slot_of_chunk + 2 * cache + cache_last_used + selection_clock +
+           selected_slots;
   }
 };
 
@@ -125,6 +132,7 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   dims_.group = cfg.group_size();
   dims_.chunk = cfg.chunk_size;
   dims_.budget = static_cast<int>(cfg.budget_chunks());  // chunks (validate(): fits an int)
+  dims_.cache_slots = static_cast<int>(cfg.cache_slots());  // K >= k (validate(): fits an int; clamped like k)
   dims_.max_outliers = cfg.outlier_chunks;
   dims_.rank = cfg.rank;
   dims_.window = cfg.generation_window;
@@ -186,6 +194,11 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
     v.slot_of_chunk = static_cast<int*>(take(sizes.slot_of_chunk));
     v.cache_keys = take(sizes.cache);
     v.cache_values = take(sizes.cache);
+    if (dims_.cache_slots > dims_.budget) {
+      v.cache_last_used = static_cast<long long*>(take(sizes.cache_last_used));
+      v.selection_clock = static_cast<long long*>(take(sizes.selection_clock));
+      v.selected_slots = static_cast<int*>(take(sizes.selected_slots));
+    }
     v.value_store = nullptr;  // set when a sequence joins the slot
   }
   SHADOWKV_CUDA_TRY(cudaMemcpyAsync(views_.data(), host_views_.data(), sizeof(layer_view) * layers,
@@ -529,8 +542,20 @@ void cuda_backend::prefill_one(int layer, const batch_entry& entry, const prefil
                                codes_target, scales_target, stream_);
   }
   SHADOWKV_CUDA_TRY(cudaMemsetAsync(view.cache_chunks, 0xff,
-                                    static_cast<std::size_t>(config_.num_kv_heads) * config_.budget_chunks() * sizeof(int),
+                                    static_cast<std::size_t>(config_.num_kv_heads) * config_.cache_slots() * sizeof(int),
                                     stream_));
+  if (view.cache_last_used != nullptr) {
+    // K > k: the cache starts empty, with its LRU clock at zero (as the CPU backend's fresh cpu_layer_data).
+    SHADOWKV_CUDA_TRY(cudaMemsetAsync(
+        view.cache_last_used, 0,
+        static_cast<std::size_t>(config_.num_kv_heads) * config_.cache_slots() * sizeof(long long), stream_));
+    SHADOWKV_CUDA_TRY(cudaMemsetAsync(view.selection_clock, 0,
+                                      static_cast<std::size_t>(config_.num_kv_heads) * sizeof(long long), stream_));
+    SHADOWKV_CUDA_TRY(cudaMemsetAsync(view.selected_slots, 0xff,
+                                      static_cast<std::size_t>(config_.num_kv_heads) * config_.budget_chunks() *
+                                          sizeof(int),
+                                      stream_));
+  }
   SHADOWKV_CUDA_TRY(cudaMemsetAsync(view.slot_of_chunk, 0xff,
                                     static_cast<std::size_t>(config_.num_kv_heads) * dims_.max_chunks * sizeof(int),
                                     stream_));
@@ -711,14 +736,28 @@ void cuda_backend::attend(int layer, std::span<const batch_entry> entries, const
 chunk_ids_per_head cuda_backend::selected_chunks(int layer, int slot) const {
   device_guard guard(device_);
   const layer_view& view = host_view(slot, layer);
-  std::vector<int> chunks(static_cast<std::size_t>(config_.num_kv_heads) * config_.budget_chunks());
+  const auto slots = static_cast<std::size_t>(config_.cache_slots());
+  const auto listed = static_cast<std::size_t>(config_.budget_chunks());
+  std::vector<int> chunks(static_cast<std::size_t>(config_.num_kv_heads) * slots);
+  // K > k: the selection is the listed slots (the others hold chunks selected earlier); K == k: every filled slot.
+  const bool lru = view.selected_slots != nullptr;
+  std::vector<int> selected(lru ? static_cast<std::size_t>(config_.num_kv_heads) * listed : 0);
   SHADOWKV_CUDA_TRY(cudaStreamSynchronize(stream_));
   read_back(chunks.data(), view.cache_chunks, chunks.size() * sizeof(int));
+  if (lru) read_back(selected.data(), view.selected_slots, selected.size() * sizeof(int));
   chunk_ids_per_head result(static_cast<std::size_t>(config_.num_kv_heads));
   for (int h = 0; h < config_.num_kv_heads; ++h) {
-    for (int s = 0; s < config_.budget_chunks(); ++s) {
-      const int c = chunks[static_cast<std::size_t>(h) * config_.budget_chunks() + s];
-      if (c >= 0) result[static_cast<std::size_t>(h)].push_back(c);
+    const auto row = static_cast<std::size_t>(h);
+    if (lru) {
+      for (std::size_t e = 0; e < listed; ++e) {
+        const int s = selected[row * listed + e];
+        if (s >= 0) result[row].push_back(chunks[row * slots + static_cast<std::size_t>(s)]);
+      }
+    } else {
+      for (std::size_t s = 0; s < slots; ++s) {
+        const int c = chunks[row * slots + s];
+        if (c >= 0) result[row].push_back(c);
+      }
     }
     std::sort(result[static_cast<std::size_t>(h)].begin(), result[static_cast<std::size_t>(h)].end());
   }
@@ -767,7 +806,7 @@ memory_report cuda_backend::memory(std::span<const layer_state* const> states) c
     const std::int64_t values = state->context_chunks * config_.num_kv_heads * config_.value_run_bytes();
     report.value_store += values;
     (state->values_on == value_place::device ? report.value_store_device : report.value_store_host) += values;
-    report.selection_cache += static_cast<std::int64_t>(config_.budget_chunks()) * chunk * width * 2 * e;
+    report.selection_cache += config_.cache_slots() * chunk * width * 2 * e;
     report.full_attention_equivalent += state->total_len() * width * 2 * e;
   }
   report.device_reserved = static_cast<std::int64_t>(arena_.size() + views_.size() + workspace_memory_.size());

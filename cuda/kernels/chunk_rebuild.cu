@@ -138,9 +138,10 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
   const int h = static_cast<int>(blockIdx.y);
   const layer_view* view = views + static_cast<long long>(batch_slots[b]) * d.num_layers + layer;
   const int misses = workspace.miss_counts[b * d.kv_heads + h];
+  // Miss lists hold k entries per head; cache slots are K (dims::cache_slots) per head.
   const int* miss_slots = workspace.miss_slots + static_cast<long long>(b * d.kv_heads + h) * d.budget;
-  const int* cache_chunks = view->cache_chunks + static_cast<long long>(h) * d.budget;
-  T* cache_keys = static_cast<T*>(view->cache_keys) + static_cast<long long>(h) * d.budget * d.chunk * D;
+  const int* cache_chunks = view->cache_chunks + static_cast<long long>(h) * d.cache_slots;
+  T* cache_keys = static_cast<T*>(view->cache_keys) + static_cast<long long>(h) * d.cache_slots * d.chunk * D;
   const F* coefficients = static_cast<const F*>(view->coefficients);  // A [max_chunks*C, r]
   const F* basis = static_cast<const F*>(view->basis) + h * D;        // B[:, h*D:(h+1)*D], row stride `width`
   const long long width = static_cast<long long>(d.kv_heads) * D;
@@ -388,10 +389,10 @@ __global__ void fetch_values_kernel(dims d, layer_view* views, const int* batch_
       const unsigned long long run_bytes = d.value_fp8 != 0 ? run + sizeof(float) : run * sizeof(T);
       atomicAdd(workspace.counters + 3, static_cast<unsigned long long>(misses) * run_bytes);
     }
-    const int slot = workspace.miss_slots[pair * d.budget + m];
-    const int chunk = view->cache_chunks[static_cast<long long>(h) * d.budget + slot];
+    const int slot = workspace.miss_slots[pair * d.budget + m];  // k entries per pair, slots in [0, K)
+    const int chunk = view->cache_chunks[static_cast<long long>(h) * d.cache_slots + slot];
     const long long source_run = static_cast<long long>(chunk) * d.kv_heads + h;
-    T* target = static_cast<T*>(view->cache_values) + (static_cast<long long>(h) * d.budget + slot) * run;
+    T* target = static_cast<T*>(view->cache_values) + (static_cast<long long>(h) * d.cache_slots + slot) * run;
     if (d.value_fp8 != 0) {
       // 16 codes (16 bytes) a lane at a time, dequantized and rounded to T (shadowkv/fp8.hpp), stored as 16-byte
       // vectors (16 * sizeof(T) bytes a lane).
@@ -462,9 +463,9 @@ void launch_rebuild_keys(const dims& d, int kv_type, layer_view* views, const in
   SHADOWKV_EXPECTS(d.rank >= 1, "key rebuild: rank must be >= 1, got ", d.rank);
   SHADOWKV_EXPECTS(d.rotary_dim >= 0 && d.rotary_dim <= d.head_dim && d.rotary_dim % 2 == 0,
                    "key rebuild: rotary_dim must be even and in [0, head_dim = ", d.head_dim, "], got ", d.rotary_dim);
-  SHADOWKV_EXPECTS(d.kv_heads >= 1 && d.kv_heads <= 65535 && d.budget >= 1,
-                   "key rebuild: need 1 <= kv_heads <= 65535 and budget >= 1, got kv_heads ", d.kv_heads, ", budget ",
-                   d.budget);
+  SHADOWKV_EXPECTS(d.kv_heads >= 1 && d.kv_heads <= 65535 && d.budget >= 1 && d.cache_slots >= d.budget,
+                   "key rebuild: need 1 <= kv_heads <= 65535, budget >= 1 and cache_slots >= budget, got kv_heads ",
+                   d.kv_heads, ", budget ", d.budget, ", cache_slots ", d.cache_slots);
   SHADOWKV_EXPECTS(batch >= 0, "key rebuild: batch must be >= 0, got ", batch);
   if (batch == 0) return;
   shadowkv_dispatch_element(kv_type, [&](auto* tag) {
@@ -481,6 +482,9 @@ void launch_fetch_values(const dims& d, int kv_type, layer_view* views, const in
                          const step_workspace& workspace, int ctas, cudaStream_t stream) {
   SHADOWKV_EXPECTS(batch >= 0 && ctas >= 1, "value fetch: batch must be >= 0 and ctas >= 1, got batch ", batch,
                    ", ctas ", ctas);
+  SHADOWKV_EXPECTS(d.budget >= 1 && d.cache_slots >= d.budget,
+                   "value fetch: need budget >= 1 and cache_slots >= budget, got budget ", d.budget, ", cache_slots ",
+                   d.cache_slots);
   if (batch == 0) return;
   // No more CTAs than there are items for their warps (8 a CTA).
   const long long items = static_cast<long long>(batch) * d.kv_heads * d.budget;

@@ -9,6 +9,9 @@
 
 namespace shadowkv::cuda {
 
+/// Miss lists: workspace.miss_slots holds k = dims::budget entries per (entry, head), slots in [0, K), K =
+/// dims::cache_slots the slots per head of cache_chunks, cache_keys and cache_values ([Hkv, K, C, D]).
+///
 /// Keys of every missed (entry, head, chunk) into its buffer slot of cache_keys, rounded to T: a tensor-core
 /// gather-GEMM A[rows of the chunk] · B[:, head] (3xTF32, fp32-accurate), then RoPE at each token's position.
 /// The miss lists are read on the device (the grid depends only on batch and dims: graph-capturable); runs on

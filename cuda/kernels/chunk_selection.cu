@@ -26,7 +26,9 @@
 //      shared-memory histograms, the digit found with one cub::BlockScan over the bins); then an ordered compaction
 //      (warp ballots and one exchange of warp totals) that takes every chunk strictly above the k-th radix key and the
 //      first ties in ascending id, writing workspace.selected ascending; then the cache update with the same
-//      compaction (free slots ascending, misses ascending), slot_of_chunk giving O(1) membership. The radix keys live
+//      compaction (free slots ascending, misses ascending), slot_of_chunk giving O(1) membership. A cache larger
+//      than the budget (K > k) picks its victims with a second radix select over per-slot eviction keys and ranks
+//      the (at most k) victims exactly by their 64-bit stamps (selection/cache_policy.cuh, update_lru_cache). The radix keys live
 //      in shared memory when max_chunks fits (4 B per chunk, up to about 54K chunks on an H200); else in the group's
 //      first logits row, dead by then.
 //   If the partials do not fit (tiny max_chunks or a very large group), 1b is skipped and kernel 2 normalises from
@@ -131,6 +133,10 @@ void launch_select_chunks(const dims& d, int kv_type, layer_view* views, const i
                    "chunk selection: q_heads must be kv_heads * group");
   SHADOWKV_EXPECTS(d.head_dim >= 1 && d.budget >= 1 && d.max_chunks >= 0,
                    "chunk selection: head_dim and budget must be >= 1, max_chunks >= 0");
+  // K > k reuses the per-chunk radix keys (max_chunks of them) as per-slot eviction keys.
+  SHADOWKV_EXPECTS(d.cache_slots == d.budget || (d.cache_slots > d.budget && d.cache_slots <= d.max_chunks),
+                   "chunk selection: cache_slots must be budget or in (budget, max_chunks], got cache_slots ",
+                   d.cache_slots, ", budget ", d.budget, ", max_chunks ", d.max_chunks);
   SHADOWKV_EXPECTS(queries.type == element_f32 || queries.type == element_f16 || queries.type == element_bf16,
                    "chunk selection: unknown query element type ", queries.type);
   int element_bytes = 0;

@@ -7,10 +7,16 @@
 //   score(c) = max over the G query heads j of h of p_j(c) (dims::group_mean: their mean);
 //   selected = the min(k, #candidates) best by descending score, ties to the smaller chunk id, written ascending
 //              to workspace.selected[(b*Hkv + h)*k ...] and padded with -1;
-//   cache: a buffer slot whose chunk is selected is a hit and stays; other slots are freed (cache_chunks = -1 and
-//          slot_of_chunk[old] = -1); each selected chunk not cached (a miss), in ascending chunk id, takes the
-//          lowest free slot (cache_chunks, slot_of_chunk updated); workspace.miss_slots[(b*Hkv + h)*k ...] lists
-//          the filled slots (ascending chunk order), miss_counts[b*Hkv + h] their number;
+//   cache (K = dims::cache_slots slots per head, cache_chunks[h*K ...]):
+//     K == k: a buffer slot whose chunk is selected is a hit and stays; other slots are freed (cache_chunks = -1
+//          and slot_of_chunk[old] = -1); each selected chunk not cached (a miss), in ascending chunk id, takes the
+//          lowest free slot (cache_chunks, slot_of_chunk updated);
+//     K > k: the selection's number is now = selection_clock[h] + 1 (written back); hits get cache_last_used = now;
+//          each miss, in ascending chunk id, takes the lowest-index empty slot, else the slot not selected now with
+//          the smallest (cache_last_used, index), whose chunk is dropped, and is stamped now
+//          (cpp/src/lru_selection_cache.hpp); selected_slots[h*k ...] lists the selected slots ascending (-1 padding);
+//   workspace.miss_slots[(b*Hkv + h)*k ...] lists the filled slots (ascending chunk order), miss_counts[b*Hkv + h]
+//   their number;
 //   counters[0] += hits, counters[1] += misses, counters[2] += 1 per entry.
 #pragma once
 

@@ -34,12 +34,6 @@ inline void check_kernel_support(const config& cfg) {
                    " KV heads, got ", cfg.num_kv_heads);
   SHADOWKV_EXPECTS(cfg.max_batch <= kMaxGridDimension, "the CUDA backend supports max_batch up to ",
                    kMaxGridDimension, ", got ", cfg.max_batch);
-  // The select kernel keeps exactly the last selection (one slot per selected chunk); the LRU slots of a larger
-  // cache (cpp/src/lru_selection_cache.hpp) are not implemented on the GPU yet. `cfg` is the effective config:
-  // cache_tokens 0 has become the budget, and both are clamped alike.
-  SHADOWKV_EXPECTS(cfg.cache_slots() == cfg.budget_chunks(),
-                   "the CUDA backend does not support a selection cache larger than the budget yet: cache_tokens = ",
-                   cfg.cache_tokens, " > budget = ", cfg.budget, " tokens (use cache_tokens = 0 or the CPU backend)");
 }
 
 }  // namespace shadowkv::cuda

@@ -7,7 +7,9 @@
 //        [outlier rows | local rows | generated ring rows | cache slot rows],
 //    where the cache part spans buffer slots 0 .. (last filled slot) and rows of empty slots (-1) in the middle are
 //    skipped (masked) rather than compacted: empty slots only exist while a sequence has fewer candidate chunks than
-//    the budget, and masking keeps the row -> address map a few integer ops with no shared-memory slot list. The
+//    the budget, and masking keeps the row -> address map a few integer ops with no shared-memory slot list. With a
+//    cache larger than the budget (K > k) the cache part is the k entries of selected_slots instead (the selected
+//    slots, ascending, compacted by the select kernel): slots cached but not selected are never read. The
 //    split's share is a contiguous range of ceil(N / splits) rows of the N actual rows, so a short sequence in a
 //    ragged batch costs what it holds.
 //    Rows stream through a multi-stage shared-memory pipeline (cp.async, 16 bytes per copy, 2-8 stages in <= 40 KiB
@@ -155,12 +157,16 @@ __global__ void __launch_bounds__(kThreads, 3)
 
   const layer_view& view = views[static_cast<long long>(batch_slots[b]) * d.num_layers + layer];
   const int chunk = d.chunk;
-  const int* slot_chunks = view.cache_chunks + static_cast<long long>(h) * d.budget;
+  // The cache part is a list of k entries, each C rows or an empty (masked) entry. K == k: entry s is buffer slot s
+  // (cache_chunks, -1 where empty), so every filled slot is read. K > k: the slots hold chunks that are not selected
+  // now, so entry e is slot selected_slots[e] (the selection's slots, ascending; -1 padding at the end).
+  const bool listed = d.cache_slots > d.budget;
+  const int* slot_list = (listed ? view.selected_slots : view.cache_chunks) + static_cast<long long>(h) * d.budget;
 
-  // The cache part ends after the last filled buffer slot.
+  // The cache part ends after the last filled entry.
   int last_filled = -1;
   for (int s = static_cast<int>(threadIdx.x); s < d.budget; s += kThreads) {
-    if (slot_chunks[s] >= 0) last_filled = s;
+    if (slot_list[s] >= 0) last_filled = s;
   }
   last_filled = __reduce_max_sync(0xFFFFFFFFU, last_filled);
   if (lane == 0) warp_last_filled[warp] = last_filled;
@@ -177,10 +183,10 @@ __global__ void __launch_bounds__(kThreads, 3)
   const int row_end = min(total_rows, row_begin + span);
   const int steps = (row_end - row_begin + kStepRows - 1) / kStepRows;
 
-  // Head h's arrays (elements): outliers [O*C, D], exact rows [local_capacity + W, D], cache rows [k*C, D].
+  // Head h's arrays (elements): outliers [O*C, D], exact rows [local_capacity + W, D], cache rows [K*C, D].
   const long long outlier_offset = static_cast<long long>(h) * d.max_outliers * chunk * D;
   const long long exact_offset = static_cast<long long>(h) * (d.local_capacity + d.window) * D;
-  const long long cache_offset = static_cast<long long>(h) * d.budget * chunk * D;
+  const long long cache_offset = static_cast<long long>(h) * d.cache_slots * chunk * D;
   const T* outlier_keys = static_cast<const T*>(view.outlier_keys) + outlier_offset;
   const T* outlier_values = static_cast<const T*>(view.outlier_values) + outlier_offset;
   const T* exact_keys = static_cast<const T*>(view.exact_keys) + exact_offset;
@@ -194,7 +200,7 @@ __global__ void __launch_bounds__(kThreads, 3)
     if (i >= row_end) return false;
     const int cache_row = i - (outlier_rows + local_rows + generated_rows);
     if (cache_row < 0) return true;
-    return slot_chunks[chunk_shift >= 0 ? cache_row >> chunk_shift : cache_row / chunk] >= 0;
+    return slot_list[chunk_shift >= 0 ? cache_row >> chunk_shift : cache_row / chunk] >= 0;
   };
   // Row i of the virtual list -> its key and value rows.
   auto locate = [&](int i, const T*& key, const T*& value) {
@@ -210,7 +216,11 @@ __global__ void __launch_bounds__(kThreads, 3)
       value = exact_values + static_cast<long long>(row) * D;
       return;
     }
-    i -= local_rows + generated_rows;  // a cache row: buffer slot i / C
+    i -= local_rows + generated_rows;  // a cache row of list entry e = i / C: buffer slot e (K == k) or slot_list[e]
+    if (listed) {
+      const int entry = chunk_shift >= 0 ? i >> chunk_shift : i / chunk;
+      i += (slot_list[entry] - entry) * chunk;
+    }
     key = cache_keys + static_cast<long long>(i) * D;
     value = cache_values + static_cast<long long>(i) * D;
   };
@@ -526,9 +536,11 @@ void launch_sparse_attention(const dims& d, int kv_type, const layer_view* views
                    "sparse attention: need 1 <= kv_heads <= 65535, group >= 1 and q_heads == kv_heads * group, got "
                    "q_heads ",
                    d.q_heads, ", kv_heads ", d.kv_heads, ", group ", d.group);
-  SHADOWKV_EXPECTS(d.chunk >= 1 && d.budget >= 0 && d.max_outliers >= 0 && d.local_capacity >= 0 && d.window >= 0,
-                   "sparse attention: invalid dims: chunk ", d.chunk, ", budget ", d.budget, ", max_outliers ",
-                   d.max_outliers, ", local_capacity ", d.local_capacity, ", window ", d.window);
+  SHADOWKV_EXPECTS(d.chunk >= 1 && d.budget >= 0 && d.cache_slots >= d.budget && d.max_outliers >= 0 &&
+                       d.local_capacity >= 0 && d.window >= 0,
+                   "sparse attention: invalid dims: chunk ", d.chunk, ", budget ", d.budget, ", cache_slots ",
+                   d.cache_slots, ", max_outliers ", d.max_outliers, ", local_capacity ", d.local_capacity,
+                   ", window ", d.window);
   SHADOWKV_EXPECTS(layer >= 0 && layer < d.num_layers, "sparse attention: layer ", layer, " not in [0, ",
                    d.num_layers, ")");
   SHADOWKV_EXPECTS(valid_element_type(kv_type) && valid_element_type(q.type) && valid_element_type(out.type),

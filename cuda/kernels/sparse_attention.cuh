@@ -4,7 +4,9 @@
 //   outlier rows [0, outlier_chunks*C) of outlier_keys/values[h],
 //   exact rows [0, local_len) of exact_keys/values[h] (the local window),
 //   ring rows generated_row(view, d, i), i < generated_exact_len (generated tokens, the newest included),
-//   rows [s*C, (s+1)*C) of cache_keys/values[h] for every buffer slot s with cache_chunks[h*k + s] >= 0.
+//   rows [s*C, (s+1)*C) of cache_keys/values[h] ([K*C, D] per head, K = dims::cache_slots) for every buffer slot
+//   s with cache_chunks[h*k + s] >= 0 when K == k, or every slot s = selected_slots[h*k + e] >= 0 (the selected
+//   ones) when K > k.
 // Query head j (j / G == h) gets softmax(softmax_scale * q_j·Kᵀ) V. Accumulation in float32.
 #pragma once
 

@@ -1,8 +1,9 @@
 // A selection cache larger than the budget (config::cache_tokens; docs/semantics.md, Decode 6):
 //  * the slot rule itself (lru_selection_cache.hpp): empty slots first, then the least recently selected slot not
 //    selected at this step, ties by the lowest index; invariants over a long random sequence of selections;
-//  * the store on the CPU backend (the CUDA backend rejects cache_tokens > budget at construction, see
-//    test_cuda_parity.py): cache_tokens = 0 and = budget are the same store bit for bit; a larger cache selects the
+//  * the store on the CPU backend (the CUDA backend's select kernel is checked against this rule in
+//    tests/cuda/test_chunk_selection.cu and its store against this one in test_cuda_parity.py and
+//    test_value_cache.py): cache_tokens = 0 and = budget are the same store bit for bit; a larger cache selects the
 //    same chunks, attends to exactly them (outputs equal to float rounding), hits at least as often, strictly more
 //    on alternating queries; memory_report() counts its slots; release and a new prefill start it cold.
 #include <gtest/gtest.h>

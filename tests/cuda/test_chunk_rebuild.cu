@@ -74,12 +74,14 @@ struct case_config {
   double rope_theta = 10000.0;
   int kv_type = shadowkv::cuda::element_f32;
   int budget = 16;       ///< chunks per head
+  int cache_slots = 0;   ///< K, buffer slots per head (0: the budget); miss lists stay k long, slots in [0, K)
   miss_pattern pattern = miss_pattern::ragged;
   bool bf16_factors = false;  ///< A and B held as bf16 (dims::factor_bf16): one exact TF32 MMA instead of 3xTF32
   bool misaligned = false;  ///< A and B start one element past a 16-byte boundary (the kernel's scalar copy path)
   bool graph = false;       ///< capture once, replay with a second set of miss lists
 
   [[nodiscard]] int full_rank() const { return rank > 0 ? rank : kv_heads * head_dim; }
+  [[nodiscard]] int slots() const { return cache_slots > 0 ? cache_slots : budget; }
   [[nodiscard]] int rotary() const { return rotary_dim > 0 ? rotary_dim : head_dim; }
   [[nodiscard]] std::string describe() const {
     std::ostringstream s;
@@ -87,6 +89,7 @@ struct case_config {
       << " r=" << full_rank() << (rank > 0 ? "" : "(full)") << " rotary=" << rotary()
       << (interleaved ? " interleaved" : " half-split") << " scaling=" << attention_scaling << " theta=" << rope_theta
       << " kv=" << type_name(kv_type) << (bf16_factors ? " factors=bf16" : " factors=f32") << " k=" << budget
+      << " K=" << slots()
       << " misses=" << pattern_name(pattern)
       << (misaligned ? " misaligned" : "") << (graph ? " graph" : "");
     return s.str();
@@ -99,11 +102,11 @@ struct host_entry {
   std::vector<float> coefficients;         // A [max_chunks*C, r] (the values as held: rounded for bf16 factors)
   std::vector<float> basis;                // B [r, Hkv*D]
   std::vector<long long> positions;        // [max_chunks*C]
-  std::vector<int> cache_chunks;           // [Hkv, k]
+  std::vector<int> cache_chunks;           // [Hkv, K]
   device_buffer coefficients_device, basis_device, positions_device, cache_chunks_device, cache_keys_device;
 };
 
-/// Miss lists [B, Hkv]: distinct slots in random order.
+/// Miss lists [B, Hkv]: at most k distinct slots of [0, K) in random order.
 std::vector<std::vector<int>> draw_misses(const case_config& cfg, std::mt19937_64& rng) {
   std::vector<std::vector<int>> lists(static_cast<std::size_t>(cfg.batch) * cfg.kv_heads);
   for (std::size_t i = 0; i < lists.size(); ++i) {
@@ -121,7 +124,7 @@ std::vector<std::vector<int>> draw_misses(const case_config& cfg, std::mt19937_6
         }
         break;
     }
-    std::vector<int> slots(static_cast<std::size_t>(cfg.budget));
+    std::vector<int> slots(static_cast<std::size_t>(cfg.slots()));
     std::iota(slots.begin(), slots.end(), 0);
     std::shuffle(slots.begin(), slots.end(), rng);
     slots.resize(static_cast<std::size_t>(count));
@@ -194,9 +197,10 @@ void run_case(const case_config& cfg) {
   const int D = cfg.head_dim;
   const int C = cfg.chunk;
   const int k = cfg.budget;
+  const int K = cfg.slots();
   const int r = cfg.full_rank();
   const int width = Hkv * D;
-  const int max_chunks = k + 13;  // more chunks than slots: cache_chunks is a proper subset, in random order
+  const int max_chunks = K + 13;  // more chunks than slots: cache_chunks is a proper subset, in random order
   const std::size_t tokens = static_cast<std::size_t>(max_chunks) * C;
   const int num_layers = 3;
   const int layer = 2;
@@ -212,6 +216,7 @@ void run_case(const case_config& cfg) {
   d.group = 1;
   d.chunk = C;
   d.budget = k;
+  d.cache_slots = K;
   d.max_outliers = 0;
   d.rank = r;
   d.window = C;
@@ -230,7 +235,7 @@ void run_case(const case_config& cfg) {
   } while (slot_order[0] == 0);
   const std::vector<int> batch_slots(slot_order.begin(), slot_order.begin() + B);
 
-  const std::size_t key_elements = static_cast<std::size_t>(Hkv) * k * C * D;
+  const std::size_t key_elements = static_cast<std::size_t>(Hkv) * K * C * D;
   const std::size_t key_bytes = key_elements * element_bytes(cfg.kv_type);
   const std::size_t pad = cfg.misaligned ? 1 : 0;  // factor elements
   const int factor_type = cfg.bf16_factors ? shadowkv::cuda::element_bf16 : shadowkv::cuda::element_f32;
@@ -259,12 +264,12 @@ void run_case(const case_config& cfg) {
       e.positions[t] = offset + static_cast<long long>(t) +
                        (t % 7 == 3 ? std::uniform_int_distribution<long long>(0, 1000000)(rng) : 0);
     }
-    e.cache_chunks.resize(static_cast<std::size_t>(Hkv) * k);
+    e.cache_chunks.resize(static_cast<std::size_t>(Hkv) * K);
     for (int h = 0; h < Hkv; ++h) {
       std::vector<int> ids(static_cast<std::size_t>(max_chunks));
       std::iota(ids.begin(), ids.end(), 0);
       std::shuffle(ids.begin(), ids.end(), rng);
-      std::copy_n(ids.begin(), k, e.cache_chunks.begin() + static_cast<std::ptrdiff_t>(h) * k);
+      std::copy_n(ids.begin(), K, e.cache_chunks.begin() + static_cast<std::ptrdiff_t>(h) * K);
     }
 
     e.coefficients_device = device_buffer((e.coefficients.size() + pad) * factor_bytes);
@@ -378,10 +383,10 @@ void run_case(const case_config& cfg) {
       CUDA_OK(cudaMemcpy(keys.data(), e.cache_keys_device.get(), key_bytes, cudaMemcpyDeviceToHost));
       for (int h = 0; h < Hkv; ++h) {
         const std::vector<int>& list = misses[static_cast<std::size_t>(b) * Hkv + h];
-        std::vector<char> missed(static_cast<std::size_t>(k), 0);
+        std::vector<char> missed(static_cast<std::size_t>(K), 0);
         for (int s : list) missed[static_cast<std::size_t>(s)] = 1;
-        for (int s = 0; s < k; ++s) {
-          const std::size_t row0 = (static_cast<std::size_t>(h) * k + s) * C;  // first key row of the slot
+        for (int s = 0; s < K; ++s) {
+          const std::size_t row0 = (static_cast<std::size_t>(h) * K + s) * C;  // first key row of the slot
           if (missed[static_cast<std::size_t>(s)] == 0) {
             const unsigned char* bytes = keys.data() + row0 * D * element_bytes(cfg.kv_type);
             const std::size_t count = static_cast<std::size_t>(C) * D * element_bytes(cfg.kv_type);
@@ -394,7 +399,7 @@ void run_case(const case_config& cfg) {
             }
             continue;
           }
-          const int chunk = e.cache_chunks[static_cast<std::size_t>(h) * k + s];
+          const int chunk = e.cache_chunks[static_cast<std::size_t>(h) * K + s];
           for (int j = 0; j < C; ++j) {
             const long long token = static_cast<long long>(chunk) * C + j;
             reference_row(cfg, e, inv_freq, h, token, key, bound);
@@ -663,6 +668,30 @@ TEST_F(ChunkRebuild, CapturedInGraph) {
   }
 }
 
+TEST_F(ChunkRebuild, LargerCacheSlotStride) {
+  // A cache of K = 2..4 x k slots per head: miss lists of at most k slots anywhere in [0, K), rows at a K-slot head
+  // stride; every other slot must stay untouched.
+  std::uint64_t seed = 801;
+  for (int type : kTypes) {
+    for (int multiple : {2, 4}) {
+      case_config cfg;
+      cfg.seed = seed++;
+      cfg.batch = 3;
+      cfg.kv_heads = 3;
+      cfg.head_dim = multiple == 2 ? 128 : 64;
+      cfg.chunk = 8;
+      cfg.rank = 96;
+      cfg.kv_type = type;
+      cfg.budget = 12;
+      cfg.cache_slots = multiple * cfg.budget;
+      cfg.pattern = miss_pattern::ragged;
+      cfg.graph = multiple == 4;
+      run_case(cfg);
+      if (HasFatalFailure()) return;
+    }
+  }
+}
+
 TEST(ChunkRebuildArguments, RejectsUnsupportedShapes) {
   // Checked before anything touches the device: runs without a GPU too.
   dims d{};
@@ -673,6 +702,7 @@ TEST(ChunkRebuildArguments, RejectsUnsupportedShapes) {
   d.head_dim = 128;
   d.chunk = 8;
   d.budget = 8;
+  d.cache_slots = 8;
   d.rank = 16;
   d.max_chunks = 16;
   d.rotary_dim = 128;
@@ -701,6 +731,12 @@ TEST(ChunkRebuildArguments, RejectsUnsupportedShapes) {
   EXPECT_THROW(shadowkv::cuda::launch_rebuild_keys(d, 0, nullptr, nullptr, 0, -1, ws, nullptr, nullptr),
                shadowkv::invalid_argument);
   EXPECT_THROW(shadowkv::cuda::launch_rebuild_keys(d, 9, nullptr, nullptr, 0, 1, ws, nullptr, nullptr),
+               shadowkv::invalid_argument);
+  bad = d;
+  bad.cache_slots = 7;  // fewer slots than the budget
+  EXPECT_THROW(shadowkv::cuda::launch_rebuild_keys(bad, 0, nullptr, nullptr, 0, 1, ws, nullptr, nullptr),
+               shadowkv::invalid_argument);
+  EXPECT_THROW(shadowkv::cuda::launch_fetch_values(bad, 0, nullptr, nullptr, 0, 1, ws, 1, nullptr),
                shadowkv::invalid_argument);
 }
 

@@ -1,6 +1,6 @@
 // launch_select_chunks against a CPU model that follows cpu_backend::select_chunks (float64 scores, ties to the
-// smaller chunk id) and its temporal-cache rules. Random configurations with printed seeds; each runs two decode
-// steps in a row (different queries, the context possibly grown) so that hits, frees and misses all occur.
+// smaller chunk id) and its temporal-cache rules. Random configurations with printed seeds; each runs two or more
+// decode steps in a row (different queries, the context possibly grown) so that hits, frees and misses all occur.
 //
 // What is compared:
 //   * scores (workspace.scores) against float64 within a relative tolerance;
@@ -9,6 +9,9 @@
 //   * planted exact ties (copied landmarks): equal scores bit for bit, and the smaller id wins;
 //   * cache_chunks, slot_of_chunk, miss_slots, miss_counts exactly against the cache rules applied to the GPU's
 //     selection, plus the invariants (slot_of_chunk inverse of cache_chunks, cached set == selected set);
+//   * with a cache larger than the budget (K > k, the LRU rule of cpp/src/lru_selection_cache.hpp, transcribed in
+//     apply_lru_rule below because the CUDA tests compile as C++17): also cache_last_used, selection_clock and
+//     selected_slots exactly, and the listed slots' chunks == the selection;
 //   * counters (hits, misses, selections; the bytes counter untouched).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -50,6 +53,8 @@ struct case_config {
   int head_dim = 64;
   int max_chunks = 64;
   int budget = 8;
+  int cache_slots = 0;  ///< K; 0: the budget (K == k)
+  int steps = 2;        ///< decode steps; the context grows before the second and stays from then on
   int tokens = 1;
   int kv_type = shadowkv::cuda::element_bf16;
   int q_type = shadowkv::cuda::element_f32;
@@ -65,7 +70,8 @@ struct case_config {
   [[nodiscard]] std::string describe() const {
     std::ostringstream s;
     s << "seed=" << seed << " B=" << batch << " Hkv=" << kv_heads << " G=" << group << " D=" << head_dim
-      << " max_chunks=" << max_chunks << " k=" << budget << " Tq=" << tokens << " kv=" << type_name(kv_type)
+      << " max_chunks=" << max_chunks << " k=" << budget << " K=" << (cache_slots > 0 ? cache_slots : budget)
+      << " steps=" << steps << " Tq=" << tokens << " kv=" << type_name(kv_type)
       << " q=" << type_name(q_type) << " max_context=" << max_context << " outliers<=" << max_outliers
       << " qscale=" << query_scale << " ties=" << tie_fraction << (equal_landmarks ? " equal_landmarks" : "")
       << (warm_cache ? " warm" : "") << (fresh_second ? " fresh_second" : "") << (graph ? " graph" : "");
@@ -79,12 +85,55 @@ struct host_entry {
   int context[2] = {0, 0};           // context_chunks at step 0 and step 1
   std::vector<float> landmarks;      // [Hkv, max_chunks, D], rounded through kv_type
   std::vector<std::uint8_t> outlier; // [Hkv, max_chunks]
-  std::vector<int> cache;            // [Hkv, k] model state
+  std::vector<int> cache;            // [Hkv, K] model state
   std::vector<int> slot_of;          // [Hkv, max_chunks] model state
+  std::vector<long long> last_used;  // [Hkv, K] model state (K > k only)
+  std::vector<long long> clock;      // [Hkv] model state (K > k only)
   struct tie { int head, first, second; };
   std::vector<tie> ties;
   device_buffer landmarks_device, outlier_device, cache_device, slot_of_device;
+  device_buffer last_used_device, clock_device, selected_slots_device;  // K > k only
 };
+
+/// cpp/src/lru_selection_cache.hpp's assign_lru_slots for one head (K = cache.size() slots), with slot_of kept as
+/// the inverse of cache. `chosen`: ascending chunk ids; `now`: this selection's number. Returns the filled slots in
+/// the misses' ascending chunk order; `selected_now` gets the slots of this selection.
+std::vector<int> apply_lru_rule(const std::vector<int>& chosen, long long now, int* cache, int* slot_of,
+                                long long* last_used, int capacity, std::vector<char>& selected_now, int& hits) {
+  selected_now.assign(static_cast<std::size_t>(capacity), 0);
+  hits = 0;
+  std::vector<char> is_hit(chosen.size(), 0);
+  for (int s = 0; s < capacity; ++s) {
+    if (cache[s] < 0) continue;
+    const auto found = std::lower_bound(chosen.begin(), chosen.end(), cache[s]);
+    if (found == chosen.end() || *found != cache[s]) continue;
+    is_hit[static_cast<std::size_t>(found - chosen.begin())] = 1;
+    selected_now[static_cast<std::size_t>(s)] = 1;
+    last_used[s] = now;
+    ++hits;
+  }
+  std::vector<int> filled;
+  for (std::size_t i = 0; i < chosen.size(); ++i) {
+    if (is_hit[i] != 0) continue;
+    int victim = -1;
+    for (int s = 0; s < capacity && victim < 0; ++s) {
+      if (cache[s] < 0) victim = s;
+    }
+    if (victim < 0) {
+      for (int s = 0; s < capacity; ++s) {
+        if (selected_now[static_cast<std::size_t>(s)] != 0) continue;
+        if (victim < 0 || last_used[s] < last_used[victim]) victim = s;
+      }
+    }
+    if (cache[victim] >= 0) slot_of[cache[victim]] = -1;
+    cache[victim] = chosen[i];
+    slot_of[chosen[i]] = victim;
+    selected_now[static_cast<std::size_t>(victim)] = 1;
+    last_used[victim] = now;
+    filled.push_back(victim);
+  }
+  return filled;
+}
 
 /// float64 scores as cpu_backend::select_chunks computes them; -1 for chunks that are not candidates.
 std::vector<double> reference_scores(const case_config& cfg, const host_entry& e, int h, int n, int b,
@@ -156,6 +205,9 @@ void run_case(const case_config& cfg) {
   const int D = cfg.head_dim;
   const int mc = cfg.max_chunks;
   const int k = cfg.budget;
+  const int K = cfg.cache_slots > 0 ? cfg.cache_slots : k;  // slots per head
+  const bool lru = K > k;
+  ASSERT_TRUE(!lru || K <= mc) << "a cache larger than the budget holds at most max_chunks slots";
   const int Tq = cfg.tokens;
   const int num_layers = 2;
   const int layer = 1;
@@ -170,6 +222,7 @@ void run_case(const case_config& cfg) {
   d.group = G;
   d.chunk = 8;
   d.budget = k;
+  d.cache_slots = K;
   d.max_outliers = std::max(1, cfg.max_outliers);
   d.rank = 1;
   d.window = 8;
@@ -226,9 +279,12 @@ void run_case(const case_config& cfg) {
     }
     for (std::size_t i = 0; i < e.landmarks.size(); ++i) store_element(cfg.kv_type, bytes, i, e.landmarks[i]);
 
-    // Cache: empty, or a random consistent state over the first step's context.
-    e.cache.assign(static_cast<std::size_t>(Hkv) * k, -1);
+    // Cache: empty, or a random consistent state over the first step's context (K > k: with random stamps, ties
+    // included, older than the clock; empty slots stamped 0 as after a prefill).
+    e.cache.assign(static_cast<std::size_t>(Hkv) * K, -1);
     e.slot_of.assign(static_cast<std::size_t>(Hkv) * mc, -1);
+    e.last_used.assign(lru ? static_cast<std::size_t>(Hkv) * K : 0, 0);
+    e.clock.assign(lru ? static_cast<std::size_t>(Hkv) : 0, 0);
     if (cfg.warm_cache) {
       for (int h = 0; h < Hkv; ++h) {
         // Chunks past a short context too (slots the kernel must free as not selectable).
@@ -236,15 +292,19 @@ void run_case(const case_config& cfg) {
         std::vector<int> ids(static_cast<std::size_t>(range));
         std::iota(ids.begin(), ids.end(), 0);
         std::shuffle(ids.begin(), ids.end(), rng);
-        std::vector<int> slot_ids(static_cast<std::size_t>(k));
+        std::vector<int> slot_ids(static_cast<std::size_t>(K));
         std::iota(slot_ids.begin(), slot_ids.end(), 0);
         std::shuffle(slot_ids.begin(), slot_ids.end(), rng);
-        const int count = uniform(std::min(k, range) / 2, std::min(k, range));
+        const int count = uniform(std::min(K, range) / 2, std::min(K, range));
+        if (lru) e.clock[static_cast<std::size_t>(h)] = uniform(1, 12);
         for (int i = 0; i < count; ++i) {
           const int c = ids[static_cast<std::size_t>(i)];
           const int s = slot_ids[static_cast<std::size_t>(i)];
-          e.cache[static_cast<std::size_t>(h) * k + s] = c;
+          e.cache[static_cast<std::size_t>(h) * K + s] = c;
           e.slot_of[static_cast<std::size_t>(h) * mc + c] = s;
+          if (lru) {
+            e.last_used[static_cast<std::size_t>(h) * K + s] = uniform(1, static_cast<int>(e.clock[static_cast<std::size_t>(h)]));
+          }
         }
       }
     }
@@ -258,6 +318,15 @@ void run_case(const case_config& cfg) {
     CUDA_OK(upload(e.outlier_device, e.outlier));
     CUDA_OK(upload(e.cache_device, e.cache));
     CUDA_OK(upload(e.slot_of_device, e.slot_of));
+    if (lru) {
+      e.last_used_device = device_buffer(e.last_used.size() * sizeof(long long));
+      e.clock_device = device_buffer(e.clock.size() * sizeof(long long));
+      e.selected_slots_device = device_buffer(static_cast<std::size_t>(Hkv) * k * sizeof(int));
+      ASSERT_TRUE(e.last_used_device.ok() && e.clock_device.ok() && e.selected_slots_device.ok());
+      CUDA_OK(upload(e.last_used_device, e.last_used));
+      CUDA_OK(upload(e.clock_device, e.clock));
+      CUDA_OK(cudaMemset(e.selected_slots_device.get(), 0x55, static_cast<std::size_t>(Hkv) * k * sizeof(int)));
+    }
 
     layer_view& view = views[static_cast<std::size_t>(e.slot) * num_layers + layer];
     view.context_chunks = e.context[0];
@@ -265,6 +334,11 @@ void run_case(const case_config& cfg) {
     view.is_outlier = e.outlier_device.get<std::uint8_t>();
     view.cache_chunks = e.cache_device.get<int>();
     view.slot_of_chunk = e.slot_of_device.get<int>();
+    if (lru) {
+      view.cache_last_used = e.last_used_device.get<long long>();
+      view.selection_clock = e.clock_device.get<long long>();
+      view.selected_slots = e.selected_slots_device.get<int>();
+    }
   }
 
   device_buffer views_device(views.size() * sizeof(layer_view));
@@ -312,12 +386,12 @@ void run_case(const case_config& cfg) {
   std::size_t ambiguous = 0;
   std::size_t hits_seen = 0;
 
-  for (int step = 0; step < 2; ++step) {
+  for (int step = 0; step < cfg.steps; ++step) {
     SCOPED_TRACE("step " + std::to_string(step));
     std::vector<float> q(q_first.size());
     for (std::size_t i = 0; i < q.size(); ++i) {
       float x = q_first[i];
-      if (step == 1) x = cfg.fresh_second ? normal(rng) * cfg.query_scale : x + 0.1F * cfg.query_scale * normal(rng);
+      if (step >= 1) x = cfg.fresh_second ? normal(rng) * cfg.query_scale : x + 0.1F * cfg.query_scale * normal(rng);
       q[i] = round_through(cfg.q_type, x);
     }
     std::vector<unsigned char> q_bytes(query_elements * element_bytes(cfg.q_type), 0);
@@ -352,7 +426,7 @@ void run_case(const case_config& cfg) {
       ASSERT_NO_THROW(shadowkv::cuda::launch_select_chunks(d, cfg.kv_type, views_device.get<layer_view>(),
                                                             slots_device.get<int>(), layer, B, queries, Tq, ws, 0, stream));
     } else {
-      // One graph for both steps: the context length changes on the device only.
+      // One graph for all steps: the context length changes on the device only.
       if (step == 0) {
         CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
         ASSERT_NO_THROW(shadowkv::cuda::launch_select_chunks(d, cfg.kv_type, views_device.get<layer_view>(),
@@ -378,11 +452,19 @@ void run_case(const case_config& cfg) {
 
     for (int b = 0; b < B; ++b) {
       host_entry& e = entries[static_cast<std::size_t>(b)];
-      const int n = e.context[step];
+      const int n = e.context[std::min(step, 1)];
       std::vector<int> gpu_cache;
       std::vector<int> gpu_slot_of;
+      std::vector<long long> gpu_last_used;
+      std::vector<long long> gpu_clock;
+      std::vector<int> gpu_selected_slots;
       CUDA_OK(download(gpu_cache, e.cache_device.get<int>(), e.cache.size()));
       CUDA_OK(download(gpu_slot_of, e.slot_of_device.get<int>(), e.slot_of.size()));
+      if (lru) {
+        CUDA_OK(download(gpu_last_used, e.last_used_device.get<long long>(), e.last_used.size()));
+        CUDA_OK(download(gpu_clock, e.clock_device.get<long long>(), e.clock.size()));
+        CUDA_OK(download(gpu_selected_slots, e.selected_slots_device.get<int>(), static_cast<std::size_t>(Hkv) * k));
+      }
       for (int h = 0; h < Hkv; ++h) {
         SCOPED_TRACE("entry " + std::to_string(b) + " (slot " + std::to_string(e.slot) + ") head " +
                      std::to_string(h) + " context " + std::to_string(n));
@@ -449,27 +531,35 @@ void run_case(const case_config& cfg) {
         }
 
         // Cache rules applied to the GPU's selection.
-        int* cache = e.cache.data() + static_cast<std::size_t>(h) * k;
+        int* cache = e.cache.data() + static_cast<std::size_t>(h) * K;
         int* slot_of = e.slot_of.data() + static_cast<std::size_t>(h) * mc;
         int hits = 0;
-        for (int s = 0; s < k; ++s) {
-          const int old = cache[s];
-          if (old < 0) continue;
-          if (old < n && is_selected[static_cast<std::size_t>(old)] != 0) {
-            ++hits;
-          } else {
-            slot_of[old] = -1;
-            cache[s] = -1;
-          }
-        }
         std::vector<int> expected_misses_list;
-        int free_slot = 0;
-        for (int c : sel) {
-          if (slot_of[c] >= 0) continue;
-          while (cache[free_slot] >= 0) ++free_slot;
-          cache[free_slot] = c;
-          slot_of[c] = free_slot;
-          expected_misses_list.push_back(free_slot);
+        std::vector<char> selected_now;
+        if (lru) {
+          const long long now = ++e.clock[static_cast<std::size_t>(h)];
+          expected_misses_list = apply_lru_rule(sel, now, cache, slot_of,
+                                                e.last_used.data() + static_cast<std::size_t>(h) * K, K, selected_now,
+                                                hits);
+        } else {
+          for (int s = 0; s < k; ++s) {
+            const int old = cache[s];
+            if (old < 0) continue;
+            if (old < n && is_selected[static_cast<std::size_t>(old)] != 0) {
+              ++hits;
+            } else {
+              slot_of[old] = -1;
+              cache[s] = -1;
+            }
+          }
+          int free_slot = 0;
+          for (int c : sel) {
+            if (slot_of[c] >= 0) continue;
+            while (cache[free_slot] >= 0) ++free_slot;
+            cache[free_slot] = c;
+            slot_of[c] = free_slot;
+            expected_misses_list.push_back(free_slot);
+          }
         }
         expected_hits += static_cast<unsigned long long>(hits);
         expected_misses += expected_misses_list.size();
@@ -480,27 +570,47 @@ void run_case(const case_config& cfg) {
                                           gpu_miss_slots_all.begin() + static_cast<std::ptrdiff_t>(row * k) +
                                               static_cast<std::ptrdiff_t>(expected_misses_list.size()));
         ASSERT_EQ(got_misses, expected_misses_list);
-        const std::vector<int> got_cache(gpu_cache.begin() + static_cast<std::ptrdiff_t>(h) * k,
-                                         gpu_cache.begin() + static_cast<std::ptrdiff_t>(h + 1) * k);
-        ASSERT_EQ(got_cache, std::vector<int>(cache, cache + k));
+        for (std::size_t m = expected_misses_list.size(); m < static_cast<std::size_t>(k); ++m) {
+          ASSERT_EQ(gpu_miss_slots_all[row * k + m], -1) << "miss list padding at " << m;
+        }
+        const std::vector<int> got_cache(gpu_cache.begin() + static_cast<std::ptrdiff_t>(h) * K,
+                                         gpu_cache.begin() + static_cast<std::ptrdiff_t>(h + 1) * K);
+        ASSERT_EQ(got_cache, std::vector<int>(cache, cache + K));
         const std::vector<int> got_slot_of(gpu_slot_of.begin() + static_cast<std::ptrdiff_t>(h) * mc,
                                            gpu_slot_of.begin() + static_cast<std::ptrdiff_t>(h + 1) * mc);
         ASSERT_EQ(got_slot_of, std::vector<int>(slot_of, slot_of + mc));
 
         // Invariants, on the device's state.
         std::vector<int> cached;
-        for (int s = 0; s < k; ++s) {
+        for (int s = 0; s < K; ++s) {
           const int c = got_cache[static_cast<std::size_t>(s)];
           if (c < 0) continue;
-          cached.push_back(c);
+          if (!lru || selected_now[static_cast<std::size_t>(s)] != 0) cached.push_back(c);
           ASSERT_TRUE(c < mc && got_slot_of[static_cast<std::size_t>(c)] == s) << "slot " << s << " holds " << c;
         }
         for (int c = 0; c < mc; ++c) {
           const int s = got_slot_of[static_cast<std::size_t>(c)];
-          if (s >= 0) ASSERT_TRUE(s < k && got_cache[static_cast<std::size_t>(s)] == c) << "chunk " << c;
+          if (s >= 0) ASSERT_TRUE(s < K && got_cache[static_cast<std::size_t>(s)] == c) << "chunk " << c;
         }
         std::sort(cached.begin(), cached.end());
-        ASSERT_EQ(cached, sel) << "cached chunks differ from the selected ones";
+        ASSERT_EQ(cached, sel) << "cached (K > k: selected-now) chunks differ from the selected ones";
+        if (lru) {
+          const std::size_t first = static_cast<std::size_t>(h) * K;
+          const std::vector<long long> got_stamps(gpu_last_used.begin() + static_cast<std::ptrdiff_t>(first),
+                                                  gpu_last_used.begin() + static_cast<std::ptrdiff_t>(first + K));
+          ASSERT_EQ(got_stamps, std::vector<long long>(e.last_used.begin() + static_cast<std::ptrdiff_t>(first),
+                                                       e.last_used.begin() + static_cast<std::ptrdiff_t>(first + K)));
+          ASSERT_EQ(gpu_clock[static_cast<std::size_t>(h)], e.clock[static_cast<std::size_t>(h)]);
+          // The slots attention reads: this selection's, ascending, -1 padding to k.
+          std::vector<int> expected_list;
+          for (int s = 0; s < K; ++s) {
+            if (selected_now[static_cast<std::size_t>(s)] != 0) expected_list.push_back(s);
+          }
+          expected_list.resize(static_cast<std::size_t>(k), -1);
+          const std::vector<int> got_list(gpu_selected_slots.begin() + static_cast<std::ptrdiff_t>(h) * k,
+                                          gpu_selected_slots.begin() + static_cast<std::ptrdiff_t>(h + 1) * k);
+          ASSERT_EQ(got_list, expected_list);
+        }
       }
     }
   }
@@ -509,7 +619,7 @@ void run_case(const case_config& cfg) {
   CUDA_OK(download(counters_end, ws.counters, 4));
   EXPECT_EQ(counters_end[0], expected_hits);
   EXPECT_EQ(counters_end[1], expected_misses);
-  EXPECT_EQ(counters_end[2], 2ULL * static_cast<unsigned long long>(B));
+  EXPECT_EQ(counters_end[2], static_cast<unsigned long long>(cfg.steps) * static_cast<unsigned long long>(B));
   EXPECT_EQ(counters_end[3], 777ULL);
   std::printf("[ chunk_selection ]   hits %llu misses %llu, %zu selections differ from float64 at near-ties\n",
               expected_hits, expected_misses, ambiguous);
@@ -554,6 +664,94 @@ class ChunkSelection : public ::testing::Test {
 TEST_F(ChunkSelection, RandomConfigurations) {
   for (std::uint64_t i = 0; i < 24; ++i) {
     run_case(random_case(0x5e1ec7ULL + 7919ULL * i));
+    if (HasFatalFailure()) return;
+  }
+}
+
+// A cache larger than the budget (K = 2..4 x k slots, the LRU rule): contexts below, near and far above K chunks so
+// that empty slots, hits of chunks selected several steps ago and evictions by age (ties to the lower index: warm
+// caches draw stamps from a small range) all occur; 6 to 10 steps carry the state (stamps, clock) from step to step.
+case_config random_lru_case(std::uint64_t seed) {
+  case_config cfg = random_case(seed);
+  std::mt19937_64 rng(seed ^ 0x1a2b3c4dULL);
+  auto pick = [&](std::initializer_list<int> values) {
+    std::vector<int> v(values);
+    return v[std::uniform_int_distribution<std::size_t>(0, v.size() - 1)(rng)];
+  };
+  cfg.budget = pick({1, 3, 8, 16, 64, 300});
+  cfg.cache_slots = cfg.budget * pick({2, 3, 4});
+  cfg.max_context = std::max(1, cfg.cache_slots * pick({1, 2, 2, 4, 8}) / 2);
+  cfg.max_chunks = std::max(cfg.cache_slots, cfg.max_context + pick({3, 17, 250}));
+  cfg.steps = pick({6, 8, 10});
+  cfg.fresh_second = pick({0, 1}) != 0;
+  return cfg;
+}
+
+TEST_F(ChunkSelection, LargerCacheRandomConfigurations) {
+  for (std::uint64_t i = 0; i < 24; ++i) {
+    run_case(random_lru_case(0x17a0ULL + 7919ULL * i));
+    if (HasFatalFailure()) return;
+  }
+}
+
+TEST_F(ChunkSelection, LargerCacheShapes) {
+  // K above the 1024 threads of the select CTA (several slots a thread), K = max_chunks (the clamp), eviction keys
+  // in the logits workspace (max_chunks 70000: the per-chunk keys do not fit in shared memory), several query tokens,
+  // an empty context (every slot keeps its chunk, none is selected), and graph replays (the clock advances on the
+  // device).
+  case_config wide = random_lru_case(81);
+  wide.budget = 700;
+  wide.cache_slots = 2100;
+  wide.max_context = 5000;
+  wide.max_chunks = 5003;
+  wide.warm_cache = true;
+  run_case(wide);
+  if (HasFatalFailure()) return;
+  case_config full = random_lru_case(82);
+  full.budget = 10;
+  full.cache_slots = 40;
+  full.max_context = 40;
+  full.max_chunks = 40;
+  run_case(full);
+  if (HasFatalFailure()) return;
+  for (int tokens : {1, 3}) {
+    case_config large = random_lru_case(83 + tokens);
+    large.batch = 2;
+    large.kv_heads = 2;
+    large.group = 4;
+    large.head_dim = 64;
+    large.max_chunks = 70000;
+    large.max_context = 2500;
+    large.budget = 300;
+    large.cache_slots = 1200;
+    large.tokens = tokens;
+    large.warm_cache = true;
+    run_case(large);
+    if (HasFatalFailure()) return;
+  }
+  case_config empty = random_lru_case(86);
+  empty.batch = 3;
+  empty.max_context = 0;
+  empty.max_chunks = 64;
+  empty.budget = 8;
+  empty.cache_slots = 32;
+  empty.warm_cache = true;
+  run_case(empty);
+  if (HasFatalFailure()) return;
+  for (int tokens : {1, 3}) {
+    case_config graph = random_lru_case(87 + tokens);
+    graph.batch = 2;
+    graph.kv_heads = 2;
+    graph.group = 4;
+    graph.head_dim = 128;
+    graph.max_chunks = 16384;
+    graph.max_context = 3000;
+    graph.budget = 64;
+    graph.cache_slots = 256;
+    graph.tokens = tokens;
+    graph.fresh_second = true;
+    graph.graph = true;
+    run_case(graph);
     if (HasFatalFailure()) return;
   }
 }
@@ -716,6 +914,7 @@ TEST(ChunkSelectionArguments, RejectsInvalidArguments) {
   d.group = 2;
   d.head_dim = 64;
   d.budget = 8;
+  d.cache_slots = 8;
   d.max_chunks = 16;
   strided_tensor q{};
   q.type = shadowkv::cuda::element_f32;
@@ -733,6 +932,13 @@ TEST(ChunkSelectionArguments, RejectsInvalidArguments) {
   q.type = shadowkv::cuda::element_f32;
   EXPECT_THROW(shadowkv::cuda::launch_select_chunks(d, 9, nullptr, nullptr, 0, 1, q, 1, ws, 0, nullptr),
                shadowkv::invalid_argument);
+  for (const int slots : {0, 7, 17}) {  // below the budget, or a larger cache than max_chunks
+    dims bad_cache = d;
+    bad_cache.cache_slots = slots;
+    EXPECT_THROW(shadowkv::cuda::launch_select_chunks(bad_cache, 0, nullptr, nullptr, 0, 1, q, 1, ws, 0, nullptr),
+                 shadowkv::invalid_argument)
+        << "cache_slots " << slots;
+  }
 }
 
 }  // namespace

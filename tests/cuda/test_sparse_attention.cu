@@ -133,7 +133,8 @@ struct host_view {
   int local_len = 0;
   int generated_exact_len = 0;
   int ring_head = 0;
-  std::vector<int> cache_chunks;  // [Hkv, k]
+  std::vector<int> cache_chunks;    // [Hkv, K]
+  std::vector<int> selected_slots;  // [Hkv, k] K > k only: the slots attention reads, ascending, -1 padding
   typed_array outlier_keys{element_f32, 0};
   typed_array outlier_values{element_f32, 0};
   typed_array exact_keys{element_f32, 0};
@@ -175,6 +176,7 @@ struct attention_case {
   int out_type = element_bf16;
   int chunk = 8;
   int budget = 4;
+  int cache_slots = 0;  // K; 0: the budget
   int max_outliers = 2;
   int local_chunks = 1;
   int window = 16;
@@ -189,7 +191,8 @@ struct attention_case {
     std::ostringstream s;
     s << "seed=" << seed << " B=" << batch << " Hkv=" << kv_heads << " G=" << group << " D=" << head_dim
       << " kv=" << type_name(kv_type) << " q=" << type_name(q_type) << " out=" << type_name(out_type)
-      << " C=" << chunk << " k=" << budget << " O=" << max_outliers << " Lc=" << local_chunks << " W=" << window
+      << " C=" << chunk << " k=" << budget << " K=" << (cache_slots > 0 ? cache_slots : budget)
+      << " O=" << max_outliers << " Lc=" << local_chunks << " W=" << window
       << " layer=" << layer << "/" << num_layers << " q_layout=" << q_layout << " out_layout=" << out_layout
       << " max_splits=" << max_splits;
     return s.str();
@@ -233,6 +236,7 @@ dims make_dims(const attention_case& c) {
   d.group = c.group;
   d.chunk = c.chunk;
   d.budget = c.budget;
+  d.cache_slots = c.cache_slots > 0 ? c.cache_slots : c.budget;
   d.max_outliers = c.max_outliers;
   d.rank = 1;
   d.window = c.window;
@@ -277,7 +281,9 @@ void fill_nan(typed_array& array, std::size_t count) {
 }
 
 // Builds host data with ragged counts per entry and uploads it. Entry 0 has no outliers; when k >= 3 the middle
-// buffer slot of every head is empty; every entry's ring starts at a non-zero slot when W > 1.
+// buffer slot of every head is empty; every entry's ring starts at a non-zero slot when W > 1. With K > k slots,
+// every head lists up to k of its filled slots as selected (some heads none); the other slots hold NaN rows, so
+// that reading a cached but unselected slot poisons the output.
 void prepare(attention_run& run) {
   const attention_case& c = run.c;
   run.d = make_dims(c);
@@ -294,9 +300,10 @@ void prepare(attention_run& run) {
 
   const std::size_t outlier_rows = static_cast<std::size_t>(d.max_outliers) * d.chunk;
   const std::size_t exact_rows = static_cast<std::size_t>(d.local_capacity) + d.window;
-  const std::size_t cache_rows = static_cast<std::size_t>(d.budget) * d.chunk;
+  const std::size_t cache_rows = static_cast<std::size_t>(d.cache_slots) * d.chunk;
   const std::size_t H = static_cast<std::size_t>(d.kv_heads);
   const float key_scale = 1.5F;
+  const bool listed = d.cache_slots > d.budget;
 
   run.views.resize(static_cast<std::size_t>(c.batch));
   for (int b = 0; b < c.batch; ++b) {
@@ -305,23 +312,53 @@ void prepare(attention_run& run) {
     v.local_len = pick(0, d.local_capacity);
     v.generated_exact_len = pick(0, d.window);
     v.ring_head = d.window > 1 ? pick(1, d.window - 1) : 0;
-    v.cache_chunks.assign(H * d.budget, -1);
-    for (std::size_t h = 0; h < H; ++h) {
-      for (int s = 0; s < d.budget; ++s) {
-        v.cache_chunks[h * d.budget + s] = pick(0, 3) == 0 ? -1 : pick(0, d.max_chunks - 1);
+    if (!listed) {
+      v.cache_chunks.assign(H * d.budget, -1);
+      for (std::size_t h = 0; h < H; ++h) {
+        for (int s = 0; s < d.budget; ++s) {
+          v.cache_chunks[h * d.budget + s] = pick(0, 3) == 0 ? -1 : pick(0, d.max_chunks - 1);
+        }
+        if (d.budget >= 3) {
+          v.cache_chunks[h * d.budget + d.budget / 2] = -1;
+          v.cache_chunks[h * d.budget + d.budget - 1] = pick(0, d.max_chunks - 1);
+        }
       }
-      if (d.budget >= 3) {
-        v.cache_chunks[h * d.budget + d.budget / 2] = -1;
-        v.cache_chunks[h * d.budget + d.budget - 1] = pick(0, d.max_chunks - 1);
+    } else {
+      const std::size_t K = static_cast<std::size_t>(d.cache_slots);
+      v.cache_chunks.assign(H * K, -1);
+      v.selected_slots.assign(H * d.budget, -1);
+      for (std::size_t h = 0; h < H; ++h) {
+        std::vector<int> filled;
+        for (std::size_t s = 0; s < K; ++s) {
+          if (pick(0, 5) == 0) continue;
+          v.cache_chunks[h * K + s] = pick(0, d.max_chunks - 1);
+          filled.push_back(static_cast<int>(s));
+        }
+        std::shuffle(filled.begin(), filled.end(), rng);
+        // Usually a full selection, sometimes a short one, now and then none.
+        const int most = std::min(d.budget, static_cast<int>(filled.size()));
+        const int count = pick(0, 4) == 0 ? pick(0, most) : most;
+        filled.resize(static_cast<std::size_t>(count));
+        std::sort(filled.begin(), filled.end());
+        std::copy(filled.begin(), filled.end(), v.selected_slots.begin() + static_cast<std::ptrdiff_t>(h * d.budget));
       }
     }
+    // The slots attention reads, per head.
+    auto read_slots = [&](std::size_t h) {
+      std::vector<int> result;
+      for (int e = 0; e < d.budget; ++e) {
+        if (listed) {
+          const int s = v.selected_slots[h * d.budget + e];
+          if (s >= 0) result.push_back(s);
+        } else if (v.cache_chunks[h * d.budget + e] >= 0) {
+          result.push_back(e);
+        }
+      }
+      return result;
+    };
     // Every head needs a token (decode always has the new one).
     bool any_cached = true;
-    for (std::size_t h = 0; h < H; ++h) {
-      bool cached = false;
-      for (int s = 0; s < d.budget; ++s) cached = cached || v.cache_chunks[h * d.budget + s] >= 0;
-      any_cached = any_cached && cached;
-    }
+    for (std::size_t h = 0; h < H; ++h) any_cached = any_cached && !read_slots(h).empty();
     if (v.outlier_chunks == 0 && v.local_len == 0 && v.generated_exact_len == 0 && !any_cached) {
       v.generated_exact_len = 1;
     }
@@ -352,8 +389,7 @@ void prepare(attention_run& run) {
         fill_rows(v.exact_keys, (h * exact_rows + row) * D, 1, D, rng, key_scale);
         fill_rows(v.exact_values, (h * exact_rows + row) * D, 1, D, rng, 1.0F);
       }
-      for (int s = 0; s < d.budget; ++s) {
-        if (v.cache_chunks[h * d.budget + s] < 0) continue;
+      for (const int s : read_slots(h)) {
         const std::size_t first = (h * cache_rows + static_cast<std::size_t>(s) * d.chunk) * D;
         fill_rows(v.cache_keys, first, d.chunk, D, rng, key_scale);
         fill_rows(v.cache_values, first, d.chunk, D, rng, 1.0F);
@@ -395,6 +431,10 @@ void prepare(attention_run& run) {
     view.cache_keys = run.arena.upload(v.cache_keys);
     view.cache_values = run.arena.upload(v.cache_values);
     view.cache_chunks = static_cast<int*>(run.arena.upload(v.cache_chunks.data(), v.cache_chunks.size() * sizeof(int)));
+    if (listed) {
+      view.selected_slots =
+          static_cast<int*>(run.arena.upload(v.selected_slots.data(), v.selected_slots.size() * sizeof(int)));
+    }
     view.value_store = nullptr;  // attention never reads it
   }
   run.device_views =
@@ -433,7 +473,7 @@ std::vector<double> reference(const attention_run& run, int b, int j) {
   const host_view& v = run.views[static_cast<std::size_t>(b)];
   const std::size_t outlier_rows = static_cast<std::size_t>(d.max_outliers) * d.chunk;
   const std::size_t exact_rows = static_cast<std::size_t>(d.local_capacity) + d.window;
-  const std::size_t cache_rows = static_cast<std::size_t>(d.budget) * d.chunk;
+  const std::size_t cache_rows = static_cast<std::size_t>(d.cache_slots) * d.chunk;
 
   struct token {
     const typed_array* keys;
@@ -451,8 +491,11 @@ std::vector<double> reference(const attention_run& run, int b, int j) {
     const std::size_t row = static_cast<std::size_t>(shadowkv::cuda::generated_row(shape, d, i));
     tokens.push_back({&v.exact_keys, &v.exact_values, (h * exact_rows + row) * D});
   }
-  for (int s = 0; s < d.budget; ++s) {
-    if (v.cache_chunks[static_cast<std::size_t>(h) * d.budget + s] < 0) continue;
+  for (int e = 0; e < d.budget; ++e) {
+    // K == k: every filled slot; K > k: the listed (selected) slots only.
+    const bool larger = d.cache_slots > d.budget;
+    const int s = larger ? v.selected_slots[static_cast<std::size_t>(h) * d.budget + e] : e;
+    if (s < 0 || (!larger && v.cache_chunks[static_cast<std::size_t>(h) * d.budget + s] < 0)) continue;
     for (int r = 0; r < d.chunk; ++r) {
       const std::size_t row = h * cache_rows + static_cast<std::size_t>(s) * d.chunk + r;
       tokens.push_back({&v.cache_keys, &v.cache_values, row * D});
@@ -628,6 +671,18 @@ TEST(SparseAttention, MatchesReferenceOnNamedShapes) {
   }
 }
 
+// A selection cache larger than the budget: the kernel reads the listed slots (selected_slots) out of K, never the
+// cached but unselected ones (NaN rows here), on the random shapes above.
+TEST(SparseAttention, LargerCacheReadsOnlyTheSelectedSlots) {
+  SKIP_WITHOUT_DEVICE();
+  for (std::uint64_t seed = 1; seed <= 30; ++seed) {
+    attention_case c = random_case(seed);
+    c.cache_slots = c.budget * static_cast<int>(2 + seed % 3);
+    run_and_check(c);
+    if (HasFatalFailure()) return;
+  }
+}
+
 // The launch has no host synchronisation and shapes that depend only on the dims and the batch size: it can be
 // captured in a CUDA graph, and replaying the graph gives the direct launch's result bit for bit.
 TEST(SparseAttention, CapturedGraphReproducesDirectLaunch) {
@@ -685,6 +740,11 @@ TEST(SparseAttention, RejectsUnsupportedArguments) {
                                                        &partial, 1, nullptr),
                shadowkv::invalid_argument);
   d.q_heads += 1;  // not kv_heads * group
+  EXPECT_THROW(shadowkv::cuda::launch_sparse_attention(d, element_f16, views, &dummy, 0, 1, tensor, tensor, &partial,
+                                                       1, nullptr),
+               shadowkv::invalid_argument);
+  d = valid_dims();
+  d.cache_slots = d.budget - 1;  // fewer slots than the budget
   EXPECT_THROW(shadowkv::cuda::launch_sparse_attention(d, element_f16, views, &dummy, 0, 1, tensor, tensor, &partial,
                                                        1, nullptr),
                shadowkv::invalid_argument);

@@ -65,7 +65,8 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_kernel(const dims d,
   float* scores_row = ws.scores + head_row * mc;
   float* logits_group = ws.logits + (static_cast<long long>(b) * d.q_heads + static_cast<long long>(h) * group) * mc;
   const std::uint8_t* outlier = view->is_outlier + static_cast<long long>(h) * mc;
-  int* cache = view->cache_chunks + static_cast<long long>(h) * k;
+  const int capacity = d.cache_slots;  // K: slots per head (K == k: exactly the last selection)
+  int* cache = view->cache_chunks + static_cast<long long>(h) * capacity;
   int* slot_of = view->slot_of_chunk + static_cast<long long>(h) * mc;
   int* selected = ws.selected + head_row * k;
   int* miss_slots = ws.miss_slots + head_row * k;
@@ -169,8 +170,20 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_kernel(const dims d,
   compact_top_k(radix_keys, n, take, k, rule, pass_scratch, selected);
 
   // --- E. temporal cache (cache_policy.cuh) ----------------------------------------------------------------------
-  const int filled =
-      update_temporal_cache(n, mc, k, take, radix_keys, selected, cache, slot_of, miss_slots, pass_scratch);
+  int filled;
+  if (capacity > k) {
+    // This selection's number: one more than the head's count. Every thread reads it here; thread 0 writes it back
+    // below, after update_lru_cache's barriers.
+    long long* clock = view->selection_clock + h;
+    const long long now = *clock + 1;
+    filled = update_lru_cache<kSelectThreads>(
+        n, mc, k, capacity, take, now, radix_keys, selected, cache, slot_of,
+        view->cache_last_used + static_cast<long long>(h) * capacity, miss_slots,
+        view->selected_slots + static_cast<long long>(h) * k, histogram, scan_storage, radix_found, pass_scratch);
+    if (tid == 0) *clock = now;
+  } else {
+    filled = update_temporal_cache(n, mc, k, take, radix_keys, selected, cache, slot_of, miss_slots, pass_scratch);
+  }
   if (tid == 0) {
     ws.miss_counts[head_row] = filled;
     atomicAdd(ws.counters + 0, static_cast<unsigned long long>(take - filled));
