@@ -1,6 +1,7 @@
 """CUDA backend == CPU backend (the oracle) on the same inputs: selected chunks, outliers and outputs, over decode
 steps with folding, for random configurations (MHA/GQA/MQA, head_dim 64/128/256, ragged batches, budgets, bf16 and
-float32 storage). Skipped where this build has no CUDA backend or no GPU is visible.
+float32 storage), with the default selection cache (K = k) and with caches of 2 and 4 times the budget (K > k, the
+LRU rule: the same slots, hits and misses). Skipped where this build has no CUDA backend or no GPU is visible.
 
 The whole rest of the suite also runs on the GPU with SHADOWKV_TEST_DEVICES=cpu,cuda (against the float64 reference).
 """
@@ -56,12 +57,31 @@ def _make(kw, device):
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"seed{c[0]}-{c[1]}x{c[2]}-d{c[3]}-{c[7]}")
 def test_cuda_matches_cpu(case):
+    _check_parity(case, cache_multiple=1)
+
+
+# Caches of 2 and 4 times the budget on the cases whose contexts hold more chunks than 4k (evictions happen): bf16
+# with fp8 values in host (1), device (2) and auto (5) placement, float32 with auto placement and three ragged
+# sequences (3).
+LARGER_CACHE_CASES = [c for c in CASES if c[0] in (1, 2, 3, 5)]
+
+
+@pytest.mark.parametrize("multiple", [2, 4])
+@pytest.mark.parametrize("case", LARGER_CACHE_CASES, ids=lambda c: f"seed{c[0]}-{c[1]}x{c[2]}-d{c[3]}-{c[7]}")
+def test_cuda_matches_cpu_with_a_larger_cache(case, multiple):
+    _check_parity(case, cache_multiple=multiple)
+
+
+def _check_parity(case, cache_multiple):
+    """Both backends over STEPS decode steps of 2 layers; cache_tokens = cache_multiple x budget (1: the default 0)."""
     seed, hq, hkv, d, rank, budget, lengths, dtype, style, rotary = case
     g = H.generator(seed)
     kw = dict(num_layers=2, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, max_batch=4, max_seq_len=2048,
               rope_theta=10000.0, rope_style=style, rotary_dim=rotary, rank=rank, chunk_size=8, budget=budget * 8,
               outlier_chunks=3, local_chunks=2, generation_window=WINDOW, dtype=dtype, value_store=PLACEMENT[seed],
               value_dtype=VALUE_DTYPE[seed], factor_dtype=FACTOR_DTYPE[seed], group_score=GROUP_SCORE[seed])
+    if cache_multiple > 1:
+        kw["cache_tokens"] = cache_multiple * budget * 8
     if PLACEMENT[seed] == "auto":
         kw["device_value_budget"] = _sequence_value_bytes(hkv, d, dtype, VALUE_DTYPE[seed])
     stores = {dev: _make(kw, dev) for dev in ("cpu", "cuda:0")}
@@ -88,6 +108,7 @@ def test_cuda_matches_cpu(case):
     # bf16 rounding boundary may round to neighbouring values (2^-8 apart) on the two — legitimately.
     tolerance = 2e-2 if dtype == "bfloat16" else (1e-3 if FACTOR_DTYPE[seed] == "bfloat16" else 2e-4)
     worst = 0.0
+    exchanges = 0  # boundary exchanges at near-ties (float64 vs float32 scores); with K > k they change later hits
     for step in range(STEPS):
         q = H.randn(g, batch, hq, d, scale=2.0)
         k_new = H.randn(g, batch, hkv, d)
@@ -101,6 +122,7 @@ def test_cuda_matches_cpu(case):
                 gpu_sel = stores["cuda:0"].selected_chunks(layer, slots["cuda:0"][b])
                 for h in range(hkv):
                     same = len(set(cpu_sel[h]) & set(gpu_sel[h]))
+                    exchanges += len(cpu_sel[h]) - same
                     # Up to ties: at most one boundary exchange per head (float64 vs float32 scores).
                     assert same >= len(cpu_sel[h]) - 1 and len(cpu_sel[h]) == len(gpu_sel[h]), (
                         f"selection differs (seed={seed}, step={step}, layer={layer}, row={b}, head={h}): "
@@ -115,11 +137,21 @@ def test_cuda_matches_cpu(case):
     for key in ("selections", "folds", "decode_steps"):
         assert cpu_stats[key] == gpu_stats[key], f"stats[{key}] differ: {cpu_stats} vs {gpu_stats}"
     assert abs(cpu_stats["hit_rate"] - gpu_stats["hit_rate"]) < 0.02, f"{cpu_stats} vs {gpu_stats}"
+    if exchanges == 0:
+        # The same selections at every step: the same slot rule gives the same hits and misses, exactly.
+        for key in ("hits", "misses", "chunks_rebuilt", "bytes_fetched"):
+            assert cpu_stats[key] == gpu_stats[key], f"stats[{key}] differ: {cpu_stats} vs {gpu_stats}"
+    if cache_multiple > 1:
+        assert gpu_stats["hits"] > 0 and gpu_stats["misses"] > 0, f"cache not exercised: {gpu_stats}"
     cpu_mem, gpu_mem = stores["cpu"].memory_report(), stores["cuda:0"].memory_report()
     for key in ("low_rank_factors", "landmarks", "outliers", "exact_tokens", "value_store", "value_store_device",
                 "value_store_host", "selection_cache"):
         assert cpu_mem[key] == gpu_mem[key], f"memory_report[{key}] differs: {cpu_mem} vs {gpu_mem}"
-    print(f"seed {seed}: worst relative output difference cuda vs cpu {worst:.2e}")
+    if cache_multiple > 1:  # K = multiple x k slots per (sequence, layer, head), keys and values
+        e = 2 if dtype == "bfloat16" else 4
+        assert gpu_mem["selection_cache"] == 2 * len(lengths) * cache_multiple * budget * 8 * hkv * d * 2 * e, gpu_mem
+    print(f"seed {seed} cache x{cache_multiple}: worst relative output difference cuda vs cpu {worst:.2e}, "
+          f"{exchanges} near-tie exchanges, hits {gpu_stats['hits']} misses {gpu_stats['misses']}")
 
 
 def test_cuda_full_budget_is_full_attention():
@@ -163,14 +195,16 @@ def test_cuda_errors_leave_store_usable():
         KVStore(1, 4, 2, 64, max_batch=1 << 15, max_seq_len=1 << 22, rank=32, device="cuda:0")
 
 
-def test_cuda_graph_replay_matches_eager():
+@pytest.mark.parametrize("cache_tokens", [0, 512], ids=["default-cache", "cache-4x-budget"])
+def test_cuda_graph_replay_matches_eager(cache_tokens):
     """One decode step captured in a CUDA graph and replayed equals eager decode step by step (folds included), and
-    account_replayed_steps brings the host counters to the same state."""
+    account_replayed_steps brings the host counters to the same state. With cache_tokens = 4 x budget the LRU state
+    (stamps, clock, selected slot lists) advances on the device in the replays exactly as in the eager steps."""
     seed, hq, hkv, d, n, steps = 21, 8, 2, 64, 600, 40
     g = H.generator(seed)
     kw = dict(num_layers=1, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, max_batch=2, max_seq_len=1024, rank=64,
               chunk_size=8, budget=128, outlier_chunks=2, local_chunks=2, generation_window=16, dtype="bfloat16",
-              device="cuda:0")
+              device="cuda:0", cache_tokens=cache_tokens)
     eager, graphed = KVStore(**kw), KVStore(**kw)
     keys = torch.stack([H.structured_keys(g, n, hkv, d) for _ in range(2)]).cuda()
     values = H.randn(g, 2, n, hkv, d).cuda()
@@ -195,11 +229,15 @@ def test_cuda_graph_replay_matches_eager():
         v_s.copy_(v)
         graph.replay()
         assert torch.equal(out_s, expected), f"replay {step} differs from eager (seed={seed})"
+        for a, b in zip(slots["eager"], slots["graphed"]):
+            assert eager.selected_chunks(0, a) == graphed.selected_chunks(0, b), f"replay {step} (seed={seed})"
     graphed.account_replayed_steps(0, slots["graphed"], steps)
     for a, b in zip(slots["eager"], slots["graphed"]):
         assert eager.sequence_info(0, a) == graphed.sequence_info(0, b)
     e, r = eager.stats(), graphed.stats()
     assert (e["hits"], e["misses"], e["folds"], e["decode_steps"]) == (r["hits"], r["misses"], r["folds"], r["decode_steps"])
+    assert r["hits"] > 0 and r["misses"] > 0, r
+    assert eager.memory_report()["selection_cache"] == graphed.memory_report()["selection_cache"]
 
 
 def test_cuda_graph_replays_past_capacity_stay_contained():
@@ -298,16 +336,17 @@ def test_cuda_pipelined_decode_equals_unpipelined():
     """Cutting the batch into parts (decode_pipeline_parts, cuda_backend.hpp) changes the order of the work and, as
     attention runs part by part, its split count (the split combine's rounding): selections and statistics are
     bit-identical to one part and the outputs equal to a few float32 ulps before the output rounding, with host
-    (pinned) and fp8 values."""
+    (pinned) and fp8 values, and with a cache of 4 x the budget."""
     g = H.generator(31)
 
     def close(a, b, where):
         err = H.rel_err(b.float(), a.float())
         assert err < 2e-3, f"{where}: pipelined output differs by {err:.2e}"
 
-    for value_dtype in (None, "float8_e4m3"):
-        stores = {f"{parts} parts": KVStore(**_twin_kw(value_dtype, decode_pipeline_parts=parts)) for parts in (1, 3)}
-        _run_twins(stores, g, 12, close, f"values {value_dtype}")
+    for value_dtype, cache_tokens in ((None, 0), ("float8_e4m3", 0), ("float8_e4m3", 512)):
+        stores = {f"{parts} parts": KVStore(**_twin_kw(value_dtype, decode_pipeline_parts=parts,
+                                                       cache_tokens=cache_tokens)) for parts in (1, 3)}
+        _run_twins(stores, g, 12, close, f"values {value_dtype}, cache_tokens {cache_tokens}")
 
 
 def test_cuda_fetch_grid_changes_nothing_but_speed(monkeypatch):
