@@ -181,8 +181,8 @@ class KVStore:
         cache_tokens: capacity of the selection cache per (sequence, layer, KV head) in tokens: 0 (default) means
             `budget` (the cache holds the last selection only); a larger multiple of chunk_size keeps chunks selected
             earlier (least recently selected evicted first), so that more selections hit and fewer chunks are rebuilt
-            and fetched (docs/semantics.md, Decode 6). Its bytes are `selection_cache` in memory_report(). The CPU
-            backend only, for now: the CUDA backend rejects cache_tokens > budget.
+            and fetched (docs/semantics.md, Decode 6). Its bytes are `selection_cache` in memory_report(). Both
+            backends, with the same slot rule.
         outlier_chunks, local_chunks: chunks kept exact. sink_chunks: how many of the outlier chunks are the prompt's
             first chunks, always (attention sinks), the rest chosen by the min-cosine rule. generation_window: exact generated tokens kept before the
             oldest chunk is folded into the compressed store (a multiple of chunk_size).
