@@ -6,8 +6,9 @@
 A configuration is BATCHxSEQ_LENxBUDGET, optionally followed by :host (values in pinned host memory, the default),
 :device (values in device memory, value_store="device"), :host_fp8 or :device_fp8 (fp8 values: e4m3 codes and a
 float32 scale per chunk and head, half the bytes), and optionally by +f32 (float32 low-rank factors instead of the
-default bfloat16 ones, e.g. 24x122880x2048:host+f32), +pN (decode_pipeline_parts=N; +p1: no pipelining) and/or +max
-(group_score="max" instead of the default mean).
+default bfloat16 ones, e.g. 24x122880x2048:host+f32), +pN (decode_pipeline_parts=N; +p1: no pipelining), +max
+(group_score="max" instead of the default mean) and/or +kN (a selection cache of N times the budget:
+cache_tokens = N * BUDGET, e.g. 24x122880x2048:host+k2; each result records its cache_tokens, 0 = the budget).
 
 For each configuration (batch B, context S, budget) and target temporal hit rate it reports:
   ours        mean time of store.decode for one layer (selection, rebuild, fetch, attention), B sequences
@@ -85,6 +86,8 @@ def run_case(args, device, batch, seq_len, budget, value_store, target_hit, band
     place, _, fp8 = values_on.partition("_")
     parts = next((int(o[1:]) for o in options if o.startswith("p")), 0)
     fetch_ctas = next((o[1:] for o in options if o.startswith("c")), None)
+    cache_multiple = next((int(o[1:]) for o in options if o.startswith("k")), 0)
+    cache_tokens = cache_multiple * budget  # 0: the default cache of exactly the budget
     saved_fetch_ctas = os.environ.pop("SHADOWKV_FETCH_CTAS", None)
     if fetch_ctas is not None:
         os.environ["SHADOWKV_FETCH_CTAS"] = fetch_ctas  # read once, when the CUDA backend is constructed
@@ -92,7 +95,8 @@ def run_case(args, device, batch, seq_len, budget, value_store, target_hit, band
                     budget=budget, outlier_chunks=48, local_chunks=4, generation_window=256, dtype="bfloat16",
                     device=device, rope_theta=500000.0, value_store=place,
                     value_dtype="float8_e4m3" if fp8 else None, factor_dtype="float32" if "f32" in options else None,
-                    decode_pipeline_parts=parts, group_score="max" if "max" in options else "mean")
+                    decode_pipeline_parts=parts, group_score="max" if "max" in options else "mean",
+                    cache_tokens=cache_tokens)
     os.environ.pop("SHADOWKV_FETCH_CTAS", None)
     if saved_fetch_ctas is not None:
         os.environ["SHADOWKV_FETCH_CTAS"] = saved_fetch_ctas
@@ -162,7 +166,7 @@ def run_case(args, device, batch, seq_len, budget, value_store, target_hit, band
     missed_bytes = batch * (1.0 - hit) * (budget // chunk) * hkv * run_bytes
     floor = landmark_bytes / memory_bw + missed_bytes / (memory_bw if value_store.startswith("device") else link_bw)
     row = {"batch": batch, "seq_len": seq_len, "budget": budget, "value_store": values_on,
-           "decode_pipeline_parts": parts,
+           "cache_tokens": cache_tokens, "decode_pipeline_parts": parts,
            "fetch_ctas": int(fetch_ctas) if fetch_ctas is not None else (
                int(saved_fetch_ctas) if saved_fetch_ctas else None),
            "factor_dtype": store.config["factor_dtype"], "group_score": store.config["group_score"],
@@ -225,10 +229,11 @@ def _parse_config(text: str) -> tuple:
     batch, seq_len, budget = (int(x) for x in shape.split("x"))
     place, *options = value_store.split("+")
     if place not in ("", "host", "device", "host_fp8", "device_fp8") or not all(
-            o in ("f32", "max") or (o[:1] in ("p", "c") and o[1:].isdigit()) for o in options):
+            o in ("f32", "max") or (o[:1] in ("p", "c", "k") and o[1:].isdigit()) for o in options) or any(
+            o[:1] == "k" and int(o[1:]) < 1 for o in options):
         raise SystemExit(f"--config {text}: the value store must be :host, :device, :host_fp8 or :device_fp8, "
-                         f"optionally followed by +f32 (float32 factors), +pN (pipeline parts), +max (group_score max) "
-                         f"and/or +cN (value fetch CTAs)")
+                         f"optionally followed by +f32 (float32 factors), +pN (pipeline parts), +max (group_score max), "
+                         f"+cN (value fetch CTAs) and/or +kN (a selection cache of N >= 1 times the budget)")
     return batch, seq_len, budget, "+".join([place or "host", *options])
 
 
@@ -302,7 +307,7 @@ def main(argv=None) -> int:
     for r in rows:
         g = f" {r['ours_graph_ms']:.3f} |" if graph else ""
         best = min(r["ours_ms"], r.get("ours_graph_ms", r["ours_ms"]))
-        print(f"| {r['batch']} | {r['seq_len']} | {r['budget']} | {r['value_store']}, {r['factor_dtype']}{', ' + r['group_score'] if r.get('group_score', 'mean') != 'mean' else ''}{', parts ' + str(r['decode_pipeline_parts']) if r.get('decode_pipeline_parts') else ''}{', fetch CTAs ' + str(r['fetch_ctas']) if r.get('fetch_ctas') else ''} | {r['hit']:.2f} | {r['ours_ms']:.3f} |{g} "
+        print(f"| {r['batch']} | {r['seq_len']} | {r['budget']} | {r['value_store']}, {r['factor_dtype']}{', ' + r['group_score'] if r.get('group_score', 'mean') != 'mean' else ''}{', parts ' + str(r['decode_pipeline_parts']) if r.get('decode_pipeline_parts') else ''}{', fetch CTAs ' + str(r['fetch_ctas']) if r.get('fetch_ctas') else ''}{', cache ' + str(r['cache_tokens']) if r.get('cache_tokens') else ''} | {r['hit']:.2f} | {r['ours_ms']:.3f} |{g} "
               f"{r['full_ms']:.3f} | {r['floor_ms']:.3f} | {best / r['full_ms']:.2f} | {best * 1e3 / (r['floor_ms'] * 1e3):.1f} |")
     if graph:
         print("ratios use the faster of eager and graph-replayed steps")

@@ -23,7 +23,8 @@ def table(path: str) -> str:
         lines.append(f"| {r['batch']} | {r['seq_len']} | {r['budget']} | {r.get('value_store', 'host')} | "
                      f"{r.get('factor_dtype', 'float32')}{' (parts ' + str(r['decode_pipeline_parts']) + ')' if r.get('decode_pipeline_parts') else ''}"
                      f"{' (group max)' if r.get('group_score') == 'max' else ''}"
-                     f"{' (fetch CTAs ' + str(r['fetch_ctas']) + ')' if r.get('fetch_ctas') else ''} | {r['hit']:.2f} | "
+                     f"{' (fetch CTAs ' + str(r['fetch_ctas']) + ')' if r.get('fetch_ctas') else ''}"
+                     f"{' (cache ' + str(r['cache_tokens']) + ' tokens)' if r.get('cache_tokens') else ''} | {r['hit']:.2f} | "
                      f"{r['ours_ms']:.3f} | {graph} | {r['full_ms']:.3f} | {r['floor_ms']:.3f} | "
                      f"{best / r['full_ms']:.2f} | {best / r['floor_ms']:.1f} |")
     return "\n".join(lines)
