@@ -26,8 +26,6 @@ struct dims {
   int group;           ///< G = Hq / Hkv
   int chunk;           ///< C
   int budget;          ///< k, chunks a selection takes per KV head (miss and selection lists have k entries)
-  int cache_slots;     ///< K >= k, selection-cache slots per KV head (config::cache_slots()); K == k: the cache
-                       ///< holds exactly the last selection, K > k: slots keep their chunk until evicted (LRU)
   int max_outliers;    ///< O (per head; actual count is layer_view::outlier_chunks)
   int rank;            ///< r
   int window;          ///< W, generated ring capacity in tokens
@@ -40,6 +38,9 @@ struct dims {
   int value_fp8;       ///< 1: the value store holds e4m3 codes + a float32 scale per run (shadowkv/fp8.hpp)
   int factor_bf16;     ///< 1: basis and coefficients are bf16 (config::factor_dtype()), 0: float32
   int group_mean;      ///< 1: a chunk's score is the mean of the group's probabilities (config::group_score), 0: max
+  // Last, so that the offsets of the fields above (and the code of the default cache's kernels) stay as they were.
+  int cache_slots;     ///< K >= k, selection-cache slots per KV head (config::cache_slots()); K == k: the cache
+                       ///< holds exactly the last selection, K > k: slots keep their chunk until evicted (LRU)
 };
 
 /// Everything of one (slot, layer) on the device. Row-major, head-major where a kernel reads one head at a time.
@@ -71,16 +72,17 @@ struct layer_view {
   int* slot_of_chunk;            ///< [Hkv, max_chunks]: buffer slot holding a chunk, -1 = none
   void* cache_keys;              ///< T [Hkv, K*C, D] rebuilt post-RoPE keys
   void* cache_values;            ///< T [Hkv, K*C, D] fetched values
-  // Only when K > k (null otherwise: with K == k every filled slot is selected). Reset by the prefill; advanced by
-  // the select kernel, so that graph replays keep them exact (cpp/src/lru_selection_cache.hpp is the rule).
-  long long* cache_last_used;    ///< [Hkv, K]: the selection number that last selected the slot's chunk (0: never)
-  long long* selection_clock;    ///< [Hkv]: selections of this (sequence, layer) so far, one copy per head (each
-                                 ///< select CTA advances its own: no CTA waits for another's read)
-  int* selected_slots;           ///< [Hkv, k]: the slots of the last selection, ascending, -1 padding (attention)
   // Value store in device memory or pinned, mapped host memory (device-accessible pointers), set when a sequence
   // joins the slot.
   void* value_store;             ///< T [max_chunks, Hkv, C, D]: one (chunk, head) = one contiguous run; fp8: codes
   float* value_scales;           ///< fp8 only: [max_chunks, Hkv] scale of each run
+  // The selection cache's LRU state, only when K > k (null otherwise: with K == k every filled slot is selected).
+  // Reset by the prefill; advanced by the select kernel, so that graph replays keep it exact
+  // (cpp/src/lru_selection_cache.hpp is the rule). Last, so that the offsets of the fields above stay as they were.
+  long long* cache_last_used;    ///< [Hkv, K]: the selection number that last selected the slot's chunk (0: never)
+  long long* selection_clock;    ///< [Hkv]: selections of this (sequence, layer) so far, one copy per head (each
+                                 ///< select CTA advances its own: no CTA waits for another's read)
+  int* selected_slots;           ///< [Hkv, k]: the slots of the last selection, ascending, -1 padding (attention)
 };
 
 /// Ring row of the i-th oldest generated token (0 <= i < generated_exact_len) in the exact region.

@@ -112,8 +112,10 @@ struct cta_layout {
 /// exp2(x - m) for a merge weight; 0 when m is -inf (then x is -inf too: nothing was seen).
 __device__ __forceinline__ float merge_weight(float x, float m) { return m == -INFINITY ? 0.0F : exp2f(x - m); }
 
-// At most 170 registers: 3 CTAs (12 warps) per SM.
-template <typename T, int D, int HeadTile>
+// At most 170 registers: 3 CTAs (12 warps) per SM. kListed: the cache is larger than the budget (K > k) and its part
+// of the row list goes through selected_slots; a template parameter, so that the default cache (K == k) compiles to
+// the code it had before larger caches existed.
+template <typename T, int D, int HeadTile, bool kListed>
 __global__ void __launch_bounds__(kThreads, 3)
     sparse_attention_split_kernel(dims d, const layer_view* views, const int* batch_slots, int layer, strided_tensor q,
                                   float* partial, int splits, int max_splits) {
@@ -160,8 +162,7 @@ __global__ void __launch_bounds__(kThreads, 3)
   // The cache part is a list of k entries, each C rows or an empty (masked) entry. K == k: entry s is buffer slot s
   // (cache_chunks, -1 where empty), so every filled slot is read. K > k: the slots hold chunks that are not selected
   // now, so entry e is slot selected_slots[e] (the selection's slots, ascending; -1 padding at the end).
-  const bool listed = d.cache_slots > d.budget;
-  const int* slot_list = (listed ? view.selected_slots : view.cache_chunks) + static_cast<long long>(h) * d.budget;
+  const int* slot_list = (kListed ? view.selected_slots : view.cache_chunks) + static_cast<long long>(h) * d.budget;
 
   // The cache part ends after the last filled entry.
   int last_filled = -1;
@@ -186,7 +187,7 @@ __global__ void __launch_bounds__(kThreads, 3)
   // Head h's arrays (elements): outliers [O*C, D], exact rows [local_capacity + W, D], cache rows [K*C, D].
   const long long outlier_offset = static_cast<long long>(h) * d.max_outliers * chunk * D;
   const long long exact_offset = static_cast<long long>(h) * (d.local_capacity + d.window) * D;
-  const long long cache_offset = static_cast<long long>(h) * d.cache_slots * chunk * D;
+  const long long cache_offset = static_cast<long long>(h) * (kListed ? d.cache_slots : d.budget) * chunk * D;
   const T* outlier_keys = static_cast<const T*>(view.outlier_keys) + outlier_offset;
   const T* outlier_values = static_cast<const T*>(view.outlier_values) + outlier_offset;
   const T* exact_keys = static_cast<const T*>(view.exact_keys) + exact_offset;
@@ -217,7 +218,7 @@ __global__ void __launch_bounds__(kThreads, 3)
       return;
     }
     i -= local_rows + generated_rows;  // a cache row of list entry e = i / C: buffer slot e (K == k) or slot_list[e]
-    if (listed) {
+    if constexpr (kListed) {
       const int entry = chunk_shift >= 0 ? i >> chunk_shift : i / chunk;
       i += (slot_list[entry] - entry) * chunk;
     }
@@ -504,15 +505,15 @@ struct split_launch {
   cudaStream_t stream;
 };
 
-template <typename T, int D, int HeadTile>
+template <typename T, int D, int HeadTile, bool kListed>
 void launch_split(const split_launch& a) {
   using layout = cta_layout<T, D, HeadTile>;
   if constexpr (layout::shared_bytes + layout::static_bytes > kDefaultSharedBytes) {
     static std::atomic<std::uint64_t> allowed_on_devices{0};
-    shadowkv_allow_large_shared_memory(sparse_attention_split_kernel<T, D, HeadTile>, allowed_on_devices);
+    shadowkv_allow_large_shared_memory(sparse_attention_split_kernel<T, D, HeadTile, kListed>, allowed_on_devices);
   }
   const dim3 grid(static_cast<unsigned>(a.splits), static_cast<unsigned>(a.d.kv_heads), static_cast<unsigned>(a.batch));
-  sparse_attention_split_kernel<T, D, HeadTile><<<grid, kThreads, layout::shared_bytes, a.stream>>>(
+  sparse_attention_split_kernel<T, D, HeadTile, kListed><<<grid, kThreads, layout::shared_bytes, a.stream>>>(
       a.d, a.views, a.batch_slots, a.layer, a.q, a.partial, a.splits, a.max_splits);
   SHADOWKV_CUDA_CHECK_LAUNCH();
 }
@@ -560,7 +561,13 @@ void launch_sparse_attention(const dims& d, int kv_type, const layer_view* views
     shadowkv_dispatch_head_dim(d.head_dim, "sparse attention", [&](auto head_dim) {
       // Query-head tile: larger groups loop over tiles.
       shadowkv_dispatch_head_tile(d.group, [&](auto head_tile) {
-        launch_split<T, decltype(head_dim)::value, decltype(head_tile)::value>(launch);
+        constexpr int kD = decltype(head_dim)::value;
+        constexpr int kTile = decltype(head_tile)::value;
+        if (d.cache_slots > d.budget) {
+          launch_split<T, kD, kTile, true>(launch);
+        } else {
+          launch_split<T, kD, kTile, false>(launch);
+        }
       });
     });
   });

@@ -37,7 +37,9 @@ static_assert(kSelectStaticShared + 256 <= kSharedMargin,
               "kSharedMargin must cover select_kernel's static shared memory");
 
 
-template <typename T>
+// kLru: a cache larger than the budget (K > k, update_lru_cache); a template parameter, so that the default cache
+// (K == k) compiles to the code it had before larger caches existed.
+template <typename T, bool kLru>
 __global__ void __launch_bounds__(kSelectThreads, 1) select_kernel(const dims d, const layer_view* views,
                                                                    const int* batch_slots, const int layer,
                                                                    const strided_tensor queries, const int tokens,
@@ -65,7 +67,7 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_kernel(const dims d,
   float* scores_row = ws.scores + head_row * mc;
   float* logits_group = ws.logits + (static_cast<long long>(b) * d.q_heads + static_cast<long long>(h) * group) * mc;
   const std::uint8_t* outlier = view->is_outlier + static_cast<long long>(h) * mc;
-  const int capacity = d.cache_slots;  // K: slots per head (K == k: exactly the last selection)
+  const int capacity = kLru ? d.cache_slots : k;  // K: slots per head (K == k: exactly the last selection)
   int* cache = view->cache_chunks + static_cast<long long>(h) * capacity;
   int* slot_of = view->slot_of_chunk + static_cast<long long>(h) * mc;
   int* selected = ws.selected + head_row * k;
@@ -171,7 +173,7 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_kernel(const dims d,
 
   // --- E. temporal cache (cache_policy.cuh) ----------------------------------------------------------------------
   int filled;
-  if (capacity > k) {
+  if constexpr (kLru) {
     // This selection's number: one more than the head's count. Every thread reads it here; thread 0 writes it back
     // below, after update_lru_cache's barriers.
     long long* clock = view->selection_clock + h;
@@ -198,7 +200,7 @@ void launch_select_kernel(const dims& d, int kv_type, const layer_view* views, c
                           const select_geometry& geo, long long shared_bytes, cudaStream_t stream) {
   shadowkv_dispatch_element(kv_type, [&](auto tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    auto kernel = select_kernel<T>;
+    auto kernel = d.cache_slots > d.budget ? select_kernel<T, true> : select_kernel<T, false>;
     allow_shared(kernel, shared_bytes);
     const dim3 grid(static_cast<unsigned>(d.kv_heads), static_cast<unsigned>(batch));
     kernel<<<grid, kSelectThreads, static_cast<size_t>(shared_bytes), stream>>>(d, views, batch_slots, layer, queries,
