@@ -135,3 +135,15 @@ def test_one_rope_helper_in_both_precisions():
     torch.testing.assert_close(post64[..., 24:], x[..., 24:].double())                   # passes through
     torch.testing.assert_close(unrope(post64, pos, inv_freq, 1.25), x.double(), rtol=1e-9, atol=1e-9)
     assert (post64[..., :24] - x[..., :24].double()).abs().max() > 0.1                   # really rotated
+
+
+@pytest.mark.parametrize("module", ["shadowkv_core.evaluation.accuracy", "shadowkv_core.evaluation.fidelity",
+                                    "shadowkv_core.evaluation.demo"])
+def test_each_command_prints_its_help(module):
+    """`python -m <command> --help` prints the options and exits 0 (argparse formats every help string with %: a bare
+    "%" in one crashed the accuracy harness's --help)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    run = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert run.returncode == 0, f"{module} --help: rc {run.returncode}\n{run.stderr[-2000:]}"
+    assert "usage:" in run.stdout and "--" in run.stdout, f"{module} --help printed no options:\n{run.stdout[:500]}"

@@ -238,7 +238,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths for niah/multikey")
     p.add_argument("--samples", type=int, default=2, help="samples per (task, length, depth)")
     p.add_argument("--budgets", default="3.125%",
-                   help="store budgets, comma-separated: tokens (128) or % of the prompt (e.g. "
+                   help="store budgets, comma-separated: tokens (128) or %% of the prompt (e.g. "
                         "0.78%%,1.56%%,3.125%%,6.25%%,12.5%%,25%%)")
     p.add_argument("--rank", default="64", help="rank of the key factorisation, or 'full' (= kv heads x head_dim)")
     p.add_argument("--chunk-size", type=int, default=8)
