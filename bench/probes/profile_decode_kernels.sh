@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# On the GPU machine: build the Python module only (no tests), then Nsight Compute over one decode step of
+# decode_kernels_probe.py for each configuration given as BATCH:VALUES (default 1:device 8:device 24:host). One log per
+# configuration in $OUT (or bench/results), and a table of every kernel's duration, DRAM and SM throughput,
+# occupancy, grid and registers printed last (ncu_summary.py).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+out="${OUT:-bench/results}"
+cutlass_arg=()
+[ -d .device/cutlass/include/cute ] && cutlass_arg=("-DSHADOWKV_CUTLASS_INCLUDE_DIR=$PWD/.device/cutlass/include")
+cmake -S . -B build/profile -G Ninja -DCMAKE_BUILD_TYPE=Release -DSHADOWKV_CUDA=ON -DSHADOWKV_BUILD_TESTS=OFF \
+  -DSHADOWKV_BUILD_PYTHON=ON -DSHADOWKV_BUILD_BENCHMARKS=OFF ${cutlass_arg[@]+"${cutlass_arg[@]}"} >"$out/cmake.log" 2>&1 &&
+  cmake --build build/profile -j"$(nproc)" --target _core >>"$out/cmake.log" 2>&1 || { tail -40 "$out/cmake.log"; exit 1; }
+cp build/profile/_core*.so python/shadowkv_core/
+export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+sections=(--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats
+          --section MemoryWorkloadAnalysis)
+logs=()
+for config in "${@:-1:device 8:device 24:host}"; do
+  for one in $config; do
+    batch="${one%%:*}"; values="${one##*:}"
+    log="$out/ncu-B${batch}-${values}.log"
+    timeout "${NCU_TIMEOUT_S:-170}" ncu --profile-from-start off --clock-control none "${sections[@]}" \
+      python3 bench/probes/decode_kernels_probe.py --batch "$batch" --values "$values" >"$log" 2>&1
+    echo "B=$batch $values: rc $?; $(grep -m1 'a step (profiled)' "$log")"
+    logs+=("$log")
+  done
+done
+python3 bench/probes/ncu_summary.py "${logs[@]}"
