@@ -44,7 +44,7 @@ int splits_for(int batch, int kv_heads, int most) {
 //  * N = D, the whole head: RoPE pairs dim i with i + rotary_dim/2 (or 2i with 2i+1), so the epilogue needs whole
 //    rows. D is a template parameter so that every partition below is static (D/16 MMA columns per warp pair).
 //  * K = 32 rank columns per stage: one 128-byte line of each float32 A row (eight 16-byte cp.async), or 64 bytes of a
-//    bf16 row; two stages, so that the gather of the next K tile overlaps the MMAs of this one. Rank tails are
+//    bf16 row; three stages, so that the gathers of the next two K tiles overlap the MMAs of this one. Rank tails are
 //    zero-filled (A and B both: a garbage B row times a zero A column could still be NaN).
 //  * 8 warps as 4 (M) x 2 (N) of the SM80 16x8x8 TF32 atom: a warp owns 16 rows and D/2 columns, D/4 fp32
 //    accumulators per thread (64 at D = 256, 32 at D = 128), twice: the running sum and the current K tile's.
@@ -63,7 +63,9 @@ int splits_for(int batch, int kv_heads, int most) {
 constexpr int kRebuildRows = 64;      // M
 static_assert(kRebuildRows == kMaxChunkSize, "shape_support.hpp's chunk limit is the rebuild tile's rows");
 constexpr int kRebuildRankTile = 32;  // K per stage
-constexpr int kRebuildStages = 2;
+// Three stages: two K tiles in flight while one is multiplied. With two, each K tile of a group waited a whole
+// gather round trip (ncu at B=1: 15.7 µs for one group a CTA, 17% SM throughput, 2.5% DRAM).
+constexpr int kRebuildStages = 3;
 constexpr int kRebuildThreads = 256;  // 8 warps, 4 x 2 over (M, N)
 
 // F: the factors' element type (float or __nv_bfloat16).
@@ -109,7 +111,7 @@ __device__ __forceinline__ void split_tf32(float x, cutlass::tfloat32_t& big, cu
 }
 
 // Two CTAs per SM up to D = 128 (the grid of splits_for is sized for two per SM), which caps registers at 128 (at
-// D = 96 and 128 ptxas spills a few index registers, outside the main loop); at D = 256 the 2 x 64 accumulators
+// D = 80 ptxas spills 4 bytes with bf16 factors, none elsewhere: -Xptxas -v at three stages); at D = 256 the 2 x 64 accumulators
 // alone need one CTA per SM.
 template <int D>
 constexpr int rebuild_min_ctas_per_sm() {
@@ -249,15 +251,24 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
     }
     __syncthreads();
 
-    // Main loop: two stages; stage kt % 2 is computed while tile kt + 1 lands in the other one.
-    load_stage(0, 0);
-    commit_async_copies();
+    // Main loop: three stages; stage kt % 3 is computed while tiles kt + 1 and kt + 2 land in the other two.
+    static_assert(kRebuildStages == 3, "the prologue and the waits below are written for three stages");
+    // (A loop, not two calls: one more inlined copy of load_stage made ptxas spill ~200 bytes with bf16 factors.)
+#pragma unroll 1
+    for (int kt = 0; kt < kRebuildStages - 1 && kt < k_tiles; ++kt) {
+      load_stage(kt, kt);
+      commit_async_copies();
+    }
     clear(accumulators);
+#pragma unroll 1
     for (int kt = 0; kt < k_tiles; ++kt) {
-      if (kt + 1 < k_tiles) {
-        load_stage(kt + 1, (kt + 1) % kRebuildStages);
+      // Stage (kt + 2) % 3 was last computed in iteration kt - 1, whose closing barrier every thread has passed.
+      if (kt + 2 < k_tiles) {
+        load_stage(kt + 2, (kt + 2) % kRebuildStages);
         commit_async_copies();
-        wait_async_copies<1>();  // tile kt has landed (this thread's copies) ...
+        wait_async_copies<2>();  // tile kt has landed (this thread's copies) ...
+      } else if (kt + 1 < k_tiles) {
+        wait_async_copies<1>();
       } else {
         wait_async_copies<0>();
       }

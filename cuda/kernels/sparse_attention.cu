@@ -55,6 +55,7 @@ namespace {
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kCombineThreads = 128;
+constexpr int kCombineBatch = 8;  // splits whose partial accumulators one combine thread loads together
 /// Upper bound of sparse_attention_max_splits (the combine kernel keeps one weight per split in shared memory).
 constexpr int kMaxSplits = 64;
 /// A split should have at least this many rows of the largest possible row list: below it the CTA's fixed costs
@@ -472,10 +473,24 @@ __global__ void __launch_bounds__(kCombineThreads)
 
   void* target = const_cast<void*>(out.data);  // strided_tensor carries a const pointer; out is ours to write
   const long long head_offset = static_cast<long long>(b) * out.stride[0] + static_cast<long long>(j) * out.stride[1];
+  // The sum over splits in split order, one FMA per split as before; the loads of kCombineBatch splits are issued
+  // before their FMAs. (One load, then its FMA, split after split, kept one L2 round trip in flight per thread: 14 µs
+  // for the ~43 splits of a B=1 step in ncu, against ~1 µs of bytes.)
   for (int dim = static_cast<int>(threadIdx.x); dim < head_dim; dim += kCombineThreads) {
     float value = 0.0F;
-    for (int s = 0; s < splits; ++s) {
-      if (weights[s] != 0.0F) value = fmaf(weights[s], source[s * entry + 2 + dim], value);
+    for (int first = 0; first < splits; first += kCombineBatch) {
+      float loaded[kCombineBatch];
+#pragma unroll
+      for (int i = 0; i < kCombineBatch; ++i) {
+        const int s = first + i;
+        // A split with weight 0 (no rows, or all scores NaN) is skipped: its acc is not read.
+        loaded[i] = s < splits && weights[s] != 0.0F ? source[s * entry + 2 + dim] : 0.0F;
+      }
+#pragma unroll
+      for (int i = 0; i < kCombineBatch; ++i) {
+        const int s = first + i;
+        if (s < splits && weights[s] != 0.0F) value = fmaf(weights[s], loaded[i], value);
+      }
     }
     store_any(target, out.type, head_offset + dim * out.stride[2], value * inverse_total);
   }
