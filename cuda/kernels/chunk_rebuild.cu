@@ -111,8 +111,8 @@ __device__ __forceinline__ void split_tf32(float x, cutlass::tfloat32_t& big, cu
 }
 
 // Two CTAs per SM up to D = 128 (the grid of splits_for is sized for two per SM), which caps registers at 128 (at
-// D = 80 ptxas spills 4 bytes with bf16 factors, none elsewhere: -Xptxas -v at three stages); at D = 256 the 2 x 64 accumulators
-// alone need one CTA per SM.
+// three stages ptxas spills 4 bytes at D = 80 with bf16 factors, none elsewhere: -Xptxas -v); at D = 256 the 2 x 64
+// accumulators alone need one CTA per SM.
 template <int D>
 constexpr int rebuild_min_ctas_per_sm() {
   return D <= 128 ? 2 : 1;
