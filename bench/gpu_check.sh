@@ -2,7 +2,8 @@
 # On a GPU machine: build everything with CUDA, run the C++ and Python tests on CPU and GPU (parity), run the step
 # benchmark and the micro-benchmarks, and write bench/results/<date>-<commit>.json and <date>-<commit>-micro.json
 # (also to $OUT when set). Prints short tables last.
-#   bash bench/gpu_check.sh [--quick]      (--quick: tests only, no benchmarks; SKIP_MICRO=1: no micro-benchmarks)
+#   bash bench/gpu_check.sh [--quick]      (--quick: tests only, no benchmarks; SKIP_MICRO=1: no micro-benchmarks;
+#                                           STEP_CONFIGS="24x122880x2048:host 24x122880x2048:host+k2": other rows)
 #   bash bench/gpu_check.sh --sanitize     (build, then compute-sanitizer instead of tests and benchmarks; see below)
 # The micro-benchmarks need Google Benchmark: the system's, or a copy in .device/benchmark made by
 # bench/carry_benchmark.sh on a machine that has it (carry that ignored folder along).
@@ -246,7 +247,10 @@ echo "tests: $tests_json"
 
 if [ "$mode" != "--quick" ]; then
   step "step benchmark"
-  COMMIT="$commit" timeout 400 python3 bench/step_benchmark.py --profile --json "$result" 2>&1 | tee "$out_dir/bench.log" | tail -16
+  # STEP_CONFIGS (space-separated BxSxBUDGET[:values[+options]], as step_benchmark.py --config) replaces its defaults.
+  read -r -a step_configs <<<"${STEP_CONFIGS:-}"
+  COMMIT="$commit" timeout 400 python3 bench/step_benchmark.py --profile --json "$result" \
+    ${step_configs[@]+--config "${step_configs[@]}"} 2>&1 | tee "$out_dir/bench.log" | tail -20
   if [ -f "$result" ]; then
     python3 - "$result" "$tests_json" <<'PY'
 import json, sys

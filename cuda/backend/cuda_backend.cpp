@@ -113,7 +113,7 @@ struct cuda_backend::layer_sizes {
 };
 
 cuda_backend::cuda_backend(const config& cfg, int device_index)
-    : config_(cfg), device_(device_index), kv_type_(element_code(cfg.kv_dtype)), device_memory_(device_index) {
+    : config_(cfg), device_(device_index), kv_type_(element_code(cfg.kv_dtype)) {
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess) {
     (void)cudaGetLastError();
@@ -152,24 +152,22 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   for (event_handle& event : part_fetched_events_) event = make_event();
   fetched_event_ = make_event();
   values_ready_event_ = make_event();
-  cublas_ = make_cublas();
-  cusolver_ = make_cusolver();
+  resources_ = device_resources::shared(device_index);
   stream_ = own_stream_;
-  SHADOWKV_CUDA_TRY(cudaDeviceGetAttribute(&multiprocessors_, cudaDevAttrMultiProcessorCount, device_index));
-  fetch_ctas_host_ = fetch_ctas_for_host_values(multiprocessors_);
-  fetch_ctas_device_ = 2 * multiprocessors_;
+  fetch_ctas_host_ = fetch_ctas_for_host_values(resources_->multiprocessors());
+  fetch_ctas_device_ = 2 * resources_->multiprocessors();
 
   // Reserve everything up front.
   const std::size_t element = dtype_size(cfg.kv_dtype);
   const layer_sizes sizes(dims_, element);
   const std::size_t layers = static_cast<std::size_t>(cfg.max_batch) * cfg.num_layers;
-  arena_ = device_buffer(sizes.device_total() * layers, own_stream_, device_memory_);
+  arena_ = device_buffer(sizes.device_total() * layers, own_stream_, resources_->device_memory());
   value_layer_bytes_ = sizes.value_store;
   value_codes_bytes_ = sizes.value_codes;
   device_values_.resize(static_cast<std::size_t>(cfg.max_batch));
   host_values_.resize(static_cast<std::size_t>(cfg.max_batch));
   values_on_.resize(static_cast<std::size_t>(cfg.max_batch), value_place::host);
-  views_ = device_buffer(sizeof(layer_view) * layers, own_stream_, device_memory_);
+  views_ = device_buffer(sizeof(layer_view) * layers, own_stream_, resources_->device_memory());
   host_views_.resize(layers);
   auto* cursor = static_cast<std::uint8_t*>(arena_.data());
   auto take = [&cursor](std::size_t bytes) {
@@ -215,7 +213,7 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   const std::size_t partial =
       align_up(batch * cfg.num_q_heads * workspace_.max_splits * (cfg.head_dim + 2) * sizeof(float));
   workspace_memory_ = device_buffer(logits + scores + 2 * lists + counts + counters + partial, own_stream_,
-                                    device_memory_);
+                                    resources_->device_memory());
   cursor = static_cast<std::uint8_t*>(workspace_memory_.data());
   workspace_.logits = static_cast<float*>(take(logits));
   workspace_.scores = static_cast<float*>(take(scores));
@@ -228,11 +226,11 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   SHADOWKV_CUDA_TRY(cudaMemsetAsync(workspace_.miss_counts, 0, counts, own_stream_));
 
   const rope_rotation rope(cfg);
-  inv_freq_ = device_buffer(rope.inv_freq().size() * sizeof(float), own_stream_, device_memory_);
+  inv_freq_ = device_buffer(rope.inv_freq().size() * sizeof(float), own_stream_, resources_->device_memory());
   SHADOWKV_CUDA_TRY(cudaMemcpyAsync(inv_freq_.data(), rope.inv_freq().data(), rope.inv_freq().size() * sizeof(float),
                                     cudaMemcpyHostToDevice, own_stream_));
-  batch_slots_ = device_buffer(batch * sizeof(int), own_stream_, device_memory_);
-  batch_staging_ = host_buffer(batch * sizeof(int), host_memory_);
+  batch_slots_ = device_buffer(batch * sizeof(int), own_stream_, resources_->device_memory());
+  batch_staging_ = host_buffer(batch * sizeof(int), resources_->host_memory());
   SHADOWKV_CUDA_TRY(cudaStreamSynchronize(own_stream_));
 
   // value_store="auto" without a budget: what is free now, less a margin for the caller's own work (activations,
@@ -272,8 +270,6 @@ void cuda_backend::use_stream(std::optional<stream_view> stream) {
   SHADOWKV_CUDA_TRY(cudaSetDevice(device_));
   caller_stream_ = stream.has_value();
   stream_ = caller_stream_ ? reinterpret_cast<cudaStream_t>(stream->handle()) : own_stream_;
-  SHADOWKV_CUBLAS_TRY(cublasSetStream(cublas_, stream_));
-  SHADOWKV_CUSOLVER_TRY(cusolverDnSetStream(cusolver_, stream_));
 }
 
 bool cuda_backend::capturing() const {
@@ -304,10 +300,10 @@ void cuda_backend::open_sequence(int slot, value_place values_on) {
   host_buffer on_host;
   std::uint8_t* base = nullptr;
   if (values_on == value_place::device) {
-    on_device = device_buffer(bytes, own_stream_, device_memory_);
+    on_device = device_buffer(bytes, own_stream_, resources_->device_memory());
     base = static_cast<std::uint8_t*>(on_device.data());
   } else {
-    on_host = host_buffer(bytes, host_memory_);
+    on_host = host_buffer(bytes, resources_->host_memory());
     base = static_cast<std::uint8_t*>(on_host.device_pointer());
   }
   const std::size_t first = static_cast<std::size_t>(slot) * config_.num_layers;
@@ -356,11 +352,12 @@ void cuda_backend::upload_batch(std::span<const batch_entry> entries) {
   uploaded_slots_ = slots;
 }
 
-void cuda_backend::factorize(const float* keys_pre, int rows, float* basis) {
+void cuda_backend::factorize(const float* keys_pre, int rows, float* basis,
+                             const device_resources::library_lease& libraries) {
   const int n = static_cast<int>(config_.kv_width());
   const int rank = config_.rank;
   int* info = nullptr;
-  device_buffer info_buffer(sizeof(int), stream_, device_memory_);
+  device_buffer info_buffer(sizeof(int), stream_, resources_->device_memory());
   info = static_cast<int*>(info_buffer.data());
   if (config_.factorization == factorization_method::gram || rows < n) {
     // Gram matrix KᵀK, leading eigenvectors in float64 (cuSOLVER), as the CPU backend. The Gram matrix is split-K
@@ -370,19 +367,19 @@ void cuda_backend::factorize(const float* keys_pre, int rows, float* basis) {
     // float32 terms per element than one SYRK (more accurate, not less).
     // (Row-major K[rows, n] is the column-major matrix Kᵀ[n, rows]; block (i, j) of a slice is Kᵀ_i · Kᵀ_jᵀ.)
     // All workspace first, so that a failed allocation leaves nothing enqueued.
-    const gram_split split = plan_gram_split(n, rows, multiprocessors_);
+    const gram_split split = plan_gram_split(n, rows, resources_->multiprocessors());
     const std::size_t entries = static_cast<std::size_t>(split.entries());
-    device_buffer partials(std::max<std::size_t>(1, gram_partial_bytes(split, n)), stream_, device_memory_);
-    device_buffer pointers(std::max<std::size_t>(1, 3 * entries * sizeof(void*)), stream_, device_memory_);
-    device_buffer gram64(static_cast<std::size_t>(n) * n * sizeof(double), stream_, device_memory_);
-    device_buffer eigenvalues(static_cast<std::size_t>(n) * sizeof(double), stream_, device_memory_);
+    device_buffer partials(std::max<std::size_t>(1, gram_partial_bytes(split, n)), stream_, resources_->device_memory());
+    device_buffer pointers(std::max<std::size_t>(1, 3 * entries * sizeof(void*)), stream_, resources_->device_memory());
+    device_buffer gram64(static_cast<std::size_t>(n) * n * sizeof(double), stream_, resources_->device_memory());
+    device_buffer eigenvalues(static_cast<std::size_t>(n) * sizeof(double), stream_, resources_->device_memory());
     int found = 0;
     int lwork = 0;
     SHADOWKV_CUSOLVER_TRY(cusolverDnDsyevdx_bufferSize(
-        cusolver_, CUSOLVER_EIG_MODE_VECTOR, CUSOLVER_EIG_RANGE_I, CUBLAS_FILL_MODE_LOWER, n,
+        libraries.cusolver(), CUSOLVER_EIG_MODE_VECTOR, CUSOLVER_EIG_RANGE_I, CUBLAS_FILL_MODE_LOWER, n,
         static_cast<double*>(gram64.data()), n, 0.0, 0.0, n - rank + 1, n, &found,
         static_cast<double*>(eigenvalues.data()), &lwork));
-    device_buffer work(static_cast<std::size_t>(lwork) * sizeof(double), stream_, device_memory_);
+    device_buffer work(static_cast<std::size_t>(lwork) * sizeof(double), stream_, resources_->device_memory());
 
     auto** a_blocks = static_cast<const float**>(pointers.data());
     const float** b_blocks = a_blocks + entries;
@@ -392,7 +389,7 @@ void cuda_backend::factorize(const float* keys_pre, int rows, float* basis) {
                                  c_blocks, stream_);
       const float one = 1.0F;
       const float zero = 0.0F;
-      SHADOWKV_CUBLAS_TRY(cublasSgemmBatched(cublas_, CUBLAS_OP_N, CUBLAS_OP_T, split.block, split.block,
+      SHADOWKV_CUBLAS_TRY(cublasSgemmBatched(libraries.cublas(), CUBLAS_OP_N, CUBLAS_OP_T, split.block, split.block,
                                              split.slice_rows, &one, a_blocks, n, b_blocks, n, &zero, c_blocks, n,
                                              static_cast<int>(entries)));
     }
@@ -402,7 +399,7 @@ void cuda_backend::factorize(const float* keys_pre, int rows, float* basis) {
     SHADOWKV_CUDA_TRY(cudaMemsetAsync(gram64.data(), 0, static_cast<std::size_t>(n) * n * sizeof(double), stream_));
     launch_sum_gram_partials(static_cast<const float*>(partials.data()), keys_pre, rows, n, split,
                              static_cast<double*>(gram64.data()), stream_);
-    SHADOWKV_CUSOLVER_TRY(cusolverDnDsyevdx(cusolver_, CUSOLVER_EIG_MODE_VECTOR, CUSOLVER_EIG_RANGE_I,
+    SHADOWKV_CUSOLVER_TRY(cusolverDnDsyevdx(libraries.cusolver(), CUSOLVER_EIG_MODE_VECTOR, CUSOLVER_EIG_RANGE_I,
                                             CUBLAS_FILL_MODE_LOWER, n, static_cast<double*>(gram64.data()), n, 0.0,
                                             0.0, n - rank + 1, n, &found, static_cast<double*>(eigenvalues.data()),
                                             static_cast<double*>(work.data()), lwork, info));
@@ -424,14 +421,14 @@ void cuda_backend::factorize(const float* keys_pre, int rows, float* basis) {
     return;
   }
   // Exact SVD of K (rows >= n): column-major float64 copy, cuSOLVER gesvd, B = the leading rows of Vᵀ.
-  device_buffer matrix(static_cast<std::size_t>(rows) * n * sizeof(double), stream_, device_memory_);
-  device_buffer singular(static_cast<std::size_t>(n) * sizeof(double), stream_, device_memory_);
-  device_buffer vt(static_cast<std::size_t>(n) * n * sizeof(double), stream_, device_memory_);
+  device_buffer matrix(static_cast<std::size_t>(rows) * n * sizeof(double), stream_, resources_->device_memory());
+  device_buffer singular(static_cast<std::size_t>(n) * sizeof(double), stream_, resources_->device_memory());
+  device_buffer vt(static_cast<std::size_t>(n) * n * sizeof(double), stream_, resources_->device_memory());
   launch_keys_to_double(keys_pre, rows, n, true, static_cast<double*>(matrix.data()), stream_);
   int lwork = 0;
-  SHADOWKV_CUSOLVER_TRY(cusolverDnDgesvd_bufferSize(cusolver_, rows, n, &lwork));
-  device_buffer work(static_cast<std::size_t>(lwork) * sizeof(double), stream_, device_memory_);
-  SHADOWKV_CUSOLVER_TRY(cusolverDnDgesvd(cusolver_, 'N', 'A', rows, n, static_cast<double*>(matrix.data()), rows,
+  SHADOWKV_CUSOLVER_TRY(cusolverDnDgesvd_bufferSize(libraries.cusolver(), rows, n, &lwork));
+  device_buffer work(static_cast<std::size_t>(lwork) * sizeof(double), stream_, resources_->device_memory());
+  SHADOWKV_CUSOLVER_TRY(cusolverDnDgesvd(libraries.cusolver(), 'N', 'A', rows, n, static_cast<double*>(matrix.data()), rows,
                                          static_cast<double*>(singular.data()), nullptr, rows,
                                          static_cast<double*>(vt.data()), n, static_cast<double*>(work.data()), lwork,
                                          nullptr, info));
@@ -446,7 +443,8 @@ void cuda_backend::factorize(const float* keys_pre, int rows, float* basis) {
   launch_basis_from_vectors(static_cast<const double*>(vt.data()), n, rank, false, true, basis, stream_);
 }
 
-void cuda_backend::prefill_one(int layer, const batch_entry& entry, const prefill_inputs& inputs) {
+void cuda_backend::prefill_one(int layer, const batch_entry& entry, const prefill_inputs& inputs,
+                               const device_resources::library_lease& libraries) {
   const layer_state& state = *entry.state;
   const int len = static_cast<int>(state.prompt_len);
   const int chunks = static_cast<int>(state.prompt_context_chunks);
@@ -456,13 +454,13 @@ void cuda_backend::prefill_one(int layer, const batch_entry& entry, const prefil
   const layer_view& view = host_view(entry.slot, layer);
 
   // All workspace first: an allocation failure leaves the layer untouched.
-  device_buffer keys_pre(len * width * sizeof(float), stream_, device_memory_);
-  device_buffer keys_post(len * width * element, stream_, device_memory_);
-  device_buffer positions(static_cast<std::size_t>(len) * sizeof(long long), stream_, device_memory_);
+  device_buffer keys_pre(len * width * sizeof(float), stream_, resources_->device_memory());
+  device_buffer keys_post(len * width * element, stream_, resources_->device_memory());
+  device_buffer positions(static_cast<std::size_t>(len) * sizeof(long long), stream_, resources_->device_memory());
   device_buffer min_cosine(std::max<std::size_t>(1, static_cast<std::size_t>(config_.num_kv_heads) * chunks) * sizeof(float),
-                           stream_, device_memory_);
+                           stream_, resources_->device_memory());
   device_buffer outlier_ids(std::max<std::size_t>(1, static_cast<std::size_t>(config_.num_kv_heads) * config_.outlier_chunks) *
-                                sizeof(int), stream_, device_memory_);
+                                sizeof(int), stream_, resources_->device_memory());
   // bf16 factors are computed in float32 and rounded once: B first (the projection uses B as held), then A.
   const bool bf16_factors = dims_.factor_bf16 != 0;
   const int context_tokens = chunks * config_.chunk_size;
@@ -471,9 +469,9 @@ void cuda_backend::prefill_one(int layer, const batch_entry& entry, const prefil
   device_buffer basis32;
   device_buffer coefficients32;
   if (bf16_factors) {
-    basis32 = device_buffer(basis_elements * sizeof(float), stream_, device_memory_);
+    basis32 = device_buffer(basis_elements * sizeof(float), stream_, resources_->device_memory());
     coefficients32 = device_buffer(std::max<std::size_t>(1, coefficient_elements) * sizeof(float), stream_,
-                                   device_memory_);
+                                   resources_->device_memory());
   }
   auto* basis = static_cast<float*>(bf16_factors ? basis32.data() : view.basis);
   auto* coefficients = static_cast<float*>(bf16_factors ? coefficients32.data() : view.coefficients);
@@ -487,10 +485,10 @@ void cuda_backend::prefill_one(int layer, const batch_entry& entry, const prefil
   const std::size_t code_bytes = static_cast<std::size_t>(runs) * config_.chunk_size * config_.head_dim;
   device_buffer value_staging;
   if (!values_on_device || fp8) {
-    value_staging = device_buffer(std::max<std::size_t>(1, value_bytes), stream_, device_memory_);
+    value_staging = device_buffer(std::max<std::size_t>(1, value_bytes), stream_, resources_->device_memory());
   }
   device_buffer fp8_staging;
-  if (fp8 && !values_on_device) fp8_staging = device_buffer(value_layer_bytes_, stream_, device_memory_);
+  if (fp8 && !values_on_device) fp8_staging = device_buffer(value_layer_bytes_, stream_, resources_->device_memory());
   void* value_target = values_on_device && !fp8 ? view.value_store : value_staging.data();
   auto* codes_target = static_cast<std::uint8_t*>(values_on_device ? view.value_store : fp8_staging.data());
   float* scales_target = values_on_device ? view.value_scales
@@ -506,7 +504,7 @@ void cuda_backend::prefill_one(int layer, const batch_entry& entry, const prefil
                              len, inputs.keys_post_rope, static_cast<const float*>(inv_freq_.data()),
                              static_cast<float*>(keys_pre.data()), keys_post.data(),
                              static_cast<long long*>(positions.data()), stream_);
-  factorize(static_cast<const float*>(keys_pre.data()), len, basis);
+  factorize(static_cast<const float*>(keys_pre.data()), len, basis, libraries);
   if (bf16_factors) {
     launch_factors_to_bf16(basis, static_cast<long long>(basis_elements), view.basis, true, stream_);
   }
@@ -514,7 +512,7 @@ void cuda_backend::prefill_one(int layer, const batch_entry& entry, const prefil
     // A = K_ctx · Bᵀ: column-major Aᵀ[r, ctx] = (Bᵀ as column-major [width, r])ᵀ · Kᵀ[width, ctx].
     const float one = 1.0F;
     const float zero = 0.0F;
-    SHADOWKV_CUBLAS_TRY(cublasSgemm(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, config_.rank, context_tokens,
+    SHADOWKV_CUBLAS_TRY(cublasSgemm(libraries.cublas(), CUBLAS_OP_T, CUBLAS_OP_N, config_.rank, context_tokens,
                                     static_cast<int>(width), &one, basis, static_cast<int>(width),
                                     static_cast<const float*>(keys_pre.data()), static_cast<int>(width), &zero,
                                     coefficients, config_.rank));
@@ -593,7 +591,10 @@ void cuda_backend::prefill_one(int layer, const batch_entry& entry, const prefil
 
 void cuda_backend::prefill(int layer, std::span<const batch_entry> entries, const prefill_inputs& inputs) {
   device_guard guard(device_);
-  for (const batch_entry& entry : entries) prefill_one(layer, entry, inputs);
+  // The device's cuBLAS/cuSOLVER handles, bound to this call's stream, for the whole call (another store on the same
+  // device waits for them; device_resources.hpp).
+  const device_resources::library_lease libraries = resources_->libraries(stream_);
+  for (const batch_entry& entry : entries) prefill_one(layer, entry, inputs, libraries);
 }
 
 void cuda_backend::fold_oldest_generated_chunk(int /*layer*/, std::span<const batch_entry> /*entries*/) {
@@ -857,8 +858,8 @@ std::optional<std::size_t> cuda_backend::find_non_finite(std::span<const tensor_
   SHADOWKV_EXPECTS(!capturing(), "inputs cannot be checked for NaN/Inf while the call's stream is being captured "
                    "into a CUDA graph (prefill is not capturable)");
   if (finite_flags_.data() == nullptr) {
-    device_buffer flags(kFiniteFlags * sizeof(int), own_stream_, device_memory_);
-    host_buffer copy(kFiniteFlags * sizeof(int), host_memory_);
+    device_buffer flags(kFiniteFlags * sizeof(int), own_stream_, resources_->device_memory());
+    host_buffer copy(kFiniteFlags * sizeof(int), resources_->host_memory());
     SHADOWKV_CUDA_TRY(cudaStreamSynchronize(own_stream_));  // allocated before stream_ uses it
     finite_flags_ = std::move(flags);
     finite_flags_host_ = std::move(copy);

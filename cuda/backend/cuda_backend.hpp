@@ -26,6 +26,7 @@
 
 #include "cuda_handles.hpp"
 #include "device_layout.cuh"
+#include "device_resources.hpp"
 #include "memory_resources.hpp"
 #include "shadowkv/backend.hpp"
 
@@ -68,8 +69,9 @@ class cuda_backend final : public backend {
  private:
   struct layer_sizes;  // bytes of each array of one (slot, layer)
   void upload_batch(std::span<const batch_entry> entries);
-  void prefill_one(int layer, const batch_entry& entry, const prefill_inputs& inputs);
-  void factorize(const float* keys_pre, int rows, float* basis);
+  void prefill_one(int layer, const batch_entry& entry, const prefill_inputs& inputs,
+                   const device_resources::library_lease& libraries);
+  void factorize(const float* keys_pre, int rows, float* basis, const device_resources::library_lease& libraries);
   [[nodiscard]] layer_view& host_view(int slot, int layer) { return host_views_[static_cast<std::size_t>(slot * config_.num_layers + layer)]; }
   [[nodiscard]] const layer_view& host_view(int slot, int layer) const { return host_views_[static_cast<std::size_t>(slot * config_.num_layers + layer)]; }
   [[nodiscard]] layer_view* device_view(int slot, int layer) const;
@@ -102,12 +104,13 @@ class cuda_backend final : public backend {
   int device_;
   dims dims_{};
   int kv_type_;
-  int multiprocessors_ = 1;             ///< SMs of the device (sizes the split-K Gram matrix)
   int fetch_ctas_host_ = 1;             ///< value fetch CTAs when values cross PCIe (fetch_ctas_for_host_values)
   int fetch_ctas_device_ = 1;           ///< value fetch CTAs when every value of the part is in device memory
   cudaStream_t stream_ = nullptr;       ///< the current call's compute stream (caller's or own_stream_)
   bool caller_stream_ = false;
   // Handles before buffers: members are destroyed in reverse order, so the buffers (freed on own_stream_) go first.
+  // The device's shared resources (cuBLAS/cuSOLVER, memory resources, its facts): the buffers allocate through them.
+  std::shared_ptr<device_resources> resources_;
   stream_handle own_stream_;
   stream_handle copy_stream_;
   std::array<event_handle, kMaxPipelineParts> part_selected_events_;  ///< part p selected (the copy stream waits)
@@ -115,11 +118,6 @@ class cuda_backend final : public backend {
   event_handle fetched_event_;  ///< every part's values fetched
   bool fetch_pending_ = false;  ///< a fetch was queued that stream_ has not joined yet (join_fetch)
   event_handle values_ready_event_;
-  cublas_handle cublas_;
-  cusolver_handle cusolver_;
-
-  device_memory_resource device_memory_;
-  pinned_host_resource host_memory_;
   device_buffer arena_;          ///< all (slot, layer) arrays
   // Value stores, one allocation per live sequence (all its layers), on the device or in pinned host memory.
   std::vector<device_buffer> device_values_;  ///< [slot]
