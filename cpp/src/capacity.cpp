@@ -81,6 +81,9 @@ std::int64_t layer_bytes_upper_bound(const config& cfg, std::int64_t tokens) noe
   std::int64_t bytes = fixed_costs_of(cfg).per_prefill;
   bytes = saturating_add(bytes, saturating_mul(saturating_mul(tokens, cfg.rank), 4));  // A
   bytes = saturating_add(bytes, saturating_mul(token_elements, 4 * e));  // values, landmarks, exact keys and values
+  if (cfg.chunk_score == chunk_score_rule::two_centroids) {  // scales and counts beyond the codes (2 bytes a dim)
+    bytes = saturating_add(bytes, saturating_mul(saturating_mul(tokens, cfg.num_kv_heads), 2 * 4 + 1));
+  }
   bytes = saturating_add(bytes, saturating_mul(token_elements, 2 * 4));  // prefill's float32 pre/post-RoPE keys
   return bytes;
 }

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <limits>
 
+#include "shadowkv/chunk_centroids.hpp"
 #include "shadowkv/errors.hpp"
 
 namespace shadowkv {
@@ -36,6 +37,9 @@ void config::validate() const {
   SHADOWKV_EXPECTS(rank >= 1 && rank <= kv_width(), "rank must be in [1, num_kv_heads*head_dim = ", kv_width(),
                    "], got ", rank);
   SHADOWKV_EXPECTS(chunk_size >= 1, "chunk_size must be >= 1, got ", chunk_size);
+  SHADOWKV_EXPECTS(chunk_score != chunk_score_rule::two_centroids || chunk_size <= rules::kMaxCentroidChunk,
+                   "chunk_score='two_centroids' takes chunk_size up to ", rules::kMaxCentroidChunk, ", got ",
+                   chunk_size);
   SHADOWKV_EXPECTS(budget >= chunk_size && budget % chunk_size == 0,
                    "budget must be a positive multiple of chunk_size (", chunk_size, ") tokens, got ", budget);
   SHADOWKV_EXPECTS(budget_chunks() <= std::numeric_limits<int>::max(), "budget = ", budget, " tokens is ",
@@ -118,6 +122,17 @@ group_combine parse_group_score(const std::string& name) {
 }
 
 std::string group_score_name(group_combine combine) { return combine == group_combine::mean ? "mean" : "max"; }
+
+chunk_score_rule parse_chunk_score(const std::string& name) {
+  if (name == "landmark") return chunk_score_rule::landmark;
+  if (name == "two_centroids") return chunk_score_rule::two_centroids;
+  throw invalid_argument(
+      detail::format_message("chunk_score must be 'landmark' or 'two_centroids', got '", name, "'"));
+}
+
+std::string chunk_score_name(chunk_score_rule rule) {
+  return rule == chunk_score_rule::two_centroids ? "two_centroids" : "landmark";
+}
 
 factor_format parse_factor_format(const std::string& name) {
   if (name.empty() || name == "auto") return factor_format::automatic;

@@ -12,6 +12,7 @@
 #include "low_rank_rows.hpp"
 #include "lru_selection_cache.hpp"
 #include "row_dots.hpp"
+#include "shadowkv/chunk_centroids.hpp"
 #include "shadowkv/errors.hpp"
 
 namespace shadowkv::detail {
@@ -157,9 +158,18 @@ cpu_layer_data cpu_backend::prefill_one(const batch_entry& entry, const prefill_
   out.coefficients.append(static_cast<std::int64_t>(coefficients.size()), coefficients.data());
   out.context_positions.assign(positions.begin(), positions.begin() + context_tokens);
 
-  // Landmarks (means of the stored post-RoPE keys) and each chunk's minimum cosine to its own keys.
+  // Landmarks (means of the stored post-RoPE keys) and each chunk's minimum cosine to its own keys. With
+  // chunk_score = two_centroids the landmark serves the outlier rule only and the chunk's two centroids are stored.
+  const bool centroids = config_.chunk_score == chunk_score_rule::two_centroids;
   out.landmarks = host_array(type);
-  out.landmarks.resize(chunks * width);
+  if (centroids) {
+    out.centroid_codes.resize(static_cast<std::size_t>(chunks * heads * 2 * dim));
+    out.centroid_scales.resize(static_cast<std::size_t>(chunks * heads * 2));
+    out.first_counts.resize(static_cast<std::size_t>(chunks * heads));
+  } else {
+    out.landmarks.resize(chunks * width);
+  }
+  std::vector<double> centroid_work(static_cast<std::size_t>(2 * dim));
   std::vector<double> min_cosine(static_cast<std::size_t>(chunks * heads));
   std::vector<float> landmark(static_cast<std::size_t>(dim));
   for (std::int64_t c = 0; c < chunks; ++c) {
@@ -169,7 +179,18 @@ cpu_layer_data cpu_backend::prefill_one(const batch_entry& entry, const prefill_
         for (std::int64_t i = 0; i < chunk; ++i) sum += keys_post[static_cast<std::size_t>((c * chunk + i) * width + h * dim + d)];
         landmark[static_cast<std::size_t>(d)] = round_to(type, static_cast<float>(sum / static_cast<double>(chunk)));
       }
-      out.landmarks.store((c * heads + h) * dim, dim, landmark.data());
+      if (centroids) {
+        const float* first_key = keys_post.data() + (c * chunk) * width + h * dim;
+        const auto key = [&](int i, int d) { return first_key[static_cast<std::int64_t>(i) * width + d]; };
+        const rules::chunk_centroids made = rules::two_means(
+            key, static_cast<int>(chunk), static_cast<int>(dim), centroid_work.data(),
+            out.centroid_codes.data() + (c * heads + h) * 2 * dim);
+        out.centroid_scales[static_cast<std::size_t>((c * heads + h) * 2)] = made.scale[0];
+        out.centroid_scales[static_cast<std::size_t>((c * heads + h) * 2 + 1)] = made.scale[1];
+        out.first_counts[static_cast<std::size_t>(c * heads + h)] = made.first_count;
+      } else {
+        out.landmarks.store((c * heads + h) * dim, dim, landmark.data());
+      }
       double lowest = std::numeric_limits<double>::infinity();
       for (std::int64_t i = 0; i < chunk; ++i) {
         lowest = std::min(lowest, cosine(landmark.data(), keys_post.data() + (c * chunk + i) * width + h * dim, dim));
@@ -273,21 +294,27 @@ void cpu_backend::fold_oldest_generated_chunk(int layer, std::span<const batch_e
 
   struct folded_chunk {
     std::vector<float> coefficients;  // [C, r]
-    std::vector<float> landmark;      // [Hkv, D]
+    std::vector<float> landmark;      // [Hkv, D] (chunk_score = landmark)
     std::vector<float> values;        // [Hkv, C, D]
+    std::vector<std::uint8_t> centroid_codes;  // [Hkv, 2, D] (chunk_score = two_centroids)
+    std::vector<float> centroid_scales;        // [Hkv, 2]
+    std::vector<std::uint8_t> first_counts;    // [Hkv]
   };
+  const bool centroids = config_.chunk_score == chunk_score_rule::two_centroids;
   // Phase 1: compute every fold and reserve all destinations (may throw; nothing changed yet).
   std::vector<folded_chunk> folded(entries.size());
   for (std::size_t e = 0; e < entries.size(); ++e) {
     cpu_layer_data& d = data(entries[e].slot, layer);
     const std::int64_t first = entries[e].state->local_len;  // the oldest generated token
     std::vector<float> keys_pre(static_cast<std::size_t>(chunk * width));
+    std::vector<float> keys_post(centroids ? static_cast<std::size_t>(chunk * width) : 0);  // as stored
     std::vector<double> sums(static_cast<std::size_t>(width), 0.0);
     folded[e].values.resize(static_cast<std::size_t>(width * chunk));
     for (std::int64_t i = 0; i < chunk; ++i) {
       const std::int64_t token = first + i;
       float* row = keys_pre.data() + i * width;
       d.exact_keys.load(token * width, width, row);
+      if (centroids) std::copy(row, row + width, keys_post.data() + i * width);
       for (std::int64_t j = 0; j < width; ++j) sums[static_cast<std::size_t>(j)] += row[j];
       for (std::int64_t h = 0; h < heads; ++h) {
         rope_.remove(row + h * dim, d.exact_positions[static_cast<std::size_t>(token)]);
@@ -297,9 +324,25 @@ void cpu_backend::fold_oldest_generated_chunk(int layer, std::span<const batch_e
     std::vector<float> basis(static_cast<std::size_t>(d.basis.size()));
     d.basis.load(0, d.basis.size(), basis.data());
     folded[e].coefficients = project_onto_basis(keys_pre.data(), chunk, width, basis.data(), rank);
-    folded[e].landmark.resize(static_cast<std::size_t>(width));
-    for (std::int64_t j = 0; j < width; ++j) {
-      folded[e].landmark[static_cast<std::size_t>(j)] = static_cast<float>(sums[static_cast<std::size_t>(j)] / static_cast<double>(chunk));
+    if (centroids) {
+      folded[e].centroid_codes.resize(static_cast<std::size_t>(heads * 2 * dim));
+      folded[e].centroid_scales.resize(static_cast<std::size_t>(heads * 2));
+      folded[e].first_counts.resize(static_cast<std::size_t>(heads));
+      std::vector<double> work(static_cast<std::size_t>(2 * dim));
+      for (std::int64_t h = 0; h < heads; ++h) {
+        const auto key = [&](int i, int dd) { return keys_post[static_cast<std::size_t>(i * width + h * dim + dd)]; };
+        const rules::chunk_centroids made =
+            rules::two_means(key, static_cast<int>(chunk), static_cast<int>(dim), work.data(),
+                             folded[e].centroid_codes.data() + h * 2 * dim);
+        folded[e].centroid_scales[static_cast<std::size_t>(2 * h)] = made.scale[0];
+        folded[e].centroid_scales[static_cast<std::size_t>(2 * h + 1)] = made.scale[1];
+        folded[e].first_counts[static_cast<std::size_t>(h)] = made.first_count;
+      }
+    } else {
+      folded[e].landmark.resize(static_cast<std::size_t>(width));
+      for (std::int64_t j = 0; j < width; ++j) {
+        folded[e].landmark[static_cast<std::size_t>(j)] = static_cast<float>(sums[static_cast<std::size_t>(j)] / static_cast<double>(chunk));
+      }
     }
     // Room for a generation window's worth of folds at once (one reallocation per W generated tokens, not one per
     // fold), up to the most chunks a sequence can hold.
@@ -307,7 +350,13 @@ void cpu_backend::fold_oldest_generated_chunk(int layer, std::span<const batch_e
     const std::int64_t most = max_chunks_per_sequence(config_);
     reserve_more(d.coefficients, chunk * rank, ahead * chunk * rank, most * chunk * rank);
     reserve_more(d.context_positions, chunk, ahead * chunk, most * chunk);
-    reserve_more(d.landmarks, width, ahead * width, most * width);
+    if (centroids) {
+      reserve_more(d.centroid_codes, heads * 2 * dim, ahead * heads * 2 * dim, most * heads * 2 * dim);
+      reserve_more(d.centroid_scales, heads * 2, ahead * heads * 2, most * heads * 2);
+      reserve_more(d.first_counts, heads, ahead * heads, most * heads);
+    } else {
+      reserve_more(d.landmarks, width, ahead * width, most * width);
+    }
     d.value_store.reserve_runs(
         grown_capacity(d.value_store.capacity_runs(), d.value_store.runs() + heads, ahead * heads, most * heads));
     for (auto& flags : d.is_outlier) reserve_more(flags, 1, ahead, most);
@@ -319,7 +368,14 @@ void cpu_backend::fold_oldest_generated_chunk(int layer, std::span<const batch_e
     d.coefficients.append(chunk * rank, folded[e].coefficients.data());
     d.context_positions.insert(d.context_positions.end(), d.exact_positions.begin() + first,
                                d.exact_positions.begin() + first + chunk);
-    d.landmarks.append(width, folded[e].landmark.data());
+    if (centroids) {
+      d.centroid_codes.insert(d.centroid_codes.end(), folded[e].centroid_codes.begin(), folded[e].centroid_codes.end());
+      d.centroid_scales.insert(d.centroid_scales.end(), folded[e].centroid_scales.begin(),
+                               folded[e].centroid_scales.end());
+      d.first_counts.insert(d.first_counts.end(), folded[e].first_counts.begin(), folded[e].first_counts.end());
+    } else {
+      d.landmarks.append(width, folded[e].landmark.data());
+    }
     for (std::int64_t h = 0; h < heads; ++h) d.value_store.append_run(folded[e].values.data() + h * chunk * dim);
     for (auto& flags : d.is_outlier) flags.push_back(0);
     d.exact_keys.erase(first * width, chunk * width);
@@ -381,6 +437,8 @@ void cpu_backend::select_chunks(int layer, std::span<const batch_entry> entries,
       // score(c) = max (or mean: config group_score) over the group's query heads of the softmax probability, summed
       // over query tokens. Each query token's logits of all the group's heads come from one pass over the landmarks.
       const bool mean = config_.group_score == group_combine::mean;
+      const bool centroids = config_.chunk_score == chunk_score_rule::two_centroids;
+      const std::int64_t chunk_size = config_.chunk_size;
       std::vector<double>& score = workspace_.score;
       std::vector<double>& logits = workspace_.logits;            // [G, count]
       std::vector<double>& probability = workspace_.probability;  // [G, count]
@@ -390,19 +448,50 @@ void cpu_backend::select_chunks(int layer, std::span<const batch_entry> entries,
       const auto landmark_at = [&](std::int64_t i, float* room) {
         return d.landmarks.floats((candidates[static_cast<std::size_t>(i)] * heads + h) * dim, dim, room);
       };
+      // two_centroids: row 2i + m is candidate i's decoded centroid m (shadowkv/chunk_centroids.hpp).
+      const auto centroid_at = [&](std::int64_t row, float* room) {
+        const std::int64_t at = (candidates[static_cast<std::size_t>(row / 2)] * heads + h) * 2 + row % 2;
+        const std::uint8_t* codes = d.centroid_codes.data() + at * dim;
+        const float centroid_scale = d.centroid_scales[static_cast<std::size_t>(at)];
+        for (std::int64_t j = 0; j < dim; ++j) room[j] = rules::centroid_element(codes[j], centroid_scale);
+        return static_cast<const float*>(room);
+      };
+      std::vector<double>& pair_logits = workspace_.pair_logits;  // [G, 2 * count]
+      if (centroids) pair_logits.resize(static_cast<std::size_t>(group * 2 * count));
       for (std::int64_t t = 0; t < tokens && count > 0; ++t) {
         for (std::int64_t g = 0; g < group; ++g) {
           interleave_query(queries, queries.offset({entry.row, t, h * group + g, 0}), g, group, dim,
                            workspace_.queries.data());
         }
-        dot_rows(landmark_at, count, workspace_.queries.data(), group, dim, workspace_.rows.data(), logits.data(),
-                 count);
+        if (centroids) {
+          dot_rows(centroid_at, 2 * count, workspace_.queries.data(), group, dim, workspace_.rows.data(),
+                   pair_logits.data(), 2 * count);
+          // x = log(w1 exp(s q.c1) + w2 exp(s q.c2)) = logaddexp(s q.c1 + log w1, s q.c2 + log w2).
+          for (std::int64_t i = 0; i < count; ++i) {
+            const std::int64_t n1 =
+                d.first_counts[static_cast<std::size_t>(candidates[static_cast<std::size_t>(i)] * heads + h)];
+            const double log_w1 = n1 > 0 ? std::log(static_cast<double>(n1) / static_cast<double>(chunk_size))
+                                         : -std::numeric_limits<double>::infinity();
+            const double log_w2 = n1 < chunk_size
+                                      ? std::log(static_cast<double>(chunk_size - n1) / static_cast<double>(chunk_size))
+                                      : -std::numeric_limits<double>::infinity();
+            for (std::int64_t g = 0; g < group; ++g) {
+              const double a = scale * pair_logits[static_cast<std::size_t>(g * 2 * count + 2 * i)] + log_w1;
+              const double b = scale * pair_logits[static_cast<std::size_t>(g * 2 * count + 2 * i + 1)] + log_w2;
+              const double top = std::max(a, b);
+              logits[static_cast<std::size_t>(g * count + i)] = top + std::log(std::exp(a - top) + std::exp(b - top));
+            }
+          }
+        } else {
+          dot_rows(landmark_at, count, workspace_.queries.data(), group, dim, workspace_.rows.data(), logits.data(),
+                   count);
+        }
         for (std::int64_t g = 0; g < group; ++g) {
           double* head_logits = logits.data() + g * count;
           double* head_probability = probability.data() + g * count;
           double largest = -std::numeric_limits<double>::infinity();
           for (std::int64_t i = 0; i < count; ++i) {
-            head_logits[i] = scale * head_logits[i];
+            if (!centroids) head_logits[i] = scale * head_logits[i];  // the centroids' logits are scaled already
             largest = std::max(largest, head_logits[i]);
           }
           double total = 0.0;
@@ -659,6 +748,7 @@ void cpu_backend::reserve_workspace(std::int64_t chunks, std::int64_t union_rows
   w.score.reserve(n);
   w.logits.reserve(group * n);
   w.probability.reserve(group * n);
+  if (config_.chunk_score == chunk_score_rule::two_centroids) w.pair_logits.reserve(2 * group * n);
   w.order.reserve(n);
   w.selected.reserve(budget_chunks);
   w.cached.reserve(budget_chunks);
@@ -724,7 +814,9 @@ memory_report cpu_backend::memory(std::span<const layer_state* const> /*states*/
     for (const cpu_layer_data& d : layers_[slot]) {
       if (d.basis.size() == 0) continue;
       report.low_rank_factors += d.basis.bytes() + d.coefficients.bytes();
-      report.landmarks += d.landmarks.bytes();
+      report.landmarks += d.landmarks.bytes() + static_cast<std::int64_t>(d.centroid_codes.size()) +
+                          static_cast<std::int64_t>(d.centroid_scales.size() * sizeof(float)) +
+                          static_cast<std::int64_t>(d.first_counts.size());
       report.outliers += d.outlier_keys.bytes() + d.outlier_values.bytes();
       report.exact_tokens += d.exact_keys.bytes() + d.exact_values.bytes();
       report.value_store += d.value_store.bytes();

@@ -19,7 +19,11 @@ struct cpu_layer_data {
   host_array basis;
   host_array coefficients;
   std::vector<std::int64_t> context_positions;
-  host_array landmarks;    ///< [context chunks, Hkv, D]
+  host_array landmarks;    ///< [context chunks, Hkv, D] (chunk_score = landmark; empty otherwise)
+  // chunk_score = two_centroids (shadowkv/chunk_centroids.hpp), in place of the landmarks:
+  std::vector<std::uint8_t> centroid_codes;  ///< [context chunks, Hkv, 2, D] e4m3
+  std::vector<float> centroid_scales;        ///< [context chunks, Hkv, 2]
+  std::vector<std::uint8_t> first_counts;    ///< [context chunks, Hkv]: keys in each chunk's first cluster
   value_store_array value_store;  ///< [context chunks, Hkv, C, D]: one (chunk, head) is one contiguous run
   std::vector<std::vector<std::int64_t>> outliers;    ///< [Hkv] ascending chunk ids
   std::vector<std::vector<std::uint8_t>> is_outlier;  ///< [Hkv][context chunks]
@@ -64,6 +68,7 @@ struct cpu_workspace {
   std::vector<double> score;                          ///< [context chunks]
   std::vector<double> logits;                         ///< [G, context chunks]
   std::vector<double> probability;                    ///< [G, context chunks]
+  std::vector<double> pair_logits;                    ///< [G, 2 * context chunks] (chunk_score = two_centroids)
   std::vector<std::int64_t> order;                    ///< [context chunks]
   std::vector<std::int64_t> selected;                 ///< [k]
   std::vector<std::uint8_t> cached;                   ///< [k]: selected chunk i is a hit

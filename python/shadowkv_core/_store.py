@@ -198,6 +198,10 @@ class KVStore:
             value_dtype="float8_e4m3". Exact tokens (outliers, local window, generated) keep `dtype`.
         group_score: how a chunk's score combines the query heads of a KV head's group: "mean" (default) or "max" of
             their softmax probabilities (docs/semantics.md, Decode 4; docs/fidelity.md measures both).
+        chunk_score: what a chunk's score of one query head is computed from: "landmark" (default: the mean of the
+            chunk's keys, one row per chunk and KV head) or "two_centroids" (a 2-means of the chunk's keys, two fp8
+            centroids and a count: log(w1·exp(s·q·c1) + w2·exp(s·q·c2)); docs/semantics.md, "Chunk scores").
+            "two_centroids" is on the CPU backend only so far (the CUDA backend rejects it).
         factor_dtype: element type of the low-rank key factors A and B: None/"auto" (bfloat16 for bfloat16 and
             float16 stores, float32 for float32 stores), "bfloat16" (half the bytes of the largest per-sequence
             array; A and B are rounded once, docs/semantics.md "Low-rank factors") or "float32".
@@ -248,6 +252,7 @@ class KVStore:
         factor_dtype: Optional[Any] = None,
         group_score: str = "mean",
         decode_pipeline_parts: int = 0,
+        chunk_score: str = "landmark",
         check_finite: str = "auto",
     ) -> None:
         # Exact argument types first (docs/errors.md): integers within their C types, real numbers, strings.
@@ -310,6 +315,7 @@ class KVStore:
             cfg.device_value_budget = device_value_budget
         cfg.decode_pipeline_parts = _integer("decode_pipeline_parts", decode_pipeline_parts)
         cfg.group_score = _text("group_score", group_score)
+        cfg.chunk_score = _text("chunk_score", chunk_score)
         if factor_dtype is not None:
             factor_name = _dtype_name(factor_dtype)
             factor_name = {"fp32": "float32", "float": "float32", "bf16": "bfloat16"}.get(factor_name, factor_name)

@@ -176,6 +176,9 @@ NB_MODULE(_core, m) {
           "group_score", [](const shadowkv::config& c) { return shadowkv::group_score_name(c.group_score); },
           [](shadowkv::config& c, const std::string& name) { c.group_score = shadowkv::parse_group_score(name); })
       .def_prop_rw(
+          "chunk_score", [](const shadowkv::config& c) { return shadowkv::chunk_score_name(c.chunk_score); },
+          [](shadowkv::config& c, const std::string& name) { c.chunk_score = shadowkv::parse_chunk_score(name); })
+      .def_prop_rw(
           "factor_format", [](const shadowkv::config& c) { return shadowkv::factor_format_name(c.factors_as); },
           [](shadowkv::config& c, const std::string& name) { c.factors_as = shadowkv::parse_factor_format(name); })
       .def_prop_ro("factor_dtype",

@@ -155,6 +155,7 @@ class RefConfig:
     dtype: str = "float32"
     factor_dtype: Optional[str] = None  # None/"auto": bfloat16 for 16-bit dtypes, float32 for float32 (semantics.md)
     group_score: str = "mean"           # "max" or "mean" over the group's query heads (semantics.md Decode 4)
+    chunk_score: str = "landmark"       # "landmark" or "two_centroids" (semantics.md "Chunk scores")
 
     @classmethod
     def from_kwargs(cls, **kw) -> "RefConfig":
@@ -197,6 +198,35 @@ class RefConfig:
     def cache_slots(self) -> int:
         """K, the selection cache's slots per KV head (k when cache_tokens is 0)."""
         return (self.cache_tokens or self.budget) // self.chunk_size
+
+
+def _two_centroids(keys: torch.Tensor):
+    """semantics.md "Chunk scores": the 2-means of one chunk's stored keys ``[C, D]`` (float64), encoded as two e4m3
+    centroids with a float32 scale each. Returns (the decoded centroids ``[2, D]`` float64, n1 = keys in the first)."""
+    keys = keys.to(F64)
+    C = keys.shape[0]
+    best, pair = -1.0, (0, 1 if C > 1 else 0)
+    for i in range(C):
+        for j in range(i + 1, C):
+            dist = float(((keys[i] - keys[j]) ** 2).sum())
+            if dist > best:
+                best, pair = dist, (i, j)
+    c1, c2 = keys[pair[0]].clone(), keys[pair[1]].clone()
+    second = torch.zeros(C, dtype=torch.bool)
+    for _ in range(8):
+        second = ((keys - c2) ** 2).sum(-1) < ((keys - c1) ** 2).sum(-1)
+        if (~second).any():
+            c1 = keys[~second].sum(0) / int((~second).sum())
+        if second.any():
+            c2 = keys[second].sum(0) / int(second.sum())
+    decoded = []
+    for c in (c1, c2):
+        cf = c.to(F32)
+        amax = float(cf.abs().max())
+        scale = torch.tensor(amax / 448.0 if amax > 0 else 1.0, dtype=F32)
+        codes = (cf / scale).to(torch.float8_e4m3fn)
+        decoded.append((codes.to(F32) * scale).to(F64))
+    return torch.stack(decoded), C - int(second.sum())
 
 
 def _min_cos(landmark: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -335,6 +365,12 @@ class ReferenceStore:
         vs = self._store(values)
         kp_chunks = kp[: n * C].reshape(n, C, hkv, d)
         self.landmarks = self._store(kp_chunks.mean(dim=1))               # [n, Hkv, D]
+        self.centroids = torch.zeros(n, hkv, 2, d, dtype=F64)            # chunk_score = "two_centroids"
+        self.first_counts = torch.zeros(n, hkv, dtype=torch.long)
+        if c.chunk_score == "two_centroids":
+            for ci in range(n):
+                for h in range(hkv):
+                    self.centroids[ci, h], self.first_counts[ci, h] = _two_centroids(kp_chunks[ci, :, h])
 
         # 4. outliers: min cosine, smallest first, ties by smaller chunk id
         m = torch.empty(n, hkv, dtype=F64)
@@ -401,9 +437,17 @@ class ReferenceStore:
                 self.selected[h] = []
                 self.last_scores[h] = (cand, torch.empty(0, dtype=F64))
                 continue
-            lm = self.landmarks[cand, h]                                      # [Nc, D]
             qg = q[:, h * g:(h + 1) * g]                                      # [Tq, G, D]
-            p = torch.softmax(c.softmax_scale * torch.einsum("tjd,cd->tjc", qg, lm), dim=-1)
+            if c.chunk_score == "two_centroids":
+                cents = self.centroids[cand, h]                               # [Nc, 2, D]
+                n1 = self.first_counts[cand, h].to(F64)
+                log_w = torch.log(torch.stack([n1, c.chunk_size - n1], dim=-1) / c.chunk_size)  # log 0 = -inf
+                x = c.softmax_scale * torch.einsum("tjd,cmd->tjcm", qg, cents) + log_w
+                logits = torch.logsumexp(x, dim=-1)                           # [Tq, G, Nc]
+            else:
+                lm = self.landmarks[cand, h]                                  # [Nc, D]
+                logits = c.softmax_scale * torch.einsum("tjd,cd->tjc", qg, lm)
+            p = torch.softmax(logits, dim=-1)
             summed = p.sum(dim=0)                                             # sum over tokens: [G, Nc]
             score = summed.mean(dim=0) if c.group_score == "mean" else summed.max(dim=0).values
             order = _order(score, descending=True)
@@ -431,6 +475,13 @@ class ReferenceStore:
         self.A = torch.cat([self.A, a])
         self.ctx_positions = torch.cat([self.ctx_positions, pos])
         self.landmarks = torch.cat([self.landmarks, self._store(keys.mean(dim=0))[None]])
+        folded = torch.zeros(1, c.num_kv_heads, 2, c.head_dim, dtype=F64)
+        counts = torch.zeros(1, c.num_kv_heads, dtype=torch.long)
+        if c.chunk_score == "two_centroids":
+            for h in range(c.num_kv_heads):
+                folded[0, h], counts[0, h] = _two_centroids(keys[:, h])
+        self.centroids = torch.cat([self.centroids, folded])
+        self.first_counts = torch.cat([self.first_counts, counts])
         self.value_store = torch.cat([self.value_store, values[None]])
         self.gen_keys, self.gen_values = self.gen_keys[C:], self.gen_values[C:]
         self.gen_positions = self.gen_positions[C:]
@@ -500,7 +551,7 @@ class ReferenceStore:
         n_ctx = info["context_chunks"]
         rep = dict(
             low_rank_factors=(n_ctx * C * r + r * hkv * d) * dtype_bytes(c.factor_storage),
-            landmarks=n_ctx * hkv * d * e,
+            landmarks=n_ctx * hkv * ((2 * d + 2 * 4 + 1) if c.chunk_score == "two_centroids" else d * e),
             outliers=min(c.outlier_chunks, self.n_prompt_chunks) * C * hkv * d * 2 * e,
             exact_tokens=(info["local_len"] + info["generated_exact_len"]) * hkv * d * 2 * e,
             value_store=n_ctx * C * hkv * d * e,

@@ -55,6 +55,12 @@ enum class group_combine : std::uint8_t {
   mean,  ///< their mean (the default: more attention mass covered and more temporal hits on real captures, docs/fidelity.md)
 };
 
+/// What a chunk's score of a query is computed from (docs/semantics.md, "Chunk scores").
+enum class chunk_score_rule : std::uint8_t {
+  landmark,       ///< s·q·L, L the mean of the chunk's keys (one row of the storage dtype per chunk and head)
+  two_centroids,  ///< log(w1·exp(s·q·ĉ1) + w2·exp(s·q·ĉ2)) of a 2-means of the chunk's keys (shadowkv/chunk_centroids.hpp)
+};
+
 /// Where one sequence's values are.
 enum class value_place : std::uint8_t { host, device };
 
@@ -98,6 +104,7 @@ struct config {
   value_format values_as = value_format::same;  ///< format of the value store (exact tokens keep kv_dtype)
   factor_format factors_as = factor_format::automatic;  ///< element type of A and B (see factor_dtype())
   group_combine group_score = group_combine::mean;      ///< how a chunk's score combines the group's query heads
+  chunk_score_rule chunk_score = chunk_score_rule::landmark;  ///< what a chunk's score of one query head is
   /// Bytes of device memory the value stores of `auto_place` sequences may take together; -1: the backend's
   /// default (CUDA: device memory free after the store's reservations, less a margin; CPU: no limit).
   std::int64_t device_value_budget = -1;
@@ -161,6 +168,10 @@ std::string finite_check_name(finite_check check);
 group_combine parse_group_score(const std::string& name);
 /// "max" or "mean".
 std::string group_score_name(group_combine combine);
+/// Parses "landmark" or "two_centroids"; throws invalid_argument otherwise.
+chunk_score_rule parse_chunk_score(const std::string& name);
+/// "landmark" or "two_centroids".
+std::string chunk_score_name(chunk_score_rule rule);
 /// Parses "auto" (or ""), "float32"/"fp32" or "bfloat16"/"bf16"; throws invalid_argument otherwise.
 factor_format parse_factor_format(const std::string& name);
 /// "auto", "float32" or "bfloat16".

@@ -56,7 +56,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--factor-dtype", default=None, choices=["auto", "float32", "bfloat16"],
                         help="element type of the low-rank factors (default auto: bfloat16 for 16-bit --dtype)")
     parser.add_argument("--group-score", default="mean", choices=["max", "mean"],
-                        help="how a chunk's score combines a group's query heads (default max)")
+                        help="how a chunk's score combines a group's query heads (default mean)")
+    parser.add_argument("--chunk-score", default="landmark", choices=["landmark", "two_centroids"],
+                        help="what a chunk's score is computed from (default landmark; two_centroids: CPU only)")
     parser.add_argument("--no-warm", action="store_true", help="do not warm the selection with the last prompt query")
     parser.add_argument("--no-mass", action="store_true", help="skip the attention-mass columns")
     parser.add_argument("--json", help="write the result JSON here")
@@ -109,7 +111,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       outlier_chunks=args.outlier_chunks, local_chunks=args.local_chunks,
                       generation_window=args.generation_window, dtype=args.dtype, factorization=args.factorization,
                       value_dtype=args.value_dtype, sink_chunks=args.sink_chunks, factor_dtype=args.factor_dtype,
-                      group_score=args.group_score,
+                      group_score=args.group_score, chunk_score=args.chunk_score,
                       warm=not args.no_warm,
                       mass=not args.no_mass, verbose=True)
     times["evaluate_s"] = time.perf_counter() - t0

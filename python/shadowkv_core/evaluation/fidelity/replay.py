@@ -47,10 +47,12 @@ def _evaluate(capture: Capture, budgets: Sequence[Any] = (64, 128, 256, 512, 102
              generation_window: int = 256, dtype: str = "float32", factorization: str = "gram", warm: bool = True,
              layers: Optional[Sequence[int]] = None, fractions: Sequence[float] = DEFAULT_FRACTIONS,
              mass: bool = True, verbose: bool = False, value_dtype: Optional[str] = None,
-             sink_chunks: int = 1, factor_dtype: Optional[str] = None, group_score: str = "mean") -> dict:
+             sink_chunks: int = 1, factor_dtype: Optional[str] = None, group_score: str = "mean",
+             chunk_score: str = "landmark") -> dict:
     """`evaluate` without the thread setting. value_dtype: the store's value format (None: `dtype`; "float8_e4m3").
     factor_dtype: the low-rank factors' element type (None: the store's default for `dtype`; "float32", "bfloat16").
-    group_score: how a chunk's score combines a group's query heads ("mean", the store's default, or "max")."""
+    group_score: how a chunk's score combines a group's query heads ("mean", the store's default, or "max").
+    chunk_score: what a chunk's score is computed from ("landmark", the default, or "two_centroids")."""
     m = capture.meta
     hq, hkv, d = m["num_q_heads"], m["num_kv_heads"], m["head_dim"]
     g = hq // hkv
@@ -120,7 +122,7 @@ def _evaluate(capture: Capture, budgets: Sequence[Any] = (64, 128, 256, 512, 102
                             chunk_size=chunk_size, budget=b, outlier_chunks=outlier_chunks, sink_chunks=sink_chunks,
                             local_chunks=local_chunks, generation_window=generation_window,
                             factorization=factorization, dtype=dtype, device="cpu", value_dtype=value_dtype,
-                            factor_dtype=factor_dtype, group_score=group_score)
+                            factor_dtype=factor_dtype, group_score=group_score, chunk_score=chunk_score)
             slot = store.add_sequences(1)[0]
             positions = torch.arange(S, dtype=torch.int64)[None]
             for i, layer in enumerate(layers):
@@ -197,6 +199,7 @@ def _evaluate(capture: Capture, budgets: Sequence[Any] = (64, 128, 256, 512, 102
     config = dict(chunk_size=chunk_size, outlier_chunks=outlier_chunks, local_chunks=local_chunks,
                   generation_window=generation_window, dtype=dtype, value_dtype=value_dtype or dtype,
                   sink_chunks=sink_chunks, factor_dtype=factor_dtype or "auto", group_score=group_score,
+                  chunk_score=chunk_score,
                   factorization=factorization, warm=warm,
                   budgets=[str(b) for b in budgets], ranks=rank_values, layers=layers, prompt_len=S, steps=T,
                   full_budget_tokens=full_budget, full_rank=full_rank)
