@@ -73,6 +73,21 @@ class Batch:
         ref = torch.stack([self.refs[layer, s].decode(q[b], k[b], v[b]) for b, s in enumerate(self.slots)])
         return out, ref
 
+    def check_step(self, layer, i, tol):
+        """Runs step ``i`` of ``layer`` and asserts what the store and the references must agree on: each slot's
+        selection (exactly: the data avoid near-ties) and its output within ``tol`` (relative)."""
+        out, ref = self.step(layer, i)
+        assert_nontrivial(out, "decode output", self.seed)
+        for b, slot in enumerate(self.slots):
+            r = self.refs[layer, slot]
+            got = self.store.selected_chunks(layer, slot)
+            assert_same_selection(got, r, self.seed, step=i)
+            assert got == r.selected, (
+                f"step {i} layer {layer} slot {slot}: near-tie exchange; the data must avoid it (seed={self.seed})")
+            err = rel_err(out[b], ref[b])
+            assert err <= tol, (
+                f"step {i} layer {layer} slot {slot}: output error {err:.3g} (seed={self.seed}, {self.kw})")
+
     def ref_stats(self):
         refs = self.refs.values()
         return sum(r.hits for r in refs), sum(r.misses for r in refs)
@@ -103,16 +118,7 @@ def test_larger_cache_matches_reference(seed, device):
     tol = 4e-3 if kw["dtype"] == "bfloat16" else 5e-4
     for i in range(steps):
         for layer in range(kw["num_layers"]):
-            out, ref = batch.step(layer, i)
-            assert_nontrivial(out, "decode output", seed)
-            for b, slot in enumerate(batch.slots):
-                r = batch.refs[layer, slot]
-                got = store.selected_chunks(layer, slot)
-                assert_same_selection(got, r, seed, step=i)
-                assert got == r.selected, (
-                    f"step {i} layer {layer} slot {slot}: near-tie exchange; the data must avoid it (seed={seed})")
-                err = rel_err(out[b], ref[b])
-                assert err <= tol, f"step {i} layer {layer} slot {slot}: output error {err:.3g} (seed={seed}, {kw})"
+            batch.check_step(layer, i, tol)
             st = store.stats()
             assert (st["hits"], st["misses"]) == batch.ref_stats(), (
                 f"step {i} layer {layer}: store hits/misses {st['hits']}/{st['misses']}, reference "
