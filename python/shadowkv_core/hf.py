@@ -574,7 +574,7 @@ def make_cache(model, *, budget: int = 2048, rank: Optional[int] = None, max_bat
                max_seq_len: Optional[int] = None, chunk_size: int = 8, outlier_chunks: int = 48,
                local_chunks: int = 4, generation_window: int = 256, factorization: str = "gram",
                dtype: Any = None, device: Any = None, value_store: str = "host", sink_chunks: int = 1,
-               value_dtype: Any = None, check_finite: str = "auto",
+               value_dtype: Any = None, check_finite: str = "auto", group_score: str = "mean",
                store: Optional[KVStore] = None) -> ShadowKVCache:
     """A `ShadowKVCache` for `model`, with a new KVStore built from the model's config (or the given `store`).
 
@@ -595,7 +595,8 @@ def make_cache(model, *, budget: int = 2048, rank: Optional[int] = None, max_bat
         store = KVStore(max_batch=max_batch, rank=rank, chunk_size=chunk_size, budget=budget,
                         outlier_chunks=outlier_chunks, sink_chunks=sink_chunks, local_chunks=local_chunks,
                         generation_window=generation_window, factorization=factorization,
-                        value_store=value_store, value_dtype=value_dtype, check_finite=check_finite, **kwargs)
+                        value_store=value_store, value_dtype=value_dtype, check_finite=check_finite,
+                        group_score=group_score, **kwargs)
     layer_types, layer_kwargs = _plan_layers(model, int(store.config["max_seq_len"]))
     return ShadowKVCache(store, layer_types, layer_kwargs)
 

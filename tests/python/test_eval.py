@@ -11,6 +11,8 @@ built from configs (as in test_hf_adapter.py).
   the model's own prefill through the adapter: same logits (atol 1e-5), same tokens, same selection statistics.
 * The harness end to end on a tiny model (every task, two budgets, through `main`): results.json, summary.md and the
   PNG plots are written; with a budget covering the prompt and full rank the store's answers equal full attention's.
+* `--sink-chunks`/`--group-score` reach every KVStore the harness builds and results.json's config (defaults: the
+  store's).
 * A missing model package raises ModelPackageMissing naming the pip command; the demo prints it and exits 2; an
   unknown ``--model`` is a one-line error naming the known models in every command line tool, not a traceback.
 * The demo prints both answers whole, each with the reason it ended.
@@ -347,6 +349,37 @@ def test_time_limit_stops_between_samples(tokenizer, tmp_path, monkeypatch):
     results = ev.evaluate(_llama(len(tokenizer)), tokenizer, config, out_dir=tmp_path, progress=False)
     assert len(results["records"]) == 1 and not results["complete"]
     assert json.loads((tmp_path / "results.json").read_text())["records"]
+
+
+@pytest.mark.parametrize("argv, sinks, group", [([], 1, "mean"), (["--sink-chunks", "0", "--group-score", "max"], 0, "max")],
+                         ids=["defaults", "before"])
+def test_store_options_reach_the_store(tokenizer, tmp_path, monkeypatch, argv, sinks, group):
+    """--sink-chunks and --group-score reach every KVStore the harness builds and results.json's config; without
+    them the store's own defaults apply."""
+    import inspect
+
+    monkeypatch.setattr(haystack, "haystack_text", lambda *a, **k: HAYSTACK)
+    seen = []
+    real = skv.make_cache
+
+    def spy(*args, **kwargs):
+        cache = real(*args, **kwargs)
+        seen.append(cache.store.config)
+        return cache
+
+    monkeypatch.setattr(skv, "make_cache", spy)
+    out = tmp_path / "run"
+    assert ev.main(["--tasks", "niah", "--lengths", "300", "--depths", "0.5", "--samples", "1", "--budgets", "16,32",
+                    "--rank", "16", "--max-new-tokens", "2", "--no-plots", "--out", str(out), *argv],
+                   model=_llama(len(tokenizer)), tokenizer=tokenizer) == 0
+    assert len(seen) == 2 and all(c["group_score"] == group and c["sink_chunks"] == sinks for c in seen)
+    config = json.loads((out / "results.json").read_text())["config"]
+    assert config["group_score"] == group and config["sink_chunks"] == sinks
+    if not argv:
+        defaults = inspect.signature(skv.KVStore.__init__).parameters
+        assert (group, sinks) == (defaults["group_score"].default, defaults["sink_chunks"].default)
+    with pytest.raises(ValueError, match="group_score"):
+        ev.EvalConfig(group_score="sum")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
