@@ -575,7 +575,7 @@ def make_cache(model, *, budget: int = 2048, rank: Optional[int] = None, max_bat
                local_chunks: int = 4, generation_window: int = 256, factorization: str = "gram",
                dtype: Any = None, device: Any = None, value_store: str = "host", sink_chunks: int = 1,
                value_dtype: Any = None, check_finite: str = "auto", group_score: str = "mean",
-               store: Optional[KVStore] = None) -> ShadowKVCache:
+               chunk_score: str = "landmark", store: Optional[KVStore] = None) -> ShadowKVCache:
     """A `ShadowKVCache` for `model`, with a new KVStore built from the model's config (or the given `store`).
 
     budget: selected tokens per KV head per decode step (a multiple of chunk_size). rank: rank of the key
@@ -596,7 +596,7 @@ def make_cache(model, *, budget: int = 2048, rank: Optional[int] = None, max_bat
                         outlier_chunks=outlier_chunks, sink_chunks=sink_chunks, local_chunks=local_chunks,
                         generation_window=generation_window, factorization=factorization,
                         value_store=value_store, value_dtype=value_dtype, check_finite=check_finite,
-                        group_score=group_score, **kwargs)
+                        group_score=group_score, chunk_score=chunk_score, **kwargs)
     layer_types, layer_kwargs = _plan_layers(model, int(store.config["max_seq_len"]))
     return ShadowKVCache(store, layer_types, layer_kwargs)
 

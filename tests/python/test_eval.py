@@ -351,11 +351,13 @@ def test_time_limit_stops_between_samples(tokenizer, tmp_path, monkeypatch):
     assert json.loads((tmp_path / "results.json").read_text())["records"]
 
 
-@pytest.mark.parametrize("argv, sinks, group", [([], 1, "mean"), (["--sink-chunks", "0", "--group-score", "max"], 0, "max")],
-                         ids=["defaults", "before"])
-def test_store_options_reach_the_store(tokenizer, tmp_path, monkeypatch, argv, sinks, group):
-    """--sink-chunks and --group-score reach every KVStore the harness builds and results.json's config; without
-    them the store's own defaults apply."""
+@pytest.mark.parametrize("argv, sinks, group, score", [
+    ([], 1, "mean", "landmark"),
+    (["--sink-chunks", "0", "--group-score", "max"], 0, "max", "landmark"),
+    (["--chunk-score", "two_centroids"], 1, "mean", "two_centroids")], ids=["defaults", "before", "centroids"])
+def test_store_options_reach_the_store(tokenizer, tmp_path, monkeypatch, argv, sinks, group, score):
+    """--sink-chunks, --group-score and --chunk-score reach every KVStore the harness builds and results.json's
+    config; without them the store's own defaults apply."""
     import inspect
 
     monkeypatch.setattr(haystack, "haystack_text", lambda *a, **k: HAYSTACK)
@@ -372,14 +374,18 @@ def test_store_options_reach_the_store(tokenizer, tmp_path, monkeypatch, argv, s
     assert ev.main(["--tasks", "niah", "--lengths", "300", "--depths", "0.5", "--samples", "1", "--budgets", "16,32",
                     "--rank", "16", "--max-new-tokens", "2", "--no-plots", "--out", str(out), *argv],
                    model=_llama(len(tokenizer)), tokenizer=tokenizer) == 0
-    assert len(seen) == 2 and all(c["group_score"] == group and c["sink_chunks"] == sinks for c in seen)
+    assert len(seen) == 2 and all(c["group_score"] == group and c["sink_chunks"] == sinks and
+                                  c["chunk_score"] == score for c in seen)
     config = json.loads((out / "results.json").read_text())["config"]
-    assert config["group_score"] == group and config["sink_chunks"] == sinks
+    assert config["group_score"] == group and config["sink_chunks"] == sinks and config["chunk_score"] == score
     if not argv:
         defaults = inspect.signature(skv.KVStore.__init__).parameters
-        assert (group, sinks) == (defaults["group_score"].default, defaults["sink_chunks"].default)
+        assert (group, sinks, score) == (defaults["group_score"].default, defaults["sink_chunks"].default,
+                                         defaults["chunk_score"].default)
     with pytest.raises(ValueError, match="group_score"):
         ev.EvalConfig(group_score="sum")
+    with pytest.raises(ValueError, match="chunk_score"):
+        ev.EvalConfig(chunk_score="three_centroids")
 
 
 # ---------------------------------------------------------------------------------------------------------------------

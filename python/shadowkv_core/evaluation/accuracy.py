@@ -58,7 +58,7 @@ class EvalConfig:
     def __init__(self, *, tasks=("niah",), lengths=(4096,), depths=(0.0, 0.25, 0.5, 0.75, 1.0), samples=2,
                  budgets=("3.125%",), rank=64, chunk_size=8, outlier_chunks=4, local_chunks=4,
                  generation_window=256, store_dtype=None, seed=0, max_new_tokens=None, time_limit=None,
-                 sink_chunks=1, group_score="mean"):
+                 sink_chunks=1, group_score="mean", chunk_score="landmark"):
         for task in tasks:
             if task not in TASKS:
                 raise ValueError(f"unknown task {task!r}; tasks: {', '.join(TASKS)}")
@@ -74,6 +74,9 @@ class EvalConfig:
         if group_score not in ("mean", "max"):
             raise ValueError(f"group_score must be 'mean' or 'max', got {group_score!r}")
         self.group_score = str(group_score)
+        if chunk_score not in ("landmark", "two_centroids"):
+            raise ValueError(f"chunk_score must be 'landmark' or 'two_centroids', got {chunk_score!r}")
+        self.chunk_score = str(chunk_score)
         self.local_chunks = int(local_chunks)
         self.generation_window = int(generation_window)
         self.store_dtype = store_dtype
@@ -179,7 +182,7 @@ def evaluate(model, tokenizer, config: EvalConfig, *, model_name: str = "model",
                 budget = budget_tokens(spec, length, config.chunk_size)
                 cache = skv.make_cache(model, budget=budget, rank=rank, chunk_size=config.chunk_size,
                                        outlier_chunks=config.outlier_chunks, sink_chunks=config.sink_chunks,
-                                       group_score=config.group_score,
+                                       group_score=config.group_score, chunk_score=config.chunk_score,
                                        local_chunks=config.local_chunks,
                                        generation_window=config.generation_window, max_seq_len=capacity,
                                        dtype=config.store_dtype)
@@ -250,6 +253,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sink-chunks", type=int, default=1, help="of the outlier chunks, the prompt's first (sinks)")
     p.add_argument("--group-score", default="mean", choices=("mean", "max"),
                    help="how a chunk's score combines the query heads of a KV head's group (KVStore group_score)")
+    p.add_argument("--chunk-score", default="landmark", choices=("landmark", "two_centroids"),
+                   help="what a chunk's score is computed from (KVStore chunk_score; two_centroids: CPU only)")
     p.add_argument("--local-chunks", type=int, default=4)
     p.add_argument("--generation-window", type=int, default=256)
     p.add_argument("--store-dtype", default=None, help="store precision (default: the model's)")
@@ -288,7 +293,8 @@ def main(argv=None, *, model=None, tokenizer=None) -> int:
             budgets=[b.strip() for b in args.budgets.split(",") if b.strip()],
             rank=None if args.rank == "full" else int(args.rank), chunk_size=args.chunk_size,
             outlier_chunks=args.outliers, local_chunks=args.local_chunks, generation_window=args.generation_window,
-            sink_chunks=args.sink_chunks, group_score=args.group_score, store_dtype=args.store_dtype, seed=args.seed,
+            sink_chunks=args.sink_chunks, group_score=args.group_score, chunk_score=args.chunk_score,
+            store_dtype=args.store_dtype, seed=args.seed,
             max_new_tokens=args.max_new_tokens, time_limit=args.time_limit)
     except ValueError as exc:  # an unknown task, a misspelt budget or rank: one line, not a traceback
         parser.error(str(exc))
