@@ -276,7 +276,7 @@ def main(argv=None) -> int:
     elif device.startswith("cuda"):
         configs = [(1, 122880, 2048, "host"), (24, 122880, 2048, "host"), (48, 61440, 1024, "host"),
                    (24, 122880, 2048, "host_fp8"), (1, 122880, 2048, "device"), (8, 122880, 2048, "device"),
-                   (24, 122880, 2048, "host+max"), (24, 122880, 2048, "host+p1")]
+                   (24, 122880, 2048, "host+k2"), (24, 122880, 2048, "host+p1")]
     else:
         configs = [(1, 8192, 512, "host"), (2, 4096, 256, "host"), (2, 4096, 256, "device"),
                    (2, 4096, 256, "host_fp8")]
