@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <type_traits>
 
 #include "chunk_rebuild.cuh"
@@ -127,7 +126,7 @@ __device__ __forceinline__ cutlass::tfloat32_t exact_tf32(__nv_bfloat16 x) {
 template <typename T, typename F, int D>
 __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
     rebuild_keys_kernel(dims d, layer_view* views, const int* batch_slots, int layer, step_workspace workspace,
-                        const float* inv_freq, int probe_variant) {
+                        const float* inv_freq) {
   using namespace cute;
   using tile = rebuild_tile<F, D>;
   constexpr bool kSplitOperands = std::is_same_v<F, float>;
@@ -256,13 +255,13 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
     static_assert(kRebuildStages == 3, "the prologue and the waits below are written for three stages");
     // (A loop, not two calls: one more inlined copy of load_stage made ptxas spill ~200 bytes with bf16 factors.)
 #pragma unroll 1
-    for (int kt = 0; kt < kRebuildStages - 1 && kt < k_tiles && (probe_variant & 4) == 0; ++kt) {
+    for (int kt = 0; kt < kRebuildStages - 1 && kt < k_tiles; ++kt) {
       load_stage(kt, kt);
       commit_async_copies();
     }
     clear(accumulators);
 #pragma unroll 1
-    for (int kt = 0; kt < ((probe_variant & 4) != 0 ? 0 : k_tiles); ++kt) {
+    for (int kt = 0; kt < k_tiles; ++kt) {
       // Stage (kt + 2) % 3 was last computed in iteration kt - 1, whose closing barrier every thread has passed.
       if (kt + 2 < k_tiles) {
         load_stage(kt + 2, (kt + 2) % kRebuildStages);
@@ -314,8 +313,7 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
     for (int i = 0; i < size(accumulators); ++i) tCsC(i) = accumulators(i);
     __syncthreads();
     const int half = d.rotary_dim / 2;
-    for (int item = static_cast<int>(threadIdx.x); item < ((probe_variant & 1) != 0 ? 0 : rows * half);
-         item += kRebuildThreads) {
+    for (int item = static_cast<int>(threadIdx.x); item < rows * half; item += kRebuildThreads) {
       const int row = item / half;
       const int pair = item % half;
       int first_dim;
@@ -323,24 +321,7 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
       rope_dims(d, pair, first_dim, second_dim);
       float x1 = sC(row, first_dim);
       float x2 = sC(row, second_dim);
-      if ((probe_variant & 2) != 0) {
-        // PROBE: float sincosf after a float64 range reduction to [-pi, pi].
-        const float angle = static_cast<float>(row_position[row]) * inv_freq[pair];
-        const double turns = rint(static_cast<double>(angle) * 0.15915494309189535);
-        double r = fma(-turns, 6.283185307179586, static_cast<double>(angle));
-        r = fma(-turns, 2.4492935982947064e-16, r);
-        float s;
-        float c;
-        sincosf(static_cast<float>(r), &s, &c);
-        c *= d.attention_scaling;
-        s *= d.attention_scaling;
-        const float a = x1;
-        const float bb = x2;
-        x1 = a * c - bb * s;
-        x2 = bb * c + a * s;
-      } else {
-        rope_pair(x1, x2, inv_freq[pair], row_position[row], d.attention_scaling, false);
-      }
+      rope_pair(x1, x2, inv_freq[pair], row_position[row], d.attention_scaling, false);
       sC(row, first_dim) = x1;
       sC(row, second_dim) = x2;
     }
@@ -371,13 +352,8 @@ void launch_rebuild_for(const dims& d, layer_view* views, const int* batch_slots
   const int groups = (d.budget + group_chunks - 1) / group_chunks;
   const dim3 grid(static_cast<unsigned>(batch), static_cast<unsigned>(d.kv_heads),
                   static_cast<unsigned>(splits_for(batch, d.kv_heads, groups)));
-  static const int probe_variant = [] {
-    const char* v = std::getenv("SHADOWKV_PROBE_REBUILD_VARIANT");
-    return v != nullptr ? std::atoi(v) : 0;
-  }();
   rebuild_keys_kernel<T, F, D><<<grid, kRebuildThreads, tile::shared_bytes, stream>>>(d, views, batch_slots, layer,
-                                                                                       workspace, inv_freq,
-                                                                                       probe_variant);
+                                                                                       workspace, inv_freq);
 }
 
 template <typename T, int D>
