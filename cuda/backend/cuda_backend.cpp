@@ -229,12 +229,6 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   inv_freq_ = device_buffer(rope.inv_freq().size() * sizeof(float), own_stream_, resources_->device_memory());
   SHADOWKV_CUDA_TRY(cudaMemcpyAsync(inv_freq_.data(), rope.inv_freq().data(), rope.inv_freq().size() * sizeof(float),
                                     cudaMemcpyHostToDevice, own_stream_));
-  // RoPE coefficients of positions [0, max_seq_len) for the key rebuild (rope_table.cuh).
-  rope_table_positions_ = rope_table_positions(dims_, cfg.max_seq_len);
-  rope_table_ = device_buffer(static_cast<std::size_t>(rope_table_positions_ * (dims_.rotary_dim / 2)) * sizeof(float2),
-                              own_stream_, resources_->device_memory());
-  launch_fill_rope_table(dims_, static_cast<const float*>(inv_freq_.data()), static_cast<float2*>(rope_table_.data()),
-                         rope_table_positions_, own_stream_);
   batch_slots_ = device_buffer(batch * sizeof(int), own_stream_, resources_->device_memory());
   batch_staging_ = host_buffer(batch * sizeof(int), resources_->host_memory());
   SHADOWKV_CUDA_TRY(cudaStreamSynchronize(own_stream_));
@@ -265,7 +259,6 @@ cuda_backend::~cuda_backend() {
   views_.release(own_stream_);
   workspace_memory_.release(own_stream_);
   inv_freq_.release(own_stream_);
-  rope_table_.release(own_stream_);
   batch_slots_.release(own_stream_);
   for (device_buffer& values : device_values_) values.release(own_stream_);
   (void)cudaStreamSynchronize(own_stream_);
@@ -698,8 +691,7 @@ int cuda_backend::fetch_ctas(std::span<const batch_entry> entries) const {
 void cuda_backend::rebuild_keys(int layer, std::span<const batch_entry> entries) {
   launch_rebuild_keys(dims_, kv_type_, static_cast<layer_view*>(views_.data()),
                       static_cast<const int*>(batch_slots_.data()), layer, static_cast<int>(entries.size()), workspace_,
-                      static_cast<const float*>(inv_freq_.data()),
-                      rope_table{static_cast<const float2*>(rope_table_.data()), rope_table_positions_}, stream_);
+                      static_cast<const float*>(inv_freq_.data()), stream_);
   // No wait for the fetch here: attention waits for each part's values (attend), and finish_call (or the next
   // select_chunks, after a failed call) joins the whole fetch.
 }
@@ -818,8 +810,7 @@ memory_report cuda_backend::memory(std::span<const layer_state* const> states) c
     report.selection_cache += config_.cache_slots() * chunk * width * 2 * e;
     report.full_attention_equivalent += state->total_len() * width * 2 * e;
   }
-  report.device_reserved =
-      static_cast<std::int64_t>(arena_.size() + views_.size() + workspace_memory_.size() + rope_table_.size());
+  report.device_reserved = static_cast<std::int64_t>(arena_.size() + views_.size() + workspace_memory_.size());
   for (const device_buffer& values : device_values_) report.device_reserved += static_cast<std::int64_t>(values.size());
   for (const host_buffer& values : host_values_) report.host_reserved += static_cast<std::int64_t>(values.size());
   return report;

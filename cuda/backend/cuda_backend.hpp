@@ -130,8 +130,6 @@ class cuda_backend final : public backend {
   device_buffer views_;          ///< layer_view [max_batch * num_layers]
   device_buffer workspace_memory_;
   device_buffer inv_freq_;
-  device_buffer rope_table_;          ///< (cos, sin) by position for the key rebuild (kernels/rope_table.cuh)
-  long long rope_table_positions_ = 0;
   device_buffer batch_slots_;    ///< int [max_batch]
   host_buffer batch_staging_;    ///< pinned int [max_batch]
   std::vector<layer_view> host_views_;

@@ -67,7 +67,6 @@ constexpr int kRebuildRankTile = 32;  // K per stage
 // gather round trip (ncu at B=1: 15.7 µs for one group a CTA, 17% SM throughput, 2.5% DRAM).
 constexpr int kRebuildStages = 3;
 constexpr int kRebuildThreads = 256;  // 8 warps, 4 x 2 over (M, N)
-constexpr int kRopeBatch = 4;         // epilogue items per thread whose RoPE-table loads are in flight together
 
 // F: the factors' element type (float or __nv_bfloat16).
 template <typename F, int D>
@@ -127,7 +126,7 @@ __device__ __forceinline__ cutlass::tfloat32_t exact_tf32(__nv_bfloat16 x) {
 template <typename T, typename F, int D>
 __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
     rebuild_keys_kernel(dims d, layer_view* views, const int* batch_slots, int layer, step_workspace workspace,
-                        const float* inv_freq, rope_table rope) {
+                        const float* inv_freq) {
   using namespace cute;
   using tile = rebuild_tile<F, D>;
   constexpr bool kSplitOperands = std::is_same_v<F, float>;
@@ -309,47 +308,22 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
       __syncthreads();  // everyone is done with this stage before it is refilled (or reused as sC)
     }
 
-    // Epilogue: results to shared memory, RoPE in place (a thread per pair), then 16-byte stores of whole rows. The
-    // (cos, sin) of each pair come from the RoPE table, kRopeBatch items' loads issued before any is used; a position
-    // outside the table takes the formula (the same coefficients: rope_table.cuh).
+    // Epilogue: results to shared memory, RoPE in place (a thread per pair), then 16-byte stores of whole rows.
     CUTE_UNROLL
     for (int i = 0; i < size(accumulators); ++i) tCsC(i) = accumulators(i);
     __syncthreads();
     const int half = d.rotary_dim / 2;
-    const int rope_items = rows * half;
-    for (int base = static_cast<int>(threadIdx.x); base < rope_items; base += kRebuildThreads * kRopeBatch) {
-      float2 coefficients[kRopeBatch];
-#pragma unroll
-      for (int u = 0; u < kRopeBatch; ++u) {
-        const int item = base + u * kRebuildThreads;
-        coefficients[u] = make_float2(0.0F, 0.0F);
-        if (item < rope_items) {
-          const long long position = row_position[item / half];
-          if (position >= 0 && position < rope.positions) {
-            coefficients[u] = __ldg(rope.coefficients + position * half + item % half);
-          }
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kRopeBatch; ++u) {
-        const int item = base + u * kRebuildThreads;
-        if (item >= rope_items) break;
-        const int row = item / half;
-        const int pair = item % half;
-        int first_dim;
-        int second_dim;
-        rope_dims(d, pair, first_dim, second_dim);
-        float x1 = sC(row, first_dim);
-        float x2 = sC(row, second_dim);
-        const long long position = row_position[row];
-        if (position >= 0 && position < rope.positions) {
-          rotate_pair(x1, x2, coefficients[u].x, coefficients[u].y);
-        } else {
-          rope_pair(x1, x2, inv_freq[pair], position, d.attention_scaling, false);
-        }
-        sC(row, first_dim) = x1;
-        sC(row, second_dim) = x2;
-      }
+    for (int item = static_cast<int>(threadIdx.x); item < rows * half; item += kRebuildThreads) {
+      const int row = item / half;
+      const int pair = item % half;
+      int first_dim;
+      int second_dim;
+      rope_dims(d, pair, first_dim, second_dim);
+      float x1 = sC(row, first_dim);
+      float x2 = sC(row, second_dim);
+      rope_pair(x1, x2, inv_freq[pair], row_position[row], d.attention_scaling, false);
+      sC(row, first_dim) = x1;
+      sC(row, second_dim) = x2;
     }
     __syncthreads();
     constexpr int kVector = 16 / static_cast<int>(sizeof(T));  // D * sizeof(T) is a multiple of 16 for every D
@@ -370,8 +344,7 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
 
 template <typename T, typename F, int D>
 void launch_rebuild_for(const dims& d, layer_view* views, const int* batch_slots, int layer, int batch,
-                        const step_workspace& workspace, const float* inv_freq, rope_table rope,
-                        cudaStream_t stream) {
+                        const step_workspace& workspace, const float* inv_freq, cudaStream_t stream) {
   using tile = rebuild_tile<F, D>;
   static std::atomic<std::uint64_t> allowed_on_devices{0};  // above 48 KiB: the opt-in limit, once per device
   shadowkv_allow_large_shared_memory(rebuild_keys_kernel<T, F, D>, allowed_on_devices);
@@ -380,17 +353,16 @@ void launch_rebuild_for(const dims& d, layer_view* views, const int* batch_slots
   const dim3 grid(static_cast<unsigned>(batch), static_cast<unsigned>(d.kv_heads),
                   static_cast<unsigned>(splits_for(batch, d.kv_heads, groups)));
   rebuild_keys_kernel<T, F, D><<<grid, kRebuildThreads, tile::shared_bytes, stream>>>(d, views, batch_slots, layer,
-                                                                                       workspace, inv_freq, rope);
+                                                                                       workspace, inv_freq);
 }
 
 template <typename T, int D>
 void launch_rebuild_for(const dims& d, layer_view* views, const int* batch_slots, int layer, int batch,
-                        const step_workspace& workspace, const float* inv_freq, rope_table rope,
-                        cudaStream_t stream) {
+                        const step_workspace& workspace, const float* inv_freq, cudaStream_t stream) {
   if (d.factor_bf16 != 0) {
-    launch_rebuild_for<T, __nv_bfloat16, D>(d, views, batch_slots, layer, batch, workspace, inv_freq, rope, stream);
+    launch_rebuild_for<T, __nv_bfloat16, D>(d, views, batch_slots, layer, batch, workspace, inv_freq, stream);
   } else {
-    launch_rebuild_for<T, float, D>(d, views, batch_slots, layer, batch, workspace, inv_freq, rope, stream);
+    launch_rebuild_for<T, float, D>(d, views, batch_slots, layer, batch, workspace, inv_freq, stream);
   }
 }
 
@@ -494,8 +466,7 @@ __global__ void fetch_values_kernel(dims d, layer_view* views, const int* batch_
 }  // namespace
 
 void launch_rebuild_keys(const dims& d, int kv_type, layer_view* views, const int* batch_slots, int layer, int batch,
-                         const step_workspace& workspace, const float* inv_freq, rope_table rope,
-                         cudaStream_t stream) {
+                         const step_workspace& workspace, const float* inv_freq, cudaStream_t stream) {
   SHADOWKV_EXPECTS(supported_head_dim(d.head_dim), "key rebuild supports head_dim 64, 80, 96, 128 or 256, got ",
                    d.head_dim);
   SHADOWKV_EXPECTS(d.chunk >= 1 && d.chunk <= kRebuildRows, "chunk_size ", d.chunk,
@@ -512,7 +483,7 @@ void launch_rebuild_keys(const dims& d, int kv_type, layer_view* views, const in
     using T = std::remove_pointer_t<decltype(tag)>;
     shadowkv_dispatch_head_dim(d.head_dim, "key rebuild", [&](auto head_dim) {
       launch_rebuild_for<T, decltype(head_dim)::value>(d, views, batch_slots, layer, batch, workspace, inv_freq,
-                                                       rope, stream);
+                                                       stream);
     });
   });
   SHADOWKV_CUDA_CHECK_LAUNCH();

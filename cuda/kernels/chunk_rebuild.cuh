@@ -6,7 +6,6 @@
 #include <cuda_runtime.h>
 
 #include "device_layout.cuh"
-#include "rope_table.cuh"
 
 namespace shadowkv::cuda {
 
@@ -16,11 +15,10 @@ namespace shadowkv::cuda {
 /// Keys of every missed (entry, head, chunk) into its buffer slot of cache_keys, rounded to T: a tensor-core
 /// gather-GEMM A[rows of the chunk] · B[:, head] (3xTF32, fp32-accurate), then RoPE at each token's position.
 /// The miss lists are read on the device (the grid depends only on batch and dims: graph-capturable); runs on
-/// `stream`, allocates nothing. RoPE coefficients come from `rope` where it covers the position, else from inv_freq
-/// (the same values). Throws shadowkv::invalid_argument for head_dim not in {64, 80, 96, 128, 256} or chunk_size
-/// above 64.
+/// `stream`, allocates nothing. Throws shadowkv::invalid_argument for head_dim not in {64, 80, 96, 128, 256} or
+/// chunk_size above 64.
 void launch_rebuild_keys(const dims& d, int kv_type, layer_view* views, const int* batch_slots, int layer, int batch,
-                         const step_workspace& workspace, const float* inv_freq, rope_table rope, cudaStream_t stream);
+                         const step_workspace& workspace, const float* inv_freq, cudaStream_t stream);
 
 /// Values of every missed (entry, head, chunk): one contiguous run of C*D elements from the value store (mapped host
 /// memory, read by the kernel over PCIe, or device memory) into its buffer slot of cache_values; adds the bytes to

@@ -185,8 +185,6 @@ void reference_row(const case_config& cfg, const host_entry& e, const std::vecto
 }
 
 constexpr unsigned char kSentinel = 0xA5;
-/// Positions the test's RoPE table covers: entries start inside and past it (rope_table.cuh's two paths).
-constexpr long long kTablePositions = 65536;
 
 void run_case(const case_config& cfg) {
   SCOPED_TRACE(cfg.describe());
@@ -260,11 +258,9 @@ void run_case(const case_config& cfg) {
     e.basis.resize(static_cast<std::size_t>(r) * width);
     for (float& x : e.basis) x = round_through(factor_type, normal(rng) * basis_scale);
     e.positions.resize(tokens);
-    // Even entries start inside the RoPE table (positions below kTablePositions), odd ones mostly past it.
-    const long long offset =
-        std::uniform_int_distribution<long long>(0, b % 2 == 0 ? kTablePositions / 2 : 200000)(rng);
+    const long long offset = std::uniform_int_distribution<long long>(0, 200000)(rng);
     for (std::size_t t = 0; t < tokens; ++t) {
-      // Mostly increasing positions, some far apart (large angles, past the table).
+      // Mostly increasing positions, some far apart (large angles).
       e.positions[t] = offset + static_cast<long long>(t) +
                        (t % 7 == 3 ? std::uniform_int_distribution<long long>(0, 1000000)(rng) : 0);
     }
@@ -321,13 +317,6 @@ void run_case(const case_config& cfg) {
     CUDA_OK(cudaMemcpy(inv_freq_device.get(), inv_freq.data(), inv_freq.size() * sizeof(float),
                        cudaMemcpyHostToDevice));
   }
-  // The RoPE table of positions [0, kTablePositions), filled by the backend's own launcher.
-  device_buffer table_device(static_cast<std::size_t>(kTablePositions) * (cfg.rotary() / 2) * sizeof(float2));
-  ASSERT_TRUE(table_device.ok());
-  ASSERT_NO_THROW(shadowkv::cuda::launch_fill_rope_table(d, inv_freq_device.get<float>(), table_device.get<float2>(),
-                                                         kTablePositions, nullptr));
-  CUDA_OK(cudaDeviceSynchronize());
-  const shadowkv::cuda::rope_table table{table_device.get<float2>(), kTablePositions};
   step_workspace ws{};
   ws.miss_slots = miss_slots_device.get<int>();
   ws.miss_counts = miss_counts_device.get<int>();
@@ -357,19 +346,19 @@ void run_case(const case_config& cfg) {
     if (!cfg.graph) {
       ASSERT_NO_THROW(shadowkv::cuda::launch_rebuild_keys(d, cfg.kv_type, views_device.get<layer_view>(),
                                                           slots_device.get<int>(), layer, B, ws,
-                                                          inv_freq_device.get<float>(), table, stream));
+                                                          inv_freq_device.get<float>(), stream));
     } else {
       if (graph_exec == nullptr) {
         // The launch's one-time attribute setup runs outside the capture (as the backend's first uncaptured step).
         ASSERT_NO_THROW(shadowkv::cuda::launch_rebuild_keys(d, cfg.kv_type, views_device.get<layer_view>(),
                                                             slots_device.get<int>(), layer, B, ws,
-                                                            inv_freq_device.get<float>(), table, stream));
+                                                            inv_freq_device.get<float>(), stream));
         CUDA_OK(cudaStreamSynchronize(stream));
         for (const host_entry& e : entries) CUDA_OK(cudaMemset(e.cache_keys_device.get(), kSentinel, key_bytes));
         CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
         ASSERT_NO_THROW(shadowkv::cuda::launch_rebuild_keys(d, cfg.kv_type, views_device.get<layer_view>(),
                                                             slots_device.get<int>(), layer, B, ws,
-                                                            inv_freq_device.get<float>(), table, stream));
+                                                            inv_freq_device.get<float>(), stream));
         cudaGraph_t graph = nullptr;
         CUDA_OK(cudaStreamEndCapture(stream, &graph));
         CUDA_OK(cudaGraphInstantiate(&graph_exec, graph, 0));
@@ -445,26 +434,6 @@ void run_case(const case_config& cfg) {
     }
     std::printf("[ chunk_rebuild ]   round %d: %zu elements compared, worst error / tolerance %.3g\n", round,
                 compared, worst_ratio);
-    if (!cfg.graph) {
-      // Without the table every position takes the formula: the keys must be the same bits.
-      std::vector<std::vector<unsigned char>> with_table;
-      for (const host_entry& e : entries) {
-        with_table.emplace_back(key_bytes);
-        CUDA_OK(cudaMemcpy(with_table.back().data(), e.cache_keys_device.get(), key_bytes, cudaMemcpyDeviceToHost));
-        CUDA_OK(cudaMemset(e.cache_keys_device.get(), kSentinel, key_bytes));
-      }
-      ASSERT_NO_THROW(shadowkv::cuda::launch_rebuild_keys(d, cfg.kv_type, views_device.get<layer_view>(),
-                                                          slots_device.get<int>(), layer, B, ws,
-                                                          inv_freq_device.get<float>(), shadowkv::cuda::rope_table{},
-                                                          stream));
-      CUDA_OK(cudaStreamSynchronize(stream));
-      for (std::size_t i = 0; i < entries.size(); ++i) {
-        std::vector<unsigned char> keys(key_bytes);
-        CUDA_OK(cudaMemcpy(keys.data(), entries[i].cache_keys_device.get(), key_bytes, cudaMemcpyDeviceToHost));
-        EXPECT_TRUE(keys == with_table[i]) << "entry " << i << ": keys rotated with the RoPE table differ from the "
-                                           << "formula's";
-      }
-    }
   }
   if (graph_exec != nullptr) CUDA_OK(cudaGraphExecDestroy(graph_exec));
   CUDA_OK(cudaStreamDestroy(stream));
@@ -739,33 +708,33 @@ TEST(ChunkRebuildArguments, RejectsUnsupportedShapes) {
   d.rotary_dim = 128;
   d.attention_scaling = 1.0F;
   const step_workspace ws{};
-  EXPECT_NO_THROW(shadowkv::cuda::launch_rebuild_keys(d, 0, nullptr, nullptr, 0, 0, ws, nullptr, {}, nullptr));
+  EXPECT_NO_THROW(shadowkv::cuda::launch_rebuild_keys(d, 0, nullptr, nullptr, 0, 0, ws, nullptr, nullptr));
   for (int head_dim : {32, 48, 112, 160, 512}) {
     dims bad = d;
     bad.head_dim = head_dim;
     bad.rotary_dim = head_dim;
-    EXPECT_THROW(shadowkv::cuda::launch_rebuild_keys(bad, 0, nullptr, nullptr, 0, 1, ws, nullptr, {}, nullptr),
+    EXPECT_THROW(shadowkv::cuda::launch_rebuild_keys(bad, 0, nullptr, nullptr, 0, 1, ws, nullptr, nullptr),
                  shadowkv::invalid_argument)
         << "head_dim " << head_dim;
   }
   for (int chunk : {0, 65, 128}) {
     dims bad = d;
     bad.chunk = chunk;
-    EXPECT_THROW(shadowkv::cuda::launch_rebuild_keys(bad, 0, nullptr, nullptr, 0, 1, ws, nullptr, {}, nullptr),
+    EXPECT_THROW(shadowkv::cuda::launch_rebuild_keys(bad, 0, nullptr, nullptr, 0, 1, ws, nullptr, nullptr),
                  shadowkv::invalid_argument)
         << "chunk " << chunk;
   }
   dims bad = d;
   bad.rank = 0;
-  EXPECT_THROW(shadowkv::cuda::launch_rebuild_keys(bad, 0, nullptr, nullptr, 0, 1, ws, nullptr, {}, nullptr),
+  EXPECT_THROW(shadowkv::cuda::launch_rebuild_keys(bad, 0, nullptr, nullptr, 0, 1, ws, nullptr, nullptr),
                shadowkv::invalid_argument);
-  EXPECT_THROW(shadowkv::cuda::launch_rebuild_keys(d, 0, nullptr, nullptr, 0, -1, ws, nullptr, {}, nullptr),
+  EXPECT_THROW(shadowkv::cuda::launch_rebuild_keys(d, 0, nullptr, nullptr, 0, -1, ws, nullptr, nullptr),
                shadowkv::invalid_argument);
-  EXPECT_THROW(shadowkv::cuda::launch_rebuild_keys(d, 9, nullptr, nullptr, 0, 1, ws, nullptr, {}, nullptr),
+  EXPECT_THROW(shadowkv::cuda::launch_rebuild_keys(d, 9, nullptr, nullptr, 0, 1, ws, nullptr, nullptr),
                shadowkv::invalid_argument);
   bad = d;
   bad.cache_slots = 7;  // fewer slots than the budget
-  EXPECT_THROW(shadowkv::cuda::launch_rebuild_keys(bad, 0, nullptr, nullptr, 0, 1, ws, nullptr, {}, nullptr),
+  EXPECT_THROW(shadowkv::cuda::launch_rebuild_keys(bad, 0, nullptr, nullptr, 0, 1, ws, nullptr, nullptr),
                shadowkv::invalid_argument);
   EXPECT_THROW(shadowkv::cuda::launch_fetch_values(bad, 0, nullptr, nullptr, 0, 1, ws, 1, nullptr),
                shadowkv::invalid_argument);
