@@ -100,6 +100,10 @@ struct step_workspace {
   unsigned long long* counters;  ///< [4]: hits, misses, selections, bytes fetched (accumulated)
   float* partial;      ///< attention split partials [max_batch, Hq, max_splits, D + 2]
   int max_splits;
+  // The chunk selection's own rows, sized by launch_select_chunks' query (chunk_selection_workspace):
+  float* selection_partials;  ///< [max_batch, Hkv, G, logit tiles, 2]: softmax partials (max, sum exp) per tile
+  unsigned* radix_keys;       ///< [max_batch, Hkv, max_chunks]: per-chunk radix keys when they do not fit in the
+                              ///< select kernel's shared memory (null when they do)
 };
 
 }  // namespace shadowkv::cuda

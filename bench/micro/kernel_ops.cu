@@ -171,7 +171,8 @@ class kernel_state {
   pinned_memory value_store_;
   std::size_t value_store_stride_ = 0;
   device_memory views_, batch_slots_, inv_freq_, query_, out_;
-  device_memory logits_, scores_, selected_, miss_slots_, miss_counts_, counters_, partial_;
+  device_memory logits_, scores_, selected_, miss_slots_, miss_counts_, counters_, partial_, selection_partials_,
+      radix_keys_;
   step_workspace workspace_{};
   std::vector<layer_view> host_views_;
 
@@ -345,6 +346,11 @@ kernel_state::kernel_state(const shape& s) : shape_(s) {
   workspace_.miss_counts = miss_counts_.get<int>();
   workspace_.counters = counters_.get<unsigned long long>();
   workspace_.partial = partial_.get<float>();
+  const cuda::selection_workspace_bytes own = cuda::chunk_selection_workspace(d_, cuda::element_bf16, B);
+  selection_partials_ = device_memory(std::max<std::size_t>(own.partials, 1));
+  radix_keys_ = device_memory(std::max<std::size_t>(own.radix_keys, 1));
+  workspace_.selection_partials = selection_partials_.get<float>();
+  workspace_.radix_keys = own.radix_keys > 0 ? radix_keys_.get<unsigned>() : nullptr;
   check(cudaMemsetAsync(counters_.get(), 0, counters_.size(), compute_), "cudaMemsetAsync");
   check(cudaMemsetAsync(miss_counts_.get(), 0, miss_counts_.size(), compute_), "cudaMemsetAsync");
 

@@ -212,8 +212,14 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   const std::size_t counters = align_up(4 * sizeof(unsigned long long));
   const std::size_t partial =
       align_up(batch * cfg.num_q_heads * workspace_.max_splits * (cfg.head_dim + 2) * sizeof(float));
-  workspace_memory_ = device_buffer(logits + scores + 2 * lists + counts + counters + partial, own_stream_,
-                                    resources_->device_memory());
+  // The chunk selection's own rows, as it says it needs them (on this device: the radix keys' place depends on its
+  // shared memory).
+  const selection_workspace_bytes selection = chunk_selection_workspace(dims_, kv_type_, cfg.max_batch);
+  const std::size_t selection_partials = align_up(selection.partials);
+  const std::size_t radix_keys = align_up(selection.radix_keys);
+  workspace_memory_ = device_buffer(logits + scores + 2 * lists + counts + counters + partial + selection_partials +
+                                        radix_keys,
+                                    own_stream_, resources_->device_memory());
   cursor = static_cast<std::uint8_t*>(workspace_memory_.data());
   workspace_.logits = static_cast<float*>(take(logits));
   workspace_.scores = static_cast<float*>(take(scores));
@@ -222,6 +228,8 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   workspace_.miss_counts = static_cast<int*>(take(counts));
   workspace_.counters = static_cast<unsigned long long*>(take(counters));
   workspace_.partial = static_cast<float*>(take(partial));
+  workspace_.selection_partials = selection_partials > 0 ? static_cast<float*>(take(selection_partials)) : nullptr;
+  workspace_.radix_keys = radix_keys > 0 ? static_cast<unsigned*>(take(radix_keys)) : nullptr;
   SHADOWKV_CUDA_TRY(cudaMemsetAsync(workspace_.counters, 0, counters, own_stream_));
   SHADOWKV_CUDA_TRY(cudaMemsetAsync(workspace_.miss_counts, 0, counts, own_stream_));
 

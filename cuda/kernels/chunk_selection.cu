@@ -1,7 +1,9 @@
 // Landmark scores, top-k per KV head and the temporal-cache update (see chunk_selection.cuh): the host planner. It
 // plans the kernels below from dims, the batch size and the device, and launches them; the kernels live in
 // cuda/kernels/selection/ (landmark_scoring.cu, score_merge.cu, select_kernel.cu; the select kernel's block-wide
-// steps in softmax_partials.cuh, in_kernel_scoring.cuh, radix_select.cuh and cache_policy.cuh).
+// steps in softmax_partials.cuh, radix_select.cuh and cache_policy.cuh). The workspace rows of its own (tile partials,
+// and radix keys too many for shared memory) are sized by chunk_selection_workspace, which the backend asks when it
+// reserves the step workspace.
 //
 // Decode (one query token) runs three kernels whose shapes depend only on dims and the batch size, so the step can
 // be captured in a CUDA graph (the context length is read from the device layer_view, never from the host):
@@ -13,9 +15,8 @@
 //      softmax_scale * q_j·L[c] (-inf for outliers) to workspace.logits [B, Hq, max_chunks], and each tile's softmax
 //      partial (max, sum exp) per query head. CTA x takes tiles x, x + gridDim.x, ... below context_chunks; the
 //      number of tiles per CTA is chosen on the host from dims, batch and the device (about one wave of CTAs). The
-//      partials are carved out of workspace.scores: row (b, h) holds [G][tiles][2] floats at its start (requires
-//      2 * G * tiles <= max_chunks). Decode shapes that the streaming kernel of landmark_logits.cu covers use that
-//      kernel instead (same outputs).
+//      partials go to workspace.selection_partials: row (b, h) of [G][tiles][2] floats. Decode shapes that the
+//      streaming kernel of landmark_logits.cu covers use that kernel instead (same outputs).
 //   1b. score_kernel (selection/score_merge.cu), grid (ceil(max_chunks / 256), Hkv, B): merges the partials into one
 //      normaliser per query head and writes score(c) = max_j p_j(c) = exp2(max_j(x_j(c) * log2 e - offset_j))
 //      (dims::group_mean: the mean of the p_j(c), an exp each) in place into the group's first logits row (-1 for
@@ -28,19 +29,16 @@
 //      first ties in ascending id, writing workspace.selected ascending; then the cache update with the same
 //      compaction (free slots ascending, misses ascending), slot_of_chunk giving O(1) membership. A cache larger
 //      than the budget (K > k) picks its victims with a second radix select over per-slot eviction keys and ranks
-//      the (at most k) victims exactly by their 64-bit stamps (selection/cache_policy.cuh, update_lru_cache). The radix keys live
-//      in shared memory when max_chunks fits (4 B per chunk, up to about 54K chunks on an H200); else in the group's
-//      first logits row, dead by then.
-//   If the partials do not fit (tiny max_chunks or a very large group), 1b is skipped and kernel 2 normalises from
-//   the logits itself (select_mode::from_logits).
+//      the (at most k) victims exactly by their 64-bit stamps (selection/cache_policy.cuh, update_lru_cache). The
+//      radix keys live in shared memory when max_chunks fits (4 B per chunk, up to about 54K chunks on an H200);
+//      else in workspace.radix_keys (plan_select decides, for the workspace query and the launch alike).
 //
 // Several query tokens (prefill's q_last) need one softmax per token before the sum over tokens, i.e. a normaliser
 // per (b, j, t) that only a full pass can give, and the logits buffer has room for one token. So, per token t in
-// order, kernel 1 runs twice: logit_mode::statistics writes only the tile partials of token t (into the scores rows),
+// order, kernel 1 runs twice: logit_mode::statistics writes only the tile partials of token t (into the partials rows),
 // then logit_mode::accumulate recomputes the logits, normalises them with the merged partials and adds p_{j,t} into
 // logits row j (-1 for non-candidates). Kernel 1b then takes the max over the group. 2*Tq + 2 launches, two landmark
-// passes per token, all fully parallel. Only when the partials do not fit does kernel 2 do everything itself
-// (select_mode::in_kernel, selection/in_kernel_scoring.cuh: a warp per chunk, G*Tq passes by one CTA; slow but exact).
+// passes per token, all fully parallel.
 //
 // Every chunk's logit is computed by the same sequence of float operations wherever it sits in a tile, so identical
 // landmarks give bit-identical scores and ties are broken by chunk id exactly as the CPU reference does.
@@ -63,8 +61,6 @@ namespace {
 
 using selection::device_limits;
 using selection::logit_geometry;
-using selection::select_geometry;
-using selection::select_mode;
 
 /// The current device's limits, asked once per device ordinal (each GPU of a process gets its own numbers).
 device_limits current_device_limits() {
@@ -80,45 +76,35 @@ device_limits current_device_limits() {
 void plan_and_launch(const dims& d, int kv_type, int element_bytes, const layer_view* views, const int* batch_slots,
                      int layer, int batch, const strided_tensor& queries, int tokens, const step_workspace& ws,
                      int beside_ctas, cudaStream_t stream) {
-  const device_limits limits = current_device_limits();
   const logit_geometry logit_geo = selection::plan_logits(d, element_bytes);
-  select_geometry geo{};
-  if (logit_geo.write_partials) {
-    geo.mode = select_mode::from_scores;
-  } else {
-    geo.mode = tokens == 1 ? select_mode::from_logits : select_mode::in_kernel;
-  }
-  // Decode with partials: the streaming kernel of landmark_logits.cu where it covers the shape.
-  const bool decode_kernel = tokens == 1 && geo.mode == select_mode::from_scores && logit_geo.tiles > 0 &&
-                             launch_decode_landmark_logits(d, kv_type, views, batch_slots, layer, batch, queries,
-                                                           logit_geo.tile_rows, logit_geo.tiles,
-                                                           limits.multiprocessors, beside_ctas, ws.logits, ws.scores,
-                                                           stream);
-  if (!decode_kernel && geo.mode != select_mode::in_kernel && logit_geo.tiles > 0) {
-    selection::launch_landmark_scoring(d, kv_type, views, batch_slots, layer, batch, queries, tokens, logit_geo, ws,
-                                       limits, stream);
-  }
-
-  if (geo.mode == select_mode::from_scores && d.max_chunks > 0) {
+  SHADOWKV_EXPECTS(logit_geo.tiles == 0 || ws.selection_partials != nullptr,
+                   "chunk selection: step_workspace::selection_partials is null (size it with "
+                   "chunk_selection_workspace)");
+  const device_limits limits = current_device_limits();
+  if (logit_geo.tiles > 0) {
+    // Decode: the streaming kernel of landmark_logits.cu where it covers the shape, else the tiled one.
+    const bool decode_kernel =
+        tokens == 1 && launch_decode_landmark_logits(d, kv_type, views, batch_slots, layer, batch, queries,
+                                                     logit_geo.tile_rows, logit_geo.tiles, limits.multiprocessors,
+                                                     beside_ctas, ws.logits, ws.selection_partials, stream);
+    if (!decode_kernel) {
+      selection::launch_landmark_scoring(d, kv_type, views, batch_slots, layer, batch, queries, tokens, logit_geo, ws,
+                                         limits, stream);
+    }
     selection::launch_score_merge(d, views, batch_slots, layer, batch, logit_geo,
                                   tokens > 1 ? selection::score_input::summed_probabilities
                                              : selection::score_input::logits_and_partials,
                                   ws, stream);
   }
+  selection::launch_select_kernel(d, views, batch_slots, layer, batch, ws, selection::plan_select(d, limits), stream);
+}
 
-  geo.q_floats = geo.mode == select_mode::in_kernel ? (d.head_dim + 3) / 4 * 4 : 0;
-  geo.tile_rows = logit_geo.tile_rows;
-  geo.tiles = logit_geo.tiles;
-  const long long base = (2LL * d.group + geo.q_floats) * 4;
-  geo.radix_keys_offset = static_cast<int>((base + 15) / 16 * 16);
-  const int limit = limits.optin_shared - selection::kSharedMargin;
-  SHADOWKV_EXPECTS(base <= limit, "chunk selection: group ", d.group, " and head_dim ", d.head_dim,
-                   " need more shared memory than the device has");
-  const long long with_radix_keys = geo.radix_keys_offset + 4LL * d.max_chunks;
-  geo.radix_keys_in_shared = with_radix_keys <= limit ? 1 : 0;
-  const long long shared = geo.radix_keys_in_shared ? with_radix_keys : base;
-  selection::launch_select_kernel(d, kv_type, views, batch_slots, layer, batch, queries, tokens, ws, geo, shared,
-                                  stream);
+int element_bytes_of(int kv_type) {
+  int element_bytes = 0;
+  shadowkv_dispatch_element(kv_type, [&](auto tag) {
+    element_bytes = static_cast<int>(sizeof(std::remove_pointer_t<decltype(tag)>));
+  });
+  return element_bytes;
 }
 
 }  // namespace
@@ -139,12 +125,21 @@ void launch_select_chunks(const dims& d, int kv_type, layer_view* views, const i
                    d.cache_slots, ", budget ", d.budget, ", max_chunks ", d.max_chunks);
   SHADOWKV_EXPECTS(queries.type == element_f32 || queries.type == element_f16 || queries.type == element_bf16,
                    "chunk selection: unknown query element type ", queries.type);
-  int element_bytes = 0;
-  shadowkv_dispatch_element(kv_type, [&](auto tag) {
-    element_bytes = static_cast<int>(sizeof(std::remove_pointer_t<decltype(tag)>));
-  });
-  plan_and_launch(d, kv_type, element_bytes, views, batch_slots, layer, batch, queries, tokens, workspace,
+  plan_and_launch(d, kv_type, element_bytes_of(kv_type), views, batch_slots, layer, batch, queries, tokens, workspace,
                   std::max(beside_ctas, 0), stream);
+}
+
+selection_workspace_bytes chunk_selection_workspace(const dims& d, int kv_type, int max_batch) {
+  SHADOWKV_EXPECTS(max_batch >= 0 && d.kv_heads >= 1 && d.group >= 1 && d.max_chunks >= 0,
+                   "chunk selection workspace: need max_batch >= 0, kv_heads >= 1, group >= 1 and max_chunks >= 0");
+  const long long rows = static_cast<long long>(max_batch) * d.kv_heads;
+  const logit_geometry logit_geo = selection::plan_logits(d, element_bytes_of(kv_type));
+  selection_workspace_bytes bytes{};
+  bytes.partials = static_cast<std::size_t>(rows * selection::partial_row_floats(d, logit_geo)) * sizeof(float);
+  if (selection::plan_select(d, current_device_limits()).radix_keys_in_shared == 0) {
+    bytes.radix_keys = static_cast<std::size_t>(rows * d.max_chunks) * sizeof(unsigned);
+  }
+  return bytes;
 }
 
 }  // namespace shadowkv::cuda

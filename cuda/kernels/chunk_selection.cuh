@@ -22,6 +22,8 @@
 
 #include <cuda_runtime.h>
 
+#include <cstddef>
+
 #include "device_layout.cuh"
 
 namespace shadowkv::cuda {
@@ -33,5 +35,14 @@ namespace shadowkv::cuda {
 void launch_select_chunks(const dims& d, int kv_type, layer_view* views, const int* batch_slots, int layer, int batch,
                           strided_tensor queries, int tokens, const step_workspace& workspace, int beside_ctas,
                           cudaStream_t stream);
+
+/// Bytes of the selection's own workspace rows for `max_batch` sequences on the current device:
+/// step_workspace::selection_partials and step_workspace::radix_keys (0: not needed, the radix keys fit in the select
+/// kernel's shared memory). launch_select_chunks throws invalid_argument when a needed row is null.
+struct selection_workspace_bytes {
+  std::size_t partials = 0;
+  std::size_t radix_keys = 0;
+};
+selection_workspace_bytes chunk_selection_workspace(const dims& d, int kv_type, int max_batch);
 
 }  // namespace shadowkv::cuda

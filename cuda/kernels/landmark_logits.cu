@@ -178,7 +178,7 @@ template <typename T, int kRowBytes, int kG>
 __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG>())
     decode_landmark_logits_kernel(const dims d, const layer_view* views, const int* batch_slots, const int layer,
                                   const int batch, const strided_tensor queries, const int tile_rows, const int tiles,
-                                  float* logits, float* scores) {
+                                  float* logits, float* partials) {
   using split = row_split<T, kRowBytes, kG>;
   constexpr int kLanesPerRow = split::kLanesPerRow;
   constexpr int kVectorsPerLane = split::kVectorsPerLane;
@@ -277,8 +277,10 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG>())
 #pragma unroll
       for (int offset = 16; offset > 0; offset >>= 1) s += __shfl_xor_sync(0xffffffffU, s, offset);
       if (lane == 0) {
-        float* partial = scores + (static_cast<long long>(tile.sequence) * d.kv_heads + tile.head) * d.max_chunks +
-                         (static_cast<long long>(g) * tiles + tile.index) * 2;
+        // step_workspace::selection_partials: row (sequence, head) of 2 * G * tiles floats.
+        float* partial = partials + ((static_cast<long long>(tile.sequence) * d.kv_heads + tile.head) * d.group + g) *
+                                        tiles * 2 +
+                         static_cast<long long>(tile.index) * 2;
         partial[0] = m;
         partial[1] = s;
       }
@@ -440,7 +442,7 @@ int resident_ctas(int shared_bytes) {
 template <typename T, int kRowBytes, int kG>
 bool launch_with(const dims& d, const layer_view* views, const int* batch_slots, int layer, int batch,
                  const strided_tensor& queries, int tile_rows, int tiles, int multiprocessors, int beside_ctas,
-                 float* logits, float* scores, cudaStream_t stream) {
+                 float* logits, float* partials, cudaStream_t stream) {
   using split = row_split<T, kRowBytes, kG>;
   const shared_layout layout = shared_layout_for<split, kG>(tile_rows, batch);
   const int per_multiprocessor = resident_ctas<T, kRowBytes, kG>(layout.bytes);
@@ -453,7 +455,7 @@ bool launch_with(const dims& d, const layer_view* views, const int* batch_slots,
       std::max<long long>(resident - std::max(beside_ctas, 0), std::max(multiprocessors, 1)), most_tiles);
   decode_landmark_logits_kernel<T, kRowBytes, kG>
       <<<static_cast<unsigned>(ctas), kThreads, static_cast<std::size_t>(layout.bytes), stream>>>(
-          d, views, batch_slots, layer, batch, queries, tile_rows, tiles, logits, scores);
+          d, views, batch_slots, layer, batch, queries, tile_rows, tiles, logits, partials);
   SHADOWKV_CUDA_CHECK_LAUNCH();
   return true;
 }
@@ -461,12 +463,12 @@ bool launch_with(const dims& d, const layer_view* views, const int* batch_slots,
 template <typename T, int kRowBytes>
 bool launch_for_group(const dims& d, const layer_view* views, const int* batch_slots, int layer, int batch,
                       const strided_tensor& queries, int tile_rows, int tiles, int multiprocessors, int beside_ctas,
-                      float* logits, float* scores, cudaStream_t stream) {
+                      float* logits, float* partials, cudaStream_t stream) {
   bool launched = false;
   shadowkv_dispatch_head_tile(d.group, [&](auto head_tile) {
     launched = launch_with<T, kRowBytes, decltype(head_tile)::value>(d, views, batch_slots, layer, batch, queries,
                                                                      tile_rows, tiles, multiprocessors, beside_ctas,
-                                                                     logits, scores, stream);
+                                                                     logits, partials, stream);
   });
   return launched;
 }
@@ -475,7 +477,7 @@ bool launch_for_group(const dims& d, const layer_view* views, const int* batch_s
 
 bool launch_decode_landmark_logits(const dims& d, int kv_type, const layer_view* views, const int* batch_slots,
                                    int layer, int batch, const strided_tensor& queries, int tile_rows, int tiles,
-                                   int multiprocessors, int beside_ctas, float* logits, float* scores,
+                                   int multiprocessors, int beside_ctas, float* logits, float* partials,
                                    cudaStream_t stream) {
   if (d.group < 1 || d.group > 8 || batch <= 0 || tiles <= 0 || tile_rows <= 0) return false;
   bool launched = false;
@@ -485,15 +487,15 @@ bool launch_decode_landmark_logits(const dims& d, int kv_type, const layer_view*
     switch (row_bytes) {
       case 128:
         launched = launch_for_group<T, 128>(d, views, batch_slots, layer, batch, queries, tile_rows, tiles,
-                                            multiprocessors, beside_ctas, logits, scores, stream);
+                                            multiprocessors, beside_ctas, logits, partials, stream);
         break;
       case 256:
         launched = launch_for_group<T, 256>(d, views, batch_slots, layer, batch, queries, tile_rows, tiles,
-                                            multiprocessors, beside_ctas, logits, scores, stream);
+                                            multiprocessors, beside_ctas, logits, partials, stream);
         break;
       case 512:
         launched = launch_for_group<T, 512>(d, views, batch_slots, layer, batch, queries, tile_rows, tiles,
-                                            multiprocessors, beside_ctas, logits, scores, stream);
+                                            multiprocessors, beside_ctas, logits, partials, stream);
         break;
       default: break;
     }

@@ -16,14 +16,14 @@
 namespace shadowkv::cuda {
 
 /// Writes softmax_scale * q_j·L[c] (-inf for outliers) to logits [B, Hq, max_chunks] for chunks c < context_chunks,
-/// and each tile's softmax partial (max, sum exp) per query head j of KV head h to scores row (b, h):
-/// [G][tiles][2] floats at its start (tiles of `tile_rows` chunks; the caller checks 2 * G * tiles <= max_chunks).
+/// and each tile's softmax partial (max, sum exp) per query head j of KV head h to partials row (b, h) of
+/// [G][tiles][2] floats (step_workspace::selection_partials; tiles of `tile_rows` chunks).
 /// Returns false, launching nothing, for shapes it does not cover: a landmark row of other than 128, 256 or 512
 /// bytes, or more than 8 query heads per KV head. The grid (one wave: the CTAs that fit on `multiprocessors`, less
 /// `beside_ctas` that another kernel may hold meanwhile) depends on dims, batch and the device only.
 bool launch_decode_landmark_logits(const dims& d, int kv_type, const layer_view* views, const int* batch_slots,
                                    int layer, int batch, const strided_tensor& queries, int tile_rows, int tiles,
-                                   int multiprocessors, int beside_ctas, float* logits, float* scores,
+                                   int multiprocessors, int beside_ctas, float* logits, float* partials,
                                    cudaStream_t stream);
 
 }  // namespace shadowkv::cuda

@@ -369,6 +369,18 @@ void run_case(const case_config& cfg) {
   ws.miss_slots = miss_slots.get<int>();
   ws.miss_counts = miss_counts.get<int>();
   ws.counters = counters.get<unsigned long long>();
+  // The selection's own rows, as its query sizes them (poisoned too).
+  const shadowkv::cuda::selection_workspace_bytes own = shadowkv::cuda::chunk_selection_workspace(d, cfg.kv_type,
+                                                                                                  max_batch);
+  device_buffer selection_partials(std::max<std::size_t>(own.partials, 1));
+  device_buffer radix_keys(std::max<std::size_t>(own.radix_keys, 1));
+  ASSERT_TRUE(selection_partials.ok() && radix_keys.ok());
+  CUDA_OK(cudaMemset(selection_partials.get(), 0x7f, std::max<std::size_t>(own.partials, 1)));
+  CUDA_OK(cudaMemset(radix_keys.get(), 0x55, std::max<std::size_t>(own.radix_keys, 1)));
+  ws.selection_partials = selection_partials.get<float>();
+  ws.radix_keys = own.radix_keys > 0 ? radix_keys.get<unsigned>() : nullptr;
+  // max_chunks = 70000 cannot keep its radix keys in shared memory on any device this runs on.
+  if (mc >= 70000) EXPECT_GT(own.radix_keys, 0U) << "the radix keys should need the workspace at max_chunks " << mc;
 
   // Queries: buffer [Tq, B, Hq, D + pad] so that the strides are not those of a dense [B, Tq, Hq, D].
   const int padded_dim = D + 3;
@@ -696,7 +708,7 @@ TEST_F(ChunkSelection, LargerCacheRandomConfigurations) {
 
 TEST_F(ChunkSelection, LargerCacheShapes) {
   // K above the 1024 threads of the select CTA (several slots a thread), K = max_chunks (the clamp), eviction keys
-  // in the logits workspace (max_chunks 70000: the per-chunk keys do not fit in shared memory), several query tokens,
+  // in the radix-key workspace (max_chunks 70000: the per-chunk keys do not fit in shared memory), several query tokens,
   // an empty context (every slot keeps its chunk, none is selected), and graph replays (the clock advances on the
   // device).
   case_config wide = random_lru_case(81);
@@ -808,8 +820,8 @@ TEST_F(ChunkSelection, GroupsAndHeadDims) {
 }
 
 TEST_F(ChunkSelection, SmallAndLargeChunkCapacity) {
-  // max_chunks = 6 with G = 4: the tile partials do not fit in the scores row (one token: kernel 2 normalises from
-  // the logits; three tokens: kernel 2 computes everything itself).
+  // max_chunks = 6 with G = 4: more tile partials (2 * G * tiles) than chunks (they once shared the scores rows and
+  // fell back to slower modes; their own workspace rows now), one and three tokens.
   for (int tokens : {1, 3}) {
     case_config small = random_case(40 + tokens);
     small.group = 4;
@@ -840,7 +852,7 @@ TEST_F(ChunkSelection, SmallAndLargeChunkCapacity) {
       run_case(mid);
     }
   }
-  // max_chunks = 70000: the per-chunk keys do not fit in shared memory and live in the logits workspace.
+  // max_chunks = 70000: the per-chunk keys do not fit in shared memory and live in the radix-key workspace.
   for (int tokens : {1, 3}) {
     case_config large = random_case(42 + tokens);
     large.batch = 2;
@@ -920,6 +932,9 @@ TEST(ChunkSelectionArguments, RejectsInvalidArguments) {
   q.type = shadowkv::cuda::element_f32;
   const step_workspace ws{};
   EXPECT_NO_THROW(shadowkv::cuda::launch_select_chunks(d, 0, nullptr, nullptr, 0, 0, q, 1, ws, 0, nullptr));
+  // No tile-partial rows in the workspace (not sized by chunk_selection_workspace): a clear error, nothing launched.
+  EXPECT_THROW(shadowkv::cuda::launch_select_chunks(d, 0, nullptr, nullptr, 0, 1, q, 1, ws, 0, nullptr),
+               shadowkv::invalid_argument);
   EXPECT_THROW(shadowkv::cuda::launch_select_chunks(d, 0, nullptr, nullptr, 0, 1, q, 0, ws, 0, nullptr),
                shadowkv::invalid_argument);
   dims bad = d;

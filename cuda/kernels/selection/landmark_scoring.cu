@@ -22,7 +22,7 @@ namespace {
 constexpr int kLogitTileBudget = 36 * 1024;  // bytes of one staged tile (two are in flight): 3 CTAs per SM resident
 constexpr int kMaxTilesPerCta = 16;
 
-/// What the kernel writes. Decode: logits (the logits, and the tile partials when they fit). Several query tokens,
+/// What the kernel writes. Decode: logits (the logits and the tile partials). Several query tokens,
 /// for each token t in order: statistics (the tile partials of token t only), then accumulate (recomputes the logits,
 /// normalises them with the merged partials and adds p_{j,t} into logits row j: the probabilities summed over
 /// tokens). int-sized: it travels in a kernel argument.
@@ -63,7 +63,7 @@ __global__ void __launch_bounds__(kLogitThreads) landmark_logits_kernel(const di
                                                                         const strided_tensor queries,
                                                                         const logit_geometry geo, const logit_mode mode,
                                                                         const int token, float* logits,
-                                                                        float* scores) {
+                                                                        float* partials) {
   constexpr int kElements = vector16<T>::elements;
   extern __shared__ __align__(16) unsigned char logit_shared[];
   __shared__ float warp_partials[kLogitThreads / 32][kHeadBlock][2];
@@ -111,7 +111,7 @@ __global__ void __launch_bounds__(kLogitThreads) landmark_logits_kernel(const di
     }
   };
   const int used_tiles = (n + geo.tile_rows - 1) / geo.tile_rows;
-  const float* head_partials = scores + (static_cast<long long>(b) * d.kv_heads + h) * d.max_chunks;
+  float* const head_partials = partials + (static_cast<long long>(b) * d.kv_heads + h) * partial_row_floats(d, geo);
 
   stage_tile(stage(0), head_landmarks + static_cast<long long>(tile) * geo.tile_rows * d.head_dim, rows_of(tile),
              d.head_dim, geo, async_copy);
@@ -214,7 +214,7 @@ __global__ void __launch_bounds__(kLogitThreads) landmark_logits_kernel(const di
         }
       }
 
-      if (mode == logit_mode::statistics || (mode == logit_mode::logits && geo.write_partials)) {
+      if (mode == logit_mode::statistics || mode == logit_mode::logits) {
         // Tile (max, sum exp): max first (shuffles, then across warps), so each logit costs one exp.
         constexpr int kWarps = kLogitThreads / 32;
         float m[kHeadBlock];
@@ -244,8 +244,7 @@ __global__ void __launch_bounds__(kLogitThreads) landmark_logits_kernel(const di
             tile_m = fmaxf(tile_m, warp_partials[w][gi][0]);
             tile_s += warp_partials[w][gi][1];
           }
-          float* partial = scores + (static_cast<long long>(b) * d.kv_heads + h) * d.max_chunks +
-                           (static_cast<long long>(g0 + gi) * geo.tiles + tile) * 2;
+          float* partial = head_partials + (static_cast<long long>(g0 + gi) * geo.tiles + tile) * 2;
           partial[0] = tile_m;
           partial[1] = tile_s;
         }
@@ -286,7 +285,8 @@ void launch_logits(const dims& d, const layer_view* views, const int* batch_slot
                   static_cast<unsigned>(batch));
   auto launch = [&](logit_mode mode, int token) {
     kernel<<<grid, kLogitThreads, static_cast<size_t>(shared), stream>>>(d, views, batch_slots, layer, queries, geo,
-                                                                        mode, token, ws.logits, ws.scores);
+                                                                        mode, token, ws.logits,
+                                                                        ws.selection_partials);
     SHADOWKV_CUDA_CHECK_LAUNCH();
   };
   if (tokens == 1) {
@@ -310,7 +310,6 @@ logit_geometry plan_logits(const dims& d, int element_bytes) {
   while (geo.tile_rows > 8 && geo.tile_rows * geo.row_stride > kLogitTileBudget) geo.tile_rows /= 2;
   geo.parts = kLogitThreads / geo.tile_rows;
   geo.tiles = (d.max_chunks + geo.tile_rows - 1) / geo.tile_rows;
-  geo.write_partials = 2LL * d.group * geo.tiles <= d.max_chunks ? 1 : 0;
   return geo;
 }
 

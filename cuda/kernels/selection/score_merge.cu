@@ -17,7 +17,7 @@ __global__ void __launch_bounds__(kScoreThreads) score_kernel(const dims d, cons
                                                               const int* batch_slots, const int layer,
                                                               const int tile_rows, const int tiles,
                                                               const score_input input, float* logits,
-                                                              const float* scores) {
+                                                              const float* partials) {
   const bool probabilities = input != score_input::logits_and_partials;
   extern __shared__ float offsets[];  // [G]: p_j(c) = exp2(x * log2(e) - offsets[j])
   const int h = blockIdx.y;
@@ -35,7 +35,7 @@ __global__ void __launch_bounds__(kScoreThreads) score_kernel(const dims d, cons
     for (int g = warp; g < d.group; g += kScoreThreads / 32) {
       float m = kNegativeInfinity;
       float s = 0.0F;
-      const float* partial = scores + head_row * d.max_chunks + static_cast<long long>(g) * tiles * 2;
+      const float* partial = partials + (head_row * d.group + g) * tiles * 2;
       for (int t = lane; t < used_tiles; t += 32) merge_partial(m, s, partial[2 * t], partial[2 * t + 1]);
       warp_merge_partial(m, s);
       // p_j(c) = exp(x - M) / Z = exp2(x * log2(e) - offset); exp2 is monotonic, so the max over j can be taken on
@@ -72,7 +72,7 @@ void launch_score_merge(const dims& d, const layer_view* views, const int* batch
   allow_shared(score_kernel, shared);
   score_kernel<<<grid, kScoreThreads, static_cast<size_t>(shared), stream>>>(d, views, batch_slots, layer,
                                                                             geo.tile_rows, geo.tiles, input, ws.logits,
-                                                                            ws.scores);
+                                                                            ws.selection_partials);
   SHADOWKV_CUDA_CHECK_LAUNCH();
 }
 

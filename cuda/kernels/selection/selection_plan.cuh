@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include "cuda_check.hpp"
+#include "device_layout.cuh"
 
 namespace shadowkv::cuda::selection {
 
@@ -29,25 +30,29 @@ struct logit_geometry {
   int row_stride;  ///< bytes per staged row: vectors * 16 + 16 (the extra 16 B keep row reads free of conflicts)
   int vectors;     ///< 16-byte vectors per row, rounded up (a row's tail past D is zero-filled)
   int tiles;       ///< ceil(max_chunks / tile_rows)
-  int write_partials;
 };
 
-/// Where the select kernel gets p_j(c) from. int-sized: it travels in a kernel argument.
-enum class select_mode : int {
-  from_scores,  ///< the score merge left score(c) in logits row 0 (-1 for non-candidates)
-  from_logits,  ///< logits rows, no partials (they did not fit): normalisers computed in the select kernel
-  in_kernel,    ///< several tokens, partials do not fit: everything computed in the select kernel (slow, rare)
-};
+/// Floats of one (entry, KV head) row of step_workspace::selection_partials: (max, sum exp) per query head and tile.
+__host__ __device__ inline long long partial_row_floats(const dims& d, const logit_geometry& geo) {
+  return 2LL * d.group * geo.tiles;
+}
 
+/// The select kernel's dynamic shared memory: the per-chunk radix keys when they fit (else they live in
+/// step_workspace::radix_keys).
 struct select_geometry {
-  select_mode mode;
-  int radix_keys_in_shared;  ///< 1: per-chunk radix keys in dynamic shared memory at radix_keys_offset; 0: in the
-                             ///< group's first logits row
-  int radix_keys_offset;     ///< bytes
-  int q_floats;              ///< shared floats reserved for one query row (several-token path only)
-  int tile_rows;             ///< the logits kernel's tile, for the partials
-  int tiles;                 ///< the logits kernel's tiles over max_chunks
+  int radix_keys_in_shared;  ///< 1: per-chunk radix keys in dynamic shared memory at byte 0; 0: in ws.radix_keys
+  long long shared_bytes;    ///< dynamic shared memory of the launch
 };
+
+/// Where the select kernel keeps its radix keys on a device with `limits`: one decision for the workspace query and
+/// the launch.
+inline select_geometry plan_select(const dims& d, const device_limits& limits) {
+  select_geometry geo{};
+  const long long keys = 4LL * d.max_chunks;
+  geo.radix_keys_in_shared = keys <= limits.optin_shared - kSharedMargin ? 1 : 0;
+  geo.shared_bytes = geo.radix_keys_in_shared ? keys : 0;
+  return geo;
+}
 
 template <typename Kernel>
 void allow_shared(Kernel kernel, long long bytes) {
