@@ -41,6 +41,8 @@ struct dims {
   // Last, so that the offsets of the fields above (and the code of the default cache's kernels) stay as they were.
   int cache_slots;     ///< K >= k, selection-cache slots per KV head (config::cache_slots()); K == k: the cache
                        ///< holds exactly the last selection, K > k: slots keep their chunk until evicted (LRU)
+  int chunk_centroids;  ///< 1: chunks are scored by two centroids (config::chunk_score two_centroids,
+                        ///< shadowkv/chunk_centroids.hpp) held in layer_view::centroid_*, not by landmarks
 };
 
 /// Everything of one (slot, layer) on the device. Row-major, head-major where a kernel reads one head at a time.
@@ -83,6 +85,10 @@ struct layer_view {
   long long* selection_clock;    ///< [Hkv]: selections of this (sequence, layer) so far, one copy per head (each
                                  ///< select CTA advances its own: no CTA waits for another's read)
   int* selected_slots;           ///< [Hkv, k]: the slots of the last selection, ascending, -1 padding (attention)
+  // Two-centroid chunk scores (dims::chunk_centroids; null otherwise, and `landmarks` is then null).
+  std::uint8_t* centroid_codes;  ///< [Hkv, max_chunks, 2 * D] e4m3 codes: centroid 1, then centroid 2
+  float* centroid_scales;        ///< [Hkv, max_chunks, 2]
+  std::uint8_t* first_counts;    ///< [Hkv, max_chunks]: keys in the first cluster
 };
 
 /// Ring row of the i-th oldest generated token (0 <= i < generated_exact_len) in the exact region.

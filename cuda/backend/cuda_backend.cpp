@@ -10,6 +10,7 @@
 #include "cuda_runtime_info.hpp"
 #include "generated_tokens.cuh"
 #include "prompt_kernels.cuh"
+#include "shadowkv/chunk_centroids.hpp"
 #include "shadowkv/errors.hpp"
 #include "shadowkv/rope.hpp"
 #include "sparse_attention.cuh"
@@ -76,8 +77,9 @@ class device_guard {
 
 // Bytes of every array of one (slot, layer), each aligned.
 struct cuda_backend::layer_sizes {
-  std::size_t basis, coefficients, context_positions, landmarks, is_outlier, outlier, exact, exact_positions,
-      cache_chunks, slot_of_chunk, cache, cache_last_used, selection_clock, selected_slots, value_store, value_codes;
+  std::size_t basis, coefficients, context_positions, landmarks, centroid_codes, centroid_scales, first_counts,
+      is_outlier, outlier, exact, exact_positions, cache_chunks, slot_of_chunk, cache, cache_last_used,
+      selection_clock, selected_slots, value_store, value_codes;
 
   explicit layer_sizes(const dims& d, std::size_t element) {
     const std::size_t width = static_cast<std::size_t>(d.kv_heads) * d.head_dim;
@@ -86,7 +88,13 @@ struct cuda_backend::layer_sizes {
     basis = align_up(static_cast<std::size_t>(d.rank) * width * factor);
     coefficients = align_up(context_tokens * d.rank * factor);
     context_positions = align_up(context_tokens * sizeof(long long));
-    landmarks = align_up(static_cast<std::size_t>(d.max_chunks) * width * element);
+    // Landmarks, or with two-centroid scores (dims::chunk_centroids) the centroids in their place.
+    const bool centroids = d.chunk_centroids != 0;
+    const std::size_t head_chunks = static_cast<std::size_t>(d.kv_heads) * d.max_chunks;
+    landmarks = centroids ? 0 : align_up(static_cast<std::size_t>(d.max_chunks) * width * element);
+    centroid_codes = centroids ? align_up(head_chunks * 2 * d.head_dim) : 0;
+    centroid_scales = centroids ? align_up(head_chunks * 2 * sizeof(float)) : 0;
+    first_counts = centroids ? align_up(head_chunks) : 0;
     is_outlier = align_up(static_cast<std::size_t>(d.kv_heads) * d.max_chunks);
     outlier = align_up(static_cast<std::size_t>(d.max_outliers) * d.chunk * width * element);
     exact = align_up(static_cast<std::size_t>(d.local_capacity + d.window) * width * element);
@@ -106,7 +114,8 @@ struct cuda_backend::layer_sizes {
                   (d.value_fp8 != 0 ? align_up(static_cast<std::size_t>(d.max_chunks) * d.kv_heads * sizeof(float)) : 0);
   }
   [[nodiscard]] std::size_t device_total() const {
-    return basis + coefficients + context_positions + landmarks + is_outlier + 2 * outlier + 2 * exact +
+    return basis + coefficients + context_positions + landmarks + centroid_codes + centroid_scales + first_counts +
+           is_outlier + 2 * outlier + 2 * exact +
            exact_positions + cache_chunks + slot_of_chunk + 2 * cache + cache_last_used + selection_clock +
            selected_slots;
   }
@@ -132,6 +141,7 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   dims_.group = cfg.group_size();
   dims_.chunk = cfg.chunk_size;
   dims_.budget = static_cast<int>(cfg.budget_chunks());  // chunks (validate(): fits an int)
+  dims_.chunk_centroids = cfg.chunk_score == chunk_score_rule::two_centroids ? 1 : 0;
   dims_.cache_slots = static_cast<int>(cfg.cache_slots());  // K >= k (validate(): fits an int; clamped like k)
   dims_.max_outliers = cfg.outlier_chunks;
   dims_.rank = cfg.rank;
@@ -181,7 +191,12 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
     v.basis = take(sizes.basis);
     v.coefficients = take(sizes.coefficients);
     v.context_positions = static_cast<long long*>(take(sizes.context_positions));
-    v.landmarks = take(sizes.landmarks);
+    v.landmarks = sizes.landmarks > 0 ? take(sizes.landmarks) : nullptr;
+    if (dims_.chunk_centroids != 0) {
+      v.centroid_codes = static_cast<std::uint8_t*>(take(sizes.centroid_codes));
+      v.centroid_scales = static_cast<float*>(take(sizes.centroid_scales));
+      v.first_counts = static_cast<std::uint8_t*>(take(sizes.first_counts));
+    }
     v.is_outlier = static_cast<std::uint8_t*>(take(sizes.is_outlier));
     v.outlier_keys = take(sizes.outlier);
     v.outlier_values = take(sizes.outlier);
@@ -469,6 +484,14 @@ void cuda_backend::prefill_one(int layer, const batch_entry& entry, const prefil
                            stream_, resources_->device_memory());
   device_buffer outlier_ids(std::max<std::size_t>(1, static_cast<std::size_t>(config_.num_kv_heads) * config_.outlier_chunks) *
                                 sizeof(int), stream_, resources_->device_memory());
+  // Two-centroid scores keep no landmarks, but the outlier rule needs them: computed into a scratch copy of the
+  // layout ([Hkv, max_chunks, D]).
+  device_buffer scratch_landmarks;
+  if (dims_.chunk_centroids != 0 && chunks > 0) {
+    scratch_landmarks = device_buffer(static_cast<std::size_t>(dims_.max_chunks) * width * element, stream_,
+                                      resources_->device_memory());
+  }
+  void* landmarks = dims_.chunk_centroids != 0 ? scratch_landmarks.data() : view.landmarks;
   // bf16 factors are computed in float32 and rounded once: B first (the projection uses B as held), then A.
   const bool bf16_factors = dims_.factor_bf16 != 0;
   const int context_tokens = chunks * config_.chunk_size;
@@ -529,8 +552,9 @@ void cuda_backend::prefill_one(int layer, const batch_entry& entry, const prefil
                              stream_);
     }
   }
-  launch_landmarks(dims_, kv_type_, keys_post.data(), chunks, view.landmarks, static_cast<float*>(min_cosine.data()),
+  launch_landmarks(dims_, kv_type_, keys_post.data(), chunks, landmarks, static_cast<float*>(min_cosine.data()),
                    stream_);
+  if (dims_.chunk_centroids != 0) launch_chunk_centroids(dims_, kv_type_, keys_post.data(), chunks, view, stream_);
   const int sinks = std::min(config_.sink_chunks, outliers);
   if (sinks > 0) {
     // Attention sinks rank below every cosine: each byte 0xC0 makes the float 0xC0C0C0C0 = -6.02 (docs/semantics.md).
@@ -595,6 +619,7 @@ void cuda_backend::prefill_one(int layer, const batch_entry& entry, const prefil
   positions.release(stream_);
   min_cosine.release(stream_);
   outlier_ids.release(stream_);
+  scratch_landmarks.release(stream_);
 }
 
 void cuda_backend::prefill(int layer, std::span<const batch_entry> entries, const prefill_inputs& inputs) {
@@ -809,7 +834,9 @@ memory_report cuda_backend::memory(std::span<const layer_state* const> states) c
     const std::int64_t context_tokens = state->context_chunks * chunk;
     report.low_rank_factors +=
         (context_tokens * rank + rank * width) * static_cast<std::int64_t>(dtype_size(config_.factor_dtype()));
-    report.landmarks += state->context_chunks * width * e;
+    report.landmarks += dims_.chunk_centroids != 0
+                            ? state->context_chunks * config_.num_kv_heads * rules::centroid_bytes(config_.head_dim)
+                            : state->context_chunks * width * e;
     report.outliers += state->outlier_chunks * chunk * width * 2 * e;
     report.exact_tokens += (state->local_len + state->generated_exact_len) * width * 2 * e;
     const std::int64_t values = state->context_chunks * config_.num_kv_heads * config_.value_run_bytes();

@@ -99,12 +99,13 @@ void plan_and_launch(const dims& d, int kv_type, int element_bytes, const layer_
   selection::launch_select_kernel(d, views, batch_slots, layer, batch, ws, selection::plan_select(d, limits), stream);
 }
 
-int element_bytes_of(int kv_type) {
+/// Bytes per element of a scored row: the landmarks' type, or 2 for two-centroid codes (2·D bytes a chunk).
+int element_bytes_of(const dims& d, int kv_type) {
   int element_bytes = 0;
   shadowkv_dispatch_element(kv_type, [&](auto tag) {
     element_bytes = static_cast<int>(sizeof(std::remove_pointer_t<decltype(tag)>));
   });
-  return element_bytes;
+  return d.chunk_centroids != 0 ? 2 : element_bytes;
 }
 
 }  // namespace
@@ -125,7 +126,7 @@ void launch_select_chunks(const dims& d, int kv_type, layer_view* views, const i
                    d.cache_slots, ", budget ", d.budget, ", max_chunks ", d.max_chunks);
   SHADOWKV_EXPECTS(queries.type == element_f32 || queries.type == element_f16 || queries.type == element_bf16,
                    "chunk selection: unknown query element type ", queries.type);
-  plan_and_launch(d, kv_type, element_bytes_of(kv_type), views, batch_slots, layer, batch, queries, tokens, workspace,
+  plan_and_launch(d, kv_type, element_bytes_of(d, kv_type), views, batch_slots, layer, batch, queries, tokens, workspace,
                   std::max(beside_ctas, 0), stream);
 }
 
@@ -133,7 +134,7 @@ selection_workspace_bytes chunk_selection_workspace(const dims& d, int kv_type, 
   SHADOWKV_EXPECTS(max_batch >= 0 && d.kv_heads >= 1 && d.group >= 1 && d.max_chunks >= 0,
                    "chunk selection workspace: need max_batch >= 0, kv_heads >= 1, group >= 1 and max_chunks >= 0");
   const long long rows = static_cast<long long>(max_batch) * d.kv_heads;
-  const logit_geometry logit_geo = selection::plan_logits(d, element_bytes_of(kv_type));
+  const logit_geometry logit_geo = selection::plan_logits(d, element_bytes_of(d, kv_type));
   selection_workspace_bytes bytes{};
   bytes.partials = static_cast<std::size_t>(rows * selection::partial_row_floats(d, logit_geo)) * sizeof(float);
   if (selection::plan_select(d, current_device_limits()).radix_keys_in_shared == 0) {

@@ -1,3 +1,6 @@
+#include <algorithm>
+
+#include "common/chunk_centroids_warp.cuh"
 #include "common/dispatch.cuh"
 #include "common/element_access.cuh"
 #include "cuda_check.hpp"
@@ -9,12 +12,27 @@ namespace shadowkv::cuda {
 namespace {
 
 constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+
+/// Element d of the i-th oldest generated key of head h (the exact ring, stored post-RoPE keys).
+template <typename T>
+struct ring_chunk_keys {
+  const T* head_keys;  ///< exact_keys of head h
+  int local_capacity;
+  int ring_head;
+  int window;
+  int head_dim;
+  SHADOWKV_HOST_DEVICE float operator()(int i, int d) const {
+    return to_float(head_keys[static_cast<long long>(local_capacity + rules::ring_row(ring_head, i, window)) * head_dim +
+                              d]);
+  }
+};
 
 template <typename T>
 __global__ void advance_generated_kernel(dims d, layer_view* views, const int* batch_slots, int layer,
                                          strided_tensor k_new, strided_tensor v_new, strided_tensor positions,
                                          int positions_bits, bool keys_post_rope, const float* inv_freq) {
-  extern __shared__ float keys_pre[];  // [C, Hkv*D]
+  extern __shared__ float keys_pre[];  // [C, Hkv*D]; two-centroid scratch once the fold's values are written
   const int b = blockIdx.x;
   layer_view* view = views + static_cast<long long>(batch_slots[b]) * d.num_layers + layer;
   const int width = d.kv_heads * d.head_dim;
@@ -111,10 +129,27 @@ __global__ void advance_generated_kernel(dims d, layer_view* views, const int* b
           value_store[target] = value;
         }
       }
-      landmarks[(static_cast<long long>(h) * d.max_chunks + chunk) * d.head_dim + dim] =
-          from_float<T>(static_cast<float>(sum / d.chunk));
+      if (d.chunk_centroids == 0) {
+        landmarks[(static_cast<long long>(h) * d.max_chunks + chunk) * d.head_dim + dim] =
+            from_float<T>(static_cast<float>(sum / d.chunk));
+      }
     }
     __syncthreads();
+    if (d.chunk_centroids != 0) {
+      // The chunk's two centroids per head, a warp a head, scratch in keys_pre (dead now; see
+      // advance_generated_shared_bytes).
+      const int warp = static_cast<int>(threadIdx.x / 32);
+      double* work = reinterpret_cast<double*>(keys_pre) + warp * 2 * d.head_dim;
+      for (int h = warp; h < d.kv_heads; h += kWarps) {
+        const ring_chunk_keys<T> key{exact_keys + h * head_rows * d.head_dim, d.local_capacity, ring_head, d.window,
+                                     d.head_dim};
+        const long long at = static_cast<long long>(h) * d.max_chunks + chunk;
+        two_means_warp(key, d.chunk, d.head_dim, work,
+                       centroid_target{view->centroid_codes + at * 2 * d.head_dim, view->centroid_scales + at * 2,
+                                       view->first_counts + at});
+      }
+      __syncthreads();
+    }
     if (threadIdx.x == 0) {
       const rules::generated_region<int> folded =
           rules::after_fold(rules::generated_region<int>{chunk, generated, ring_head}, d.chunk, d.window);
@@ -162,7 +197,11 @@ __global__ void advance_generated_kernel(dims d, layer_view* views, const int* b
 }  // namespace
 
 std::size_t advance_generated_shared_bytes(const dims& d) {
-  return static_cast<std::size_t>(d.chunk) * d.kv_heads * d.head_dim * sizeof(float);
+  const std::size_t keys = static_cast<std::size_t>(d.chunk) * d.kv_heads * d.head_dim * sizeof(float);
+  // Two-centroid scores: 2·D doubles of scratch per warp, in the same memory.
+  const std::size_t centroid_work =
+      d.chunk_centroids != 0 ? static_cast<std::size_t>(kWarps) * 2 * d.head_dim * sizeof(double) : 0;
+  return std::max(keys, centroid_work);
 }
 
 void launch_advance_generated(const dims& d, int kv_type, layer_view* views, const int* batch_slots, int layer,

@@ -479,7 +479,8 @@ bool launch_decode_landmark_logits(const dims& d, int kv_type, const layer_view*
                                    int layer, int batch, const strided_tensor& queries, int tile_rows, int tiles,
                                    int multiprocessors, int beside_ctas, float* logits, float* partials,
                                    cudaStream_t stream) {
-  if (d.group < 1 || d.group > 8 || batch <= 0 || tiles <= 0 || tile_rows <= 0) return false;
+  // Two-centroid scores take the tiled kernel (selection/landmark_scoring.cu).
+  if (d.chunk_centroids != 0 || d.group < 1 || d.group > 8 || batch <= 0 || tiles <= 0 || tile_rows <= 0) return false;
   bool launched = false;
   shadowkv_dispatch_element(kv_type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;

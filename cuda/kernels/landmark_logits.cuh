@@ -19,7 +19,7 @@ namespace shadowkv::cuda {
 /// and each tile's softmax partial (max, sum exp) per query head j of KV head h to partials row (b, h) of
 /// [G][tiles][2] floats (step_workspace::selection_partials; tiles of `tile_rows` chunks).
 /// Returns false, launching nothing, for shapes it does not cover: a landmark row of other than 128, 256 or 512
-/// bytes, or more than 8 query heads per KV head. The grid (one wave: the CTAs that fit on `multiprocessors`, less
+/// bytes, more than 8 query heads per KV head, or two-centroid scores (dims::chunk_centroids). The grid (one wave: the CTAs that fit on `multiprocessors`, less
 /// `beside_ctas` that another kernel may hold meanwhile) depends on dims, batch and the device only.
 bool launch_decode_landmark_logits(const dims& d, int kv_type, const layer_view* views, const int* batch_slots,
                                    int layer, int batch, const strided_tensor& queries, int tile_rows, int tiles,

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "common/chunk_centroids_warp.cuh"
 #include "common/dispatch.cuh"
 #include "common/element_access.cuh"
 #include "common/ordered_compaction.cuh"
@@ -542,6 +543,34 @@ bool rows_are_vectors(const strided_tensor& t, int row, int head_dim) {
          reinterpret_cast<std::uintptr_t>(t.data) % 16 == 0;
 }
 
+
+constexpr int kCentroidWarps = 8;  // (chunk, head) items per CTA of chunk_centroids_kernel
+
+/// Element d of key i of one (chunk, head) of the prompt's stored keys [S, Hkv*D].
+template <typename T>
+struct prompt_chunk_keys {
+  const T* first;  ///< the chunk's first key of the head
+  long long width;
+  SHADOWKV_HOST_DEVICE float operator()(int i, int d) const { return to_float(first[i * width + d]); }
+};
+
+template <typename T>
+__global__ void __launch_bounds__(kCentroidWarps * 32)
+    chunk_centroids_kernel(dims d, const T* keys_post, int chunks, std::uint8_t* codes, float* scales,
+                           std::uint8_t* counts) {
+  extern __shared__ double centroid_work[];  // [kCentroidWarps][2 * D]
+  const int warp = static_cast<int>(threadIdx.x / 32);
+  const long long item = static_cast<long long>(blockIdx.x) * kCentroidWarps + warp;
+  if (item >= static_cast<long long>(chunks) * d.kv_heads) return;  // the whole warp
+  const int c = static_cast<int>(item / d.kv_heads);
+  const int h = static_cast<int>(item % d.kv_heads);
+  const long long width = static_cast<long long>(d.kv_heads) * d.head_dim;
+  const prompt_chunk_keys<T> key{keys_post + static_cast<long long>(c) * d.chunk * width + h * d.head_dim, width};
+  const long long at = static_cast<long long>(h) * d.max_chunks + c;
+  two_means_warp(key, d.chunk, d.head_dim, centroid_work + warp * 2 * d.head_dim,
+                 centroid_target{codes + at * 2 * d.head_dim, scales + at * 2, counts + at});
+}
+
 }  // namespace
 
 void launch_prepare_prompt_keys(const dims& d, int kv_type, strided_tensor keys, strided_tensor positions,
@@ -585,6 +614,22 @@ void launch_landmarks(const dims& d, int kv_type, const void* keys_post, int chu
     } else {
       launch(landmarks_kernel<T, 8>);
     }
+  });
+  SHADOWKV_CUDA_CHECK_LAUNCH();
+}
+
+void launch_chunk_centroids(const dims& d, int kv_type, const void* keys_post, int chunks, const layer_view& view,
+                            cudaStream_t stream) {
+  SHADOWKV_EXPECTS(d.chunk >= 1 && d.chunk <= rules::kMaxCentroidChunk, "two-centroid scores: chunk_size ", d.chunk,
+                   " is not in [1, ", rules::kMaxCentroidChunk, "]");
+  if (chunks == 0) return;
+  const std::size_t shared = static_cast<std::size_t>(kCentroidWarps) * 2 * d.head_dim * sizeof(double);
+  shadowkv_dispatch_element(kv_type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    chunk_centroids_kernel<T><<<blocks_for(static_cast<long long>(chunks) * d.kv_heads, kCentroidWarps),
+                                kCentroidWarps * 32, shared, stream>>>(d, static_cast<const T*>(keys_post), chunks,
+                                                                       view.centroid_codes, view.centroid_scales,
+                                                                       view.first_counts);
   });
   SHADOWKV_CUDA_CHECK_LAUNCH();
 }

@@ -23,6 +23,12 @@ void launch_prepare_prompt_keys(const dims& d, int kv_type, strided_tensor keys,
 void launch_landmarks(const dims& d, int kv_type, const void* keys_post, int chunks, void* landmarks,
                       float* min_cosine, cudaStream_t stream);
 
+/// chunk_score two_centroids: each (chunk, head)'s two centroids of its stored post-RoPE keys (keys_post [S, Hkv*D],
+/// chunks c < `chunks`) into view's centroid_codes, centroid_scales and first_counts (shadowkv/chunk_centroids.hpp,
+/// the CPU backend's bits). A warp per (chunk, head).
+void launch_chunk_centroids(const dims& d, int kv_type, const void* keys_post, int chunks, const layer_view& view,
+                            cudaStream_t stream);
+
 /// Per head the `count` chunks with the smallest minimum cosine (ties: smaller id; -0 and +0 tie): sets is_outlier
 /// [Hkv, max_chunks] (all other entries cleared) and writes their ids ascending to outlier_ids [Hkv, max_outliers]
 /// (min(count, chunks) of them; the rest of each row is not written). Throws invalid_argument if count > max_outliers.

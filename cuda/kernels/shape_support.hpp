@@ -32,9 +32,6 @@ inline void check_kernel_support(const config& cfg) {
                    ", got ", cfg.chunk_size, " (the CPU backend takes any)");
   SHADOWKV_EXPECTS(cfg.num_kv_heads <= kMaxGridDimension, "the CUDA backend supports up to ", kMaxGridDimension,
                    " KV heads, got ", cfg.num_kv_heads);
-  SHADOWKV_EXPECTS(cfg.chunk_score == chunk_score_rule::landmark,
-                   "the CUDA backend supports chunk_score='landmark' only so far, got '",
-                   chunk_score_name(cfg.chunk_score), "' (the CPU backend takes 'two_centroids')");
   SHADOWKV_EXPECTS(cfg.max_batch <= kMaxGridDimension, "the CUDA backend supports max_batch up to ",
                    kMaxGridDimension, ", got ", cfg.max_batch);
 }

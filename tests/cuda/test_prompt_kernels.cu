@@ -30,6 +30,8 @@
 #include "cuda_test_support.cuh"
 #include "device_layout.cuh"
 #include "prompt_kernels.cuh"
+#include "shadowkv/chunk_centroids.hpp"
+#include "shadowkv/errors.hpp"
 
 namespace {
 
@@ -244,6 +246,108 @@ TEST_F(PromptKernels, LandmarksMatchTheCpuMaths) {
       }
     }
   }
+}
+
+// --- two-centroid scores ------------------------------------------------------------------------------------------
+
+// launch_chunk_centroids against rules::two_means (what the CPU backend runs) on the same stored keys: codes, scales
+// and counts equal bit for bit. Keys: two clusters with noise, some chunks of identical keys (one cluster, n1 = C),
+// some with repeated rows (farthest-pair ties), chunk sizes up to 64 (two ballots a Lloyd round).
+void run_centroids(std::uint64_t seed, int type, int heads, int head_dim, int chunk, int chunks) {
+  SCOPED_TRACE(testing::Message() << "seed=" << seed << " type=" << type_name(type) << " Hkv=" << heads
+                                  << " D=" << head_dim << " C=" << chunk << " chunks=" << chunks);
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0F, 1.0F);
+  const int max_chunks = chunks + 2;
+  dims d = make_dims(heads, head_dim, chunk, max_chunks, 1);
+  d.chunk_centroids = 1;
+  const int width = heads * head_dim;
+  const std::size_t count = static_cast<std::size_t>(chunks) * chunk * width;
+  std::vector<unsigned char> keys(count * element_bytes(type));
+  std::vector<float> key_values(count);
+  std::vector<float> centre(static_cast<std::size_t>(2 * width));
+  for (float& x : centre) x = 2.0F * normal(rng);
+  for (int c = 0; c < chunks; ++c) {
+    for (int i = 0; i < chunk; ++i) {
+      const int pick = c % 5 == 1 ? 0 : static_cast<int>(rng() % 2);  // every 5th chunk one cluster
+      const int row = c % 5 == 3 ? i % 3 : i;                          // repeated rows: tied distances
+      for (int x = 0; x < width; ++x) {
+        const std::size_t at = (static_cast<std::size_t>(c) * chunk + i) * width + x;
+        std::mt19937_64 noise(seed * 1000003U + (static_cast<std::uint64_t>(c) * chunk + row) * width + x);
+        const float v = c % 5 == 1 ? centre[static_cast<std::size_t>(x)]
+                                   : centre[static_cast<std::size_t>(pick * width + x)] +
+                                         0.3F * std::normal_distribution<float>(0.0F, 1.0F)(noise);
+        store_element(type, keys, at, c % 5 == 3 ? centre[static_cast<std::size_t>((row % 2) * width + x)] + row : v);
+        key_values[at] = load_element(type, keys.data(), at);
+      }
+    }
+  }
+  const std::size_t head_chunks = static_cast<std::size_t>(heads) * max_chunks;
+  device_buffer keys_device(keys.size());
+  device_buffer codes_device(head_chunks * 2 * head_dim);
+  device_buffer scales_device(head_chunks * 2 * sizeof(float));
+  device_buffer counts_device(head_chunks);
+  ASSERT_TRUE(keys_device.ok() && codes_device.ok() && scales_device.ok() && counts_device.ok());
+  CUDA_OK(upload(keys_device, keys));
+  CUDA_OK(cudaMemset(codes_device.get(), 0x5A, head_chunks * 2 * head_dim));
+  CUDA_OK(cudaMemset(scales_device.get(), 0x5A, head_chunks * 2 * sizeof(float)));
+  CUDA_OK(cudaMemset(counts_device.get(), 0x5A, head_chunks));
+  shadowkv::cuda::layer_view view{};
+  view.centroid_codes = codes_device.get<std::uint8_t>();
+  view.centroid_scales = scales_device.get<float>();
+  view.first_counts = counts_device.get<std::uint8_t>();
+  ASSERT_NO_THROW(shadowkv::cuda::launch_chunk_centroids(d, type, keys_device.get(), chunks, view, nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  std::vector<unsigned char> codes(head_chunks * 2 * head_dim);
+  std::vector<float> scales(head_chunks * 2);
+  std::vector<unsigned char> counts(head_chunks);
+  CUDA_OK(cudaMemcpy(codes.data(), codes_device.get(), codes.size(), cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaMemcpy(scales.data(), scales_device.get(), scales.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaMemcpy(counts.data(), counts_device.get(), counts.size(), cudaMemcpyDeviceToHost));
+  std::vector<double> work(static_cast<std::size_t>(2 * head_dim));
+  std::vector<std::uint8_t> want(static_cast<std::size_t>(2 * head_dim));
+  int one_cluster = 0;
+  int split = 0;
+  for (int c = 0; c < chunks; ++c) {
+    for (int h = 0; h < heads; ++h) {
+      const auto key = [&](int i, int x) {
+        return key_values[(static_cast<std::size_t>(c) * chunk + i) * width + static_cast<std::size_t>(h) * head_dim +
+                          x];
+      };
+      const shadowkv::rules::chunk_centroids made =
+          shadowkv::rules::two_means(key, chunk, head_dim, work.data(), want.data());
+      const std::size_t at = static_cast<std::size_t>(h) * max_chunks + c;
+      ASSERT_EQ(counts[at], made.first_count) << "c=" << c << " h=" << h;
+      ASSERT_EQ(std::memcmp(&scales[2 * at], made.scale, 2 * sizeof(float)), 0)
+          << "c=" << c << " h=" << h << ": scales " << scales[2 * at] << ", " << scales[2 * at + 1] << " want "
+          << made.scale[0] << ", " << made.scale[1];
+      ASSERT_EQ(std::memcmp(codes.data() + at * 2 * head_dim, want.data(), want.size()), 0) << "c=" << c << " h=" << h;
+      (made.first_count == chunk ? one_cluster : split) += 1;
+    }
+  }
+  if (chunk > 1 && chunks >= 5) {
+    EXPECT_GT(one_cluster, 0) << "no chunk of identical keys was seen as one cluster";
+    EXPECT_GT(split, 0) << "no chunk was split";
+  }
+}
+
+TEST_F(PromptKernels, TwoCentroidsMatchTheCpuRuleBitForBit) {
+  std::uint64_t seed = 301;
+  for (const int type : {element_bf16, element_f16, element_f32}) {
+    for (const int head_dim : {64, 128, 256}) {
+      for (const int chunk : {1, 2, 8, 33, 64}) {
+        run_centroids(seed++, type, 1 + static_cast<int>(seed % 3), head_dim, chunk, 5 + static_cast<int>(seed % 7));
+        if (HasFatalFailure()) return;
+      }
+    }
+  }
+}
+
+TEST(PromptKernelArguments, CentroidChunkLimit) {
+  dims d = make_dims(1, 64, 65, 4, 1);
+  d.chunk_centroids = 1;
+  EXPECT_THROW(shadowkv::cuda::launch_chunk_centroids(d, element_f32, nullptr, 1, shadowkv::cuda::layer_view{}, nullptr),
+               shadowkv::invalid_argument);
 }
 
 // --- scatter_prompt -----------------------------------------------------------------------------------------------

@@ -5,7 +5,9 @@ its stored keys, two e4m3 centroids and a count, instead of the keys' mean.
   steps with folds: selections (near-ties aside), hits/misses, memory_report()["landmarks"] (2·D + 9 bytes a chunk
   and head), outputs to float tolerance; GQA/MQA/MHA, both group scores, float32 and bfloat16 storage.
 * The rule on hand-made chunks: identical keys give one cluster (n1 = C); two separated groups give their means.
-* A bad name is a ValueError naming chunk_score; the CUDA backend rejects "two_centroids" with a ValueError.
+* Both backends (the `device` fixture): the CUDA backend computes the 2-means with a warp per (chunk, head) and
+  scores with the tiled logits kernel; it is held to the same reference and tolerances.
+* A bad name is a ValueError naming chunk_score.
 """
 
 import pytest
@@ -15,7 +17,7 @@ import reference as R
 from helpers import generator, small_config
 from test_value_cache import Batch
 
-from shadowkv_core import KVStore, build_info
+from shadowkv_core import KVStore
 
 CHUNK = 8
 
@@ -31,8 +33,9 @@ def random_config(seed):
 
 
 @pytest.mark.parametrize("seed", [8100, 8101, 8102, 8103, 8104, 8105])
-def test_two_centroids_match_the_reference(seed):
+def test_two_centroids_match_the_reference(seed, device):
     kw = random_config(seed)
+    kw["device"] = device
     steps = 30
     batch = Batch(kw, lengths=[203, 150, 171], steps=steps, seed=seed, keep=0.6)
     store = batch.store
@@ -74,10 +77,3 @@ def test_the_rule_on_hand_made_chunks():
 def test_bad_chunk_score_is_rejected():
     with pytest.raises(ValueError, match="chunk_score"):
         KVStore(**small_config(chunk_score="three_centroids"))
-
-
-def test_cuda_rejects_two_centroids():
-    if "cuda" not in build_info()["backends"] or build_info()["cuda_devices"] == 0:
-        pytest.skip("needs a CUDA device")
-    with pytest.raises(ValueError, match="chunk_score"):
-        KVStore(**small_config(chunk_score="two_centroids", device="cuda:0"))

@@ -15,6 +15,8 @@
 #include "common/per_device_cache.hpp"
 #include "cuda_check.hpp"
 #include "selection/softmax_partials.cuh"
+#include "shadowkv/errors.hpp"
+#include "shadowkv/fp8.hpp"
 
 namespace shadowkv::cuda::selection {
 namespace {
@@ -28,20 +30,25 @@ constexpr int kMaxTilesPerCta = 16;
 /// tokens). int-sized: it travels in a kernel argument.
 enum class logit_mode : int { logits, statistics, accumulate };
 
+/// Rows of row_bytes (a multiple of 16) contiguous in global memory: fully coalesced 16-byte copies that bypass
+/// registers. The caller commits them.
+__device__ __forceinline__ void stage_rows_async(unsigned char* buffer, const unsigned char* source, int rows,
+                                                 int row_bytes, const logit_geometry& geo) {
+  const int per_row = row_bytes / 16;
+  for (int i = threadIdx.x; i < rows * per_row; i += kLogitThreads) {
+    const int r = i / per_row;
+    const int v = i - r * per_row;
+    copy_async<16>(buffer + r * geo.row_stride + v * 16, source + static_cast<long long>(r) * row_bytes + v * 16);
+  }
+}
+
 template <typename T>
 __device__ __forceinline__ void stage_tile(unsigned char* buffer, const T* source, int rows, int head_dim,
                                            const logit_geometry& geo, bool async_copy) {
   constexpr int kElements = vector16<T>::elements;
   const int row_bytes = head_dim * static_cast<int>(sizeof(T));
   if (async_copy) {
-    // Rows are contiguous in global memory: fully coalesced 16-byte copies that bypass registers.
-    const int per_row = row_bytes / 16;
-    const unsigned char* bytes = reinterpret_cast<const unsigned char*>(source);
-    for (int i = threadIdx.x; i < rows * per_row; i += kLogitThreads) {
-      const int r = i / per_row;
-      const int v = i - r * per_row;
-      copy_async<16>(buffer + r * geo.row_stride + v * 16, bytes + static_cast<long long>(r) * row_bytes + v * 16);
-    }
+    stage_rows_async(buffer, reinterpret_cast<const unsigned char*>(source), rows, row_bytes, geo);
   } else {
     const int padded = geo.vectors * kElements;
     for (int i = threadIdx.x; i < rows * padded; i += kLogitThreads) {
@@ -57,7 +64,11 @@ __device__ __forceinline__ void stage_tile(unsigned char* buffer, const T* sourc
 /// Grid (ceil(tiles / tiles_per_cta), Hkv, B): CTA x takes tiles x, x + gridDim.x, ... below context_chunks, so a
 /// short context still spreads over all CTAs. Two staging buffers: the next tile's copy is in flight while the
 /// current one is computed.
-template <typename T, int kHeadBlock>
+///
+/// kCentroids (dims::chunk_centroids): a row is a chunk's 2·D e4m3 codes (centroid 1, then 2; plan_logits with 2-byte
+/// elements), the first half of the parts sharing a row sums q·c1, the second half q·c2, and the row's logit is
+/// log(w1 e^(s q·ĉ1) + w2 e^(s q·ĉ2)) with ĉ = code values times the centroid's scale (shadowkv/chunk_centroids.hpp).
+template <typename T, int kHeadBlock, bool kCentroids>
 __global__ void __launch_bounds__(kLogitThreads) landmark_logits_kernel(const dims d, const layer_view* views,
                                                                         const int* batch_slots, const int layer,
                                                                         const strided_tensor queries,
@@ -76,17 +87,32 @@ __global__ void __launch_bounds__(kLogitThreads) landmark_logits_kernel(const di
   const int tile_stride = gridDim.x;
   int tile = blockIdx.x;
   if (tile * geo.tile_rows >= n) return;
-  const int padded = geo.vectors * kElements;
+  // Query floats per head: the landmark row's elements, or one centroid's D.
+  const int padded = kCentroids ? (d.head_dim + 15) / 16 * 16 : geo.vectors * kElements;
   const long long stage_bytes = static_cast<long long>(geo.tile_rows) * geo.row_stride;
 
   auto stage = [&](int index) { return logit_shared + (index & 1) * stage_bytes; };
   float* q_shared = reinterpret_cast<float*>(logit_shared + 2 * stage_bytes);
   float* part_sums = q_shared + kHeadBlock * padded;  // [parts][kHeadBlock][tile_rows], only when parts > 1
 
-  const T* head_landmarks = static_cast<const T*>(view->landmarks) + static_cast<long long>(h) * d.max_chunks * d.head_dim;
-  const std::uint8_t* head_outliers = view->is_outlier + static_cast<long long>(h) * d.max_chunks;
+  const T* head_landmarks =
+      kCentroids ? nullptr : static_cast<const T*>(view->landmarks) + static_cast<long long>(h) * d.max_chunks * d.head_dim;
+  const long long head_first = static_cast<long long>(h) * d.max_chunks;  // (head, chunk 0) of the per-chunk arrays
+  const std::uint8_t* head_codes = kCentroids ? view->centroid_codes + head_first * 2 * d.head_dim : nullptr;
+  const std::uint8_t* head_outliers = view->is_outlier + head_first;
   const int row_bytes = d.head_dim * static_cast<int>(sizeof(T));
   const bool async_copy = row_bytes % 16 == 0 && (reinterpret_cast<std::uintptr_t>(head_landmarks) & 15U) == 0;
+  // Tile t into staging buffer `buffer` (centroid codes: 2·D bytes a row, a multiple of 16, 16-byte aligned).
+  auto stage_rows = [&](unsigned char* buffer, int t, int count) {
+    if constexpr (kCentroids) {
+      stage_rows_async(buffer, head_codes + static_cast<long long>(t) * geo.tile_rows * 2 * d.head_dim, count,
+                       2 * d.head_dim, geo);
+      commit_async_copies();
+    } else {
+      stage_tile(buffer, head_landmarks + static_cast<long long>(t) * geo.tile_rows * d.head_dim, count, d.head_dim,
+                 geo, async_copy);
+    }
+  };
 
   const int r = threadIdx.x % geo.tile_rows;
   const int part = threadIdx.x / geo.tile_rows;
@@ -113,8 +139,7 @@ __global__ void __launch_bounds__(kLogitThreads) landmark_logits_kernel(const di
   const int used_tiles = (n + geo.tile_rows - 1) / geo.tile_rows;
   float* const head_partials = partials + (static_cast<long long>(b) * d.kv_heads + h) * partial_row_floats(d, geo);
 
-  stage_tile(stage(0), head_landmarks + static_cast<long long>(tile) * geo.tile_rows * d.head_dim, rows_of(tile),
-             d.head_dim, geo, async_copy);
+  stage_rows(stage(0), tile, rows_of(tile));
   bool outlier = outlier_of(tile);
   const bool single_block = d.group <= kHeadBlock;
   if (single_block) stage_q(0);
@@ -124,8 +149,7 @@ __global__ void __launch_bounds__(kLogitThreads) landmark_logits_kernel(const di
     const bool has_next = next * geo.tile_rows < n;
     bool next_outlier = false;
     if (has_next) {
-      stage_tile(stage(i + 1), head_landmarks + static_cast<long long>(next) * geo.tile_rows * d.head_dim,
-                 rows_of(next), d.head_dim, geo, async_copy);
+      stage_rows(stage(i + 1), next, rows_of(next));
       next_outlier = outlier_of(next);
       wait_async_copies<1>();
     } else {
@@ -162,7 +186,29 @@ __global__ void __launch_bounds__(kLogitThreads) landmark_logits_kernel(const di
       float acc[kHeadBlock];
 #pragma unroll
       for (int gi = 0; gi < kHeadBlock; ++gi) acc[gi] = 0.0F;
-      if (r < rows) {
+      if (kCentroids && r < rows) {
+        // Parts [0, parts/2) take centroid 1's vectors, [parts/2, parts) centroid 2's (geo.parts >= 2: tile_rows <=
+        // 128 of 256 threads), each over the same query slice.
+        const int half_parts = geo.parts / 2;
+        const int m = part / half_parts;
+        const int per_centroid = d.head_dim / 16;
+        for (int v = part - m * half_parts; v < per_centroid; v += half_parts) {
+          const uint4 packed = *reinterpret_cast<const uint4*>(row + (m * per_centroid + v) * 16);
+          const auto* codes = reinterpret_cast<const std::uint8_t*>(&packed);
+#pragma unroll
+          for (int gi = 0; gi < kHeadBlock; ++gi) {
+            const float4* q4 = reinterpret_cast<const float4*>(q_shared + gi * padded + v * 16);
+#pragma unroll
+            for (int e4 = 0; e4 < 4; ++e4) {
+              const float4 q = q4[e4];
+              acc[gi] = fmaf(q.x, fp8::decode_e4m3(codes[4 * e4 + 0]), acc[gi]);
+              acc[gi] = fmaf(q.y, fp8::decode_e4m3(codes[4 * e4 + 1]), acc[gi]);
+              acc[gi] = fmaf(q.z, fp8::decode_e4m3(codes[4 * e4 + 2]), acc[gi]);
+              acc[gi] = fmaf(q.w, fp8::decode_e4m3(codes[4 * e4 + 3]), acc[gi]);
+            }
+          }
+        }
+      } else if (r < rows) {
         for (int v = part; v < geo.vectors; v += geo.parts) {
           float x[kElements];
           vector16<T>::to_floats(*reinterpret_cast<const uint4*>(row + v * 16), x);
@@ -186,7 +232,7 @@ __global__ void __launch_bounds__(kLogitThreads) landmark_logits_kernel(const di
 #pragma unroll
         for (int gi = 0; gi < kHeadBlock; ++gi) part_sums[(part * kHeadBlock + gi) * geo.tile_rows + r] = acc[gi];
         __syncthreads();
-        if (part == 0) {
+        if (part == 0 && !kCentroids) {
 #pragma unroll
           for (int gi = 0; gi < kHeadBlock; ++gi) {
             float sum = part_sums[gi * geo.tile_rows + r];
@@ -194,12 +240,36 @@ __global__ void __launch_bounds__(kLogitThreads) landmark_logits_kernel(const di
             acc[gi] = sum;
           }
         }
+        if (kCentroids && owner && !outlier) {
+          // acc = the logit: logaddexp(s q·ĉ1 + log w1, s q·ĉ2 + log w2).
+          const long long chunk = head_first + static_cast<long long>(tile) * geo.tile_rows + r;
+          const float scale1 = view->centroid_scales[2 * chunk];
+          const float scale2 = view->centroid_scales[2 * chunk + 1];
+          const int n1 = view->first_counts[chunk];
+          const float log_w1 = n1 > 0 ? logf(static_cast<float>(n1) / static_cast<float>(d.chunk)) : kNegativeInfinity;
+          const float log_w2 =
+              n1 < d.chunk ? logf(static_cast<float>(d.chunk - n1) / static_cast<float>(d.chunk)) : kNegativeInfinity;
+          const int half_parts = geo.parts / 2;
+#pragma unroll
+          for (int gi = 0; gi < kHeadBlock; ++gi) {
+            float dot1 = part_sums[gi * geo.tile_rows + r];
+            for (int p = 1; p < half_parts; ++p) dot1 += part_sums[(p * kHeadBlock + gi) * geo.tile_rows + r];
+            float dot2 = part_sums[(half_parts * kHeadBlock + gi) * geo.tile_rows + r];
+            for (int p = half_parts + 1; p < geo.parts; ++p) {
+              dot2 += part_sums[(p * kHeadBlock + gi) * geo.tile_rows + r];
+            }
+            const float a = d.softmax_scale * (dot1 * scale1) + log_w1;
+            const float bb = d.softmax_scale * (dot2 * scale2) + log_w2;
+            const float top = fmaxf(a, bb);
+            acc[gi] = top + logf(expf(a - top) + expf(bb - top));
+          }
+        }
       }
 
       float logit[kHeadBlock];
 #pragma unroll
       for (int gi = 0; gi < kHeadBlock; ++gi) {
-        logit[gi] = owner && !outlier ? d.softmax_scale * acc[gi] : kNegativeInfinity;
+        logit[gi] = owner && !outlier ? (kCentroids ? acc[gi] : d.softmax_scale * acc[gi]) : kNegativeInfinity;
         if (owner && g0 + gi < d.group && mode != logit_mode::statistics) {
           const long long j = static_cast<long long>(b) * d.q_heads + static_cast<long long>(h) * d.group + g0 + gi;
           float* out = logits + j * d.max_chunks + tile * geo.tile_rows + r;
@@ -257,16 +327,17 @@ __global__ void __launch_bounds__(kLogitThreads) landmark_logits_kernel(const di
   }
 }
 
-template <typename T, int kHeadBlock>
+template <typename T, int kHeadBlock, bool kCentroids>
 void launch_logits(const dims& d, const layer_view* views, const int* batch_slots, int layer, int batch,
                    const strided_tensor& queries, int tokens, const logit_geometry& geo, const step_workspace& ws,
                    const device_limits& limits, cudaStream_t stream) {
   constexpr int kElements = vector16<T>::elements;
-  const long long shared = 2LL * geo.tile_rows * geo.row_stride + 4LL * kHeadBlock * geo.vectors * kElements +
+  const long long q_floats = kCentroids ? (d.head_dim + 15) / 16 * 16 : static_cast<long long>(geo.vectors) * kElements;
+  const long long shared = 2LL * geo.tile_rows * geo.row_stride + 4LL * kHeadBlock * q_floats +
                            (geo.parts > 1 ? 4LL * geo.parts * kHeadBlock * geo.tile_rows : 0LL);
   SHADOWKV_EXPECTS(shared + 1024 <= limits.optin_shared, "chunk selection: head_dim ", d.head_dim,
                    " needs more shared memory than the device has");
-  auto kernel = landmark_logits_kernel<T, kHeadBlock>;
+  auto kernel = landmark_logits_kernel<T, kHeadBlock, kCentroids>;
   allow_shared(kernel, shared);
   // Tiles per CTA: about one wave of resident CTAs when every chunk is live. Depends on dims, batch and the device
   // only, never on the context lengths (the step stays capturable). The occupancy is asked once per (device,
@@ -319,8 +390,15 @@ void launch_landmark_scoring(const dims& d, int kv_type, const layer_view* views
   shadowkv_dispatch_element(kv_type, [&](auto tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     shadowkv_dispatch_head_tile(d.group, [&](auto head_tile) {
-      launch_logits<T, decltype(head_tile)::value>(d, views, batch_slots, layer, batch, queries, tokens, geo, ws,
-                                                   limits, stream);
+      if (d.chunk_centroids != 0) {
+        SHADOWKV_EXPECTS(d.head_dim % 16 == 0 && geo.parts >= 2 && geo.parts % 2 == 0,
+                         "two-centroid scores: head_dim ", d.head_dim, " must be a multiple of 16");
+        launch_logits<T, decltype(head_tile)::value, true>(d, views, batch_slots, layer, batch, queries, tokens, geo,
+                                                           ws, limits, stream);
+      } else {
+        launch_logits<T, decltype(head_tile)::value, false>(d, views, batch_slots, layer, batch, queries, tokens, geo,
+                                                            ws, limits, stream);
+      }
     });
   });
 }
