@@ -9,7 +9,7 @@ float32 scale per chunk and head, half the bytes), and optionally by +f32 (float
 default bfloat16 ones, e.g. 24x122880x2048:host+f32), +pN (decode_pipeline_parts=N; +p1: no pipelining), +max
 (group_score="max" instead of the default mean), +kN (a selection cache of N times the budget:
 cache_tokens = N * BUDGET, e.g. 24x122880x2048:host+k2; each result records its cache_tokens, 0 = the budget) and/or
-+cent (chunk_score="two_centroids": chunks scored by two fp8 centroids instead of the landmark).
++tc (chunk_score="two_centroids": chunks scored by two fp8 centroids instead of the landmark).
 
 For each configuration (batch B, context S, budget) and target temporal hit rate it reports:
   ours        mean time of store.decode for one layer (selection, rebuild, fetch, attention), B sequences
@@ -97,7 +97,7 @@ def run_case(args, device, batch, seq_len, budget, value_store, target_hit, band
                     device=device, rope_theta=500000.0, value_store=place,
                     value_dtype="float8_e4m3" if fp8 else None, factor_dtype="float32" if "f32" in options else None,
                     decode_pipeline_parts=parts, group_score="max" if "max" in options else "mean",
-                    cache_tokens=cache_tokens, chunk_score="two_centroids" if "cent" in options else "landmark")
+                    cache_tokens=cache_tokens, chunk_score="two_centroids" if "tc" in options else "landmark")
     os.environ.pop("SHADOWKV_FETCH_CTAS", None)
     if saved_fetch_ctas is not None:
         os.environ["SHADOWKV_FETCH_CTAS"] = saved_fetch_ctas
@@ -163,7 +163,7 @@ def run_case(args, device, batch, seq_len, budget, value_store, target_hit, band
 
     memory_bw, link_bw = bandwidths
     # Bytes a selection reads per chunk and head: a bf16 landmark, or two fp8 centroids + 2 scales + a count.
-    landmark_bytes = batch * (seq_len // chunk) * hkv * ((2 * dim + 9) if "cent" in options else dim * 2)
+    landmark_bytes = batch * (seq_len // chunk) * hkv * ((2 * dim + 9) if "tc" in options else dim * 2)
     run_bytes = chunk * dim + 4 if values_on.endswith("_fp8") else chunk * dim * 2
     missed_bytes = batch * (1.0 - hit) * (budget // chunk) * hkv * run_bytes
     floor = landmark_bytes / memory_bw + missed_bytes / (memory_bw if value_store.startswith("device") else link_bw)
@@ -232,10 +232,10 @@ def _parse_config(text: str) -> tuple:
     batch, seq_len, budget = (int(x) for x in shape.split("x"))
     place, *options = value_store.split("+")
     if place not in ("", "host", "device", "host_fp8", "device_fp8") or not all(
-            o in ("f32", "max", "cent") or (o[:1] in ("p", "c", "k") and o[1:].isdigit()) for o in options) or any(
+            o in ("f32", "max", "tc") or (o[:1] in ("p", "c", "k") and o[1:].isdigit()) for o in options) or any(
             o[:1] == "k" and int(o[1:]) < 1 for o in options):
         raise SystemExit(f"--config {text}: the value store must be :host, :device, :host_fp8 or :device_fp8, "
-                         f"optionally followed by +f32 (float32 factors), +pN (pipeline parts), +max (group_score max), +cent "
+                         f"optionally followed by +f32 (float32 factors), +pN (pipeline parts), +max (group_score max), +tc "
                          f"(two-centroid chunk scores), "
                          f"+cN (value fetch CTAs) and/or +kN (a selection cache of N >= 1 times the budget)")
     return batch, seq_len, budget, "+".join([place or "host", *options])
