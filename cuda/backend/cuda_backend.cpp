@@ -58,6 +58,11 @@ strided_tensor as_strided(const tensor_view& view) {
 
 int index_bits(const tensor_view& view) { return view.int_type == index_type::int32 ? 32 : 64; }
 
+// Whether factorize takes the Gram/eigensolver path for a prompt of `rows` tokens (else the exact SVD).
+bool factorizes_by_gram(const config& cfg, std::int64_t rows) {
+  return cfg.factorization == factorization_method::gram || rows < cfg.kv_width();
+}
+
 // Sets the current device for the scope of a call and restores the caller's.
 class device_guard {
  public:
@@ -254,6 +259,8 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
                                     cudaMemcpyHostToDevice, own_stream_));
   batch_slots_ = device_buffer(batch * sizeof(int), own_stream_, resources_->device_memory());
   batch_staging_ = host_buffer(batch * sizeof(int), resources_->host_memory());
+  solver_infos_ = device_buffer(batch * sizeof(int), own_stream_, resources_->device_memory());
+  solver_infos_host_ = host_buffer(batch * sizeof(int), resources_->host_memory());
   SHADOWKV_CUDA_TRY(cudaStreamSynchronize(own_stream_));
 
   // value_store="auto" without a budget: what is free now, less a margin for the caller's own work (activations,
@@ -283,6 +290,7 @@ cuda_backend::~cuda_backend() {
   workspace_memory_.release(own_stream_);
   inv_freq_.release(own_stream_);
   batch_slots_.release(own_stream_);
+  solver_infos_.release(own_stream_);
   for (device_buffer& values : device_values_) values.release(own_stream_);
   (void)cudaStreamSynchronize(own_stream_);
   host_values_.clear();
@@ -375,14 +383,11 @@ void cuda_backend::upload_batch(std::span<const batch_entry> entries) {
   uploaded_slots_ = slots;
 }
 
-void cuda_backend::factorize(const float* keys_pre, int rows, float* basis,
+void cuda_backend::factorize(const float* keys_pre, int rows, float* basis, int* info,
                              const device_resources::library_lease& libraries) {
   const int n = static_cast<int>(config_.kv_width());
   const int rank = config_.rank;
-  int* info = nullptr;
-  device_buffer info_buffer(sizeof(int), stream_, resources_->device_memory());
-  info = static_cast<int*>(info_buffer.data());
-  if (config_.factorization == factorization_method::gram || rows < n) {
+  if (factorizes_by_gram(config_, rows)) {
     // Gram matrix KᵀK, leading eigenvectors in float64 (cuSOLVER), as the CPU backend. The Gram matrix is split-K
     // (prompt_kernels.cuh, gram_split): one batched SGEMM computes the lower block triangle of each row slice's
     // partial KᵀK in float32, a kernel adds the partials in float64. One SYRK over all rows left a 1024 x 1024 output
@@ -426,18 +431,15 @@ void cuda_backend::factorize(const float* keys_pre, int rows, float* basis,
                                             CUBLAS_FILL_MODE_LOWER, n, static_cast<double*>(gram64.data()), n, 0.0,
                                             0.0, n - rank + 1, n, &found, static_cast<double*>(eigenvalues.data()),
                                             static_cast<double*>(work.data()), lwork, info));
-    // This wait stays: info decides whether the call throws, and the layer (basis, coefficients, landmarks,
-    // counters) is written only after it, so a failed eigensolver leaves the layer as it was. Checking info later
-    // (before the counters) would need every later write, cuBLAS's A = K·Bᵀ included, to be conditional on it. What
-    // it costs is small: the host waits for work it queued anyway, and the GPU idles only while the next launches
-    // reach it (tens of microseconds against the ~10 ms queued before the wait).
-    int status = 0;
-    SHADOWKV_CUDA_TRY(cudaMemcpyAsync(&status, info, sizeof(int), cudaMemcpyDeviceToHost, stream_));
-    SHADOWKV_CUDA_TRY(cudaStreamSynchronize(stream_));
-    if (status != 0 || found != rank) {
-      throw cuda_error(shadowkv::detail::format_message("cusolverDnDsyevdx failed on the ", n, "x", n,
-                                                        " Gram matrix (info=", status, ", found ", found, " of ",
-                                                        rank, " eigenvectors)"));
+    // No wait for info here: it stays on the device, and the call reads every sequence's at once, after the last
+    // factorisation (check_factorizations). `found` (h_meig) is a host output, set when the call returns; with
+    // CUSOLVER_EIG_RANGE_I it is the size of the index range asked for (iu - il + 1 = rank), so it is checked here.
+    // Note that cusolverDnDsyevdx itself returns only once the stream has drained, its own work included (as do
+    // syevd, Xsyevdx, syevj and gesvd; measured on the H200, bench/NOTES.md): the host still waits inside each
+    // factorisation, and no ordering of our own calls removes that wait.
+    if (found != rank) {
+      throw cuda_error(shadowkv::detail::format_message("cusolverDnDsyevdx found ", found, " of ", rank,
+                                                        " eigenvectors of the ", n, "x", n, " Gram matrix"));
     }
     // Eigenvalues ascend: the leading vectors are the last columns.
     launch_basis_from_vectors(static_cast<const double*>(gram64.data()), n, rank, true, false, basis, stream_);
@@ -455,19 +457,13 @@ void cuda_backend::factorize(const float* keys_pre, int rows, float* basis,
                                          static_cast<double*>(singular.data()), nullptr, rows,
                                          static_cast<double*>(vt.data()), n, static_cast<double*>(work.data()), lwork,
                                          nullptr, info));
-  int status = 0;
-  SHADOWKV_CUDA_TRY(cudaMemcpyAsync(&status, info, sizeof(int), cudaMemcpyDeviceToHost, stream_));
-  SHADOWKV_CUDA_TRY(cudaStreamSynchronize(stream_));
-  if (status != 0) {
-    throw cuda_error(shadowkv::detail::format_message("cusolverDnDgesvd failed on a ", rows, "x", n,
-                                                      " key matrix (info=", status, ")"));
-  }
   // Vᵀ is column-major [n, n]: the i-th right singular vector is row i of Vᵀ.
   launch_basis_from_vectors(static_cast<const double*>(vt.data()), n, rank, false, true, basis, stream_);
 }
 
-void cuda_backend::prefill_one(int layer, const batch_entry& entry, const prefill_inputs& inputs,
-                               const device_resources::library_lease& libraries) {
+void cuda_backend::prefill_one(int layer, std::span<const batch_entry> entries, std::size_t index,
+                               const prefill_inputs& inputs, const device_resources::library_lease& libraries) {
+  const batch_entry& entry = entries[index];
   const layer_state& state = *entry.state;
   const int len = static_cast<int>(state.prompt_len);
   const int chunks = static_cast<int>(state.prompt_context_chunks);
@@ -535,7 +531,12 @@ void cuda_backend::prefill_one(int layer, const batch_entry& entry, const prefil
                              len, inputs.keys_post_rope, static_cast<const float*>(inv_freq_.data()),
                              static_cast<float*>(keys_pre.data()), keys_post.data(),
                              static_cast<long long*>(positions.data()), stream_);
-  factorize(static_cast<const float*>(keys_pre.data()), len, basis, libraries);
+  factorize(static_cast<const float*>(keys_pre.data()), len, basis, static_cast<int*>(solver_infos_.data()) + index,
+            libraries);
+  // After the last factorisation every info is final and the stream has drained (cuSOLVER returns only then; see
+  // factorize): reading them here costs a copy, where a read at the end of the call would also wait for this
+  // sequence's A = K·Bᵀ, landmarks and scatter, which otherwise run on while the caller queues its next work.
+  if (index + 1 == entries.size()) check_factorizations(entries);
   if (bf16_factors) {
     launch_factors_to_bf16(basis, static_cast<long long>(basis_elements), view.basis, true, stream_);
   }
@@ -627,7 +628,48 @@ void cuda_backend::prefill(int layer, std::span<const batch_entry> entries, cons
   // The device's cuBLAS/cuSOLVER handles, bound to this call's stream, for the whole call (another store on the same
   // device waits for them; device_resources.hpp).
   const device_resources::library_lease libraries = resources_->libraries(stream_);
-  for (const batch_entry& entry : entries) prefill_one(layer, entry, inputs, libraries);
+  // No sequence waits for its own factorisation: each leaves its cuSOLVER info in its own int of solver_infos_, and
+  // the host reads them all once, after the last factorisation (prefill_one). So the layers are written whatever the
+  // infos say: until the store commits them (after this returns) nothing reads a layer's device arrays, and a later
+  // prefill of it rewrites them all. A failed call puts the counters back as well (forget_prefill).
+  try {
+    for (std::size_t b = 0; b < entries.size(); ++b) prefill_one(layer, entries, b, inputs, libraries);
+  } catch (...) {
+    forget_prefill(layer, entries);
+    throw;
+  }
+}
+
+void cuda_backend::check_factorizations(std::span<const batch_entry> entries) {
+  SHADOWKV_CUDA_TRY(cudaMemcpyAsync(solver_infos_host_.data(), solver_infos_.data(), entries.size() * sizeof(int),
+                                    cudaMemcpyDeviceToHost, stream_));
+  SHADOWKV_CUDA_TRY(cudaStreamSynchronize(stream_));
+  const auto* infos = static_cast<const int*>(solver_infos_host_.data());
+  for (std::size_t b = 0; b < entries.size(); ++b) {
+    if (infos[b] == 0) continue;
+    const batch_entry& entry = entries[b];
+    const std::int64_t rows = entry.state->prompt_len;
+    const std::int64_t n = config_.kv_width();
+    throw cuda_error(factorizes_by_gram(config_, rows)
+                         ? shadowkv::detail::format_message("cusolverDnDsyevdx failed on the ", n, "x", n,
+                                                            " Gram matrix of slot ", entry.slot, " (row ", entry.row,
+                                                            " of the batch; info=", infos[b], ")")
+                         : shadowkv::detail::format_message("cusolverDnDgesvd failed on a ", rows, "x", n,
+                                                            " key matrix of slot ", entry.slot, " (row ", entry.row,
+                                                            " of the batch; info=", infos[b], ")"));
+  }
+}
+
+void cuda_backend::forget_prefill(int layer, std::span<const batch_entry> entries) noexcept {
+  // The store does not commit a failed prefill, so its layers' arrays stay unread; but their counters are what
+  // outlier_chunks and last_position read, and the store answers outlier_chunks for a layer not prefilled too. Wait
+  // for what the call queued, then put back the views open_sequence uploaded (fresh counters, the same pointers).
+  (void)cudaStreamSynchronize(stream_);
+  for (const batch_entry& entry : entries) {
+    (void)cudaMemcpyAsync(device_view(entry.slot, layer), &host_view(entry.slot, layer), sizeof(layer_view),
+                          cudaMemcpyHostToDevice, own_stream_);
+  }
+  (void)cudaStreamSynchronize(own_stream_);
 }
 
 void cuda_backend::fold_oldest_generated_chunk(int /*layer*/, std::span<const batch_entry> /*entries*/) {
@@ -889,7 +931,7 @@ std::optional<std::size_t> cuda_backend::find_non_finite(std::span<const tensor_
   if (views.empty()) return std::nullopt;
   device_guard guard(device_);
   // The answer is read on the host, and a wait would end a capture: the store checks no decode input while a graph
-  // is recorded, and a prefill cannot be captured (it reads the eigensolver's info).
+  // is recorded, and a prefill cannot be captured (it reads its factorisations' infos, and cuSOLVER waits too).
   SHADOWKV_EXPECTS(!capturing(), "inputs cannot be checked for NaN/Inf while the call's stream is being captured "
                    "into a CUDA graph (prefill is not capturable)");
   if (finite_flags_.data() == nullptr) {
@@ -920,8 +962,8 @@ std::optional<std::size_t> cuda_backend::find_non_finite(std::span<const tensor_
     launch_find_non_finite(batch.data(), static_cast<int>(count), flags, stream_);
     SHADOWKV_CUDA_TRY(cudaMemcpyAsync(finite_flags_host_.data(), flags, bytes, cudaMemcpyDeviceToHost, stream_));
     // The answer decides whether the call may write anything, so the host waits for it (and for the caller's work
-    // queued before it on this stream). A prefill waits for its eigensolver anyway; at decode this is the wait that
-    // check_finite="auto" leaves out on this backend.
+    // queued before it on this stream). A prefill waits for its factorisations anyway (cuSOLVER does, and then the
+    // read of their infos); at decode this is the wait that check_finite="auto" leaves out on this backend.
     SHADOWKV_CUDA_TRY(cudaStreamSynchronize(stream_));
     for (std::size_t i = 0; i < count; ++i) {
       if (answers[i] != 0) return first + i;

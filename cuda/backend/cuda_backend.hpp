@@ -11,6 +11,12 @@
 // runs while the next part is selected (off by default: measured slower, see pipeline_parts).
 // Counters of each (slot, layer) live in device layer_views and advance on the device, so the host never reads
 // device memory inside a step (see device_layout.cuh).
+// A prefill queues each sequence of its batch on the call's stream (prompt kernels, factorisation, A = K·Bᵀ,
+// landmarks, outliers, scatter, counters; the values' copy to pinned memory on the copy stream) without a wait of its
+// own, and reads the cuSOLVER infos of all its factorisations once, after the last one; a non-zero one fails the call
+// (cuda_error) after the layers were written, which the store never commits, and their counters are put back
+// (forget_prefill). cuSOLVER's dense solvers themselves return only once the stream has drained (bench/NOTES.md), so
+// the host still waits inside each sequence's factorisation.
 #pragma once
 
 #include <cublas_v2.h>
@@ -46,6 +52,9 @@ class cuda_backend final : public backend {
   [[nodiscard]] std::int64_t default_device_value_budget() const override { return default_value_budget_; }
   [[nodiscard]] bool device_has_room(std::int64_t bytes) const override;
   void close_sequence(int slot) noexcept override;
+  /// Queues every entry's prefill on the call's stream and reads their factorisations' infos once, after the last
+  /// factorisation. Throws cuda_error naming the slot and batch row of a failed factorisation, out_of_memory, or what
+  /// a CUDA/cuBLAS/cuSOLVER call throws; after a failure the entries' device counters are as before the call.
   void prefill(int layer, std::span<const batch_entry> entries, const prefill_inputs& inputs) override;
   void fold_oldest_generated_chunk(int layer, std::span<const batch_entry> entries) override;
   void append_token(int layer, std::span<const batch_entry> entries, const append_inputs& inputs) override;
@@ -69,9 +78,19 @@ class cuda_backend final : public backend {
  private:
   struct layer_sizes;  // bytes of each array of one (slot, layer)
   void upload_batch(std::span<const batch_entry> entries);
-  void prefill_one(int layer, const batch_entry& entry, const prefill_inputs& inputs,
+  /// Queues the prefill of entries[index] on stream_; its factorisation's info goes to solver_infos_[index]. After
+  /// the last entry's factorisation it checks them all (check_factorizations).
+  void prefill_one(int layer, std::span<const batch_entry> entries, std::size_t index, const prefill_inputs& inputs,
                    const device_resources::library_lease& libraries);
-  void factorize(const float* keys_pre, int rows, float* basis, const device_resources::library_lease& libraries);
+  /// Queues the basis of `rows` keys on stream_; cuSOLVER's info goes to `info` (device), read by the caller.
+  void factorize(const float* keys_pre, int rows, float* basis, int* info,
+                 const device_resources::library_lease& libraries);
+  /// Copies the entries' cuSOLVER infos to pinned memory and waits for them (the prefill's one wait of its own);
+  /// throws cuda_error naming the slot and batch row of the first that is not zero.
+  void check_factorizations(std::span<const batch_entry> entries);
+  /// After a failed prefill: waits for stream_ and puts back the entries' device views of `layer` as open_sequence
+  /// uploaded them (fresh counters), so that inspection calls read what they read before the call.
+  void forget_prefill(int layer, std::span<const batch_entry> entries) noexcept;
   [[nodiscard]] layer_view& host_view(int slot, int layer) { return host_views_[static_cast<std::size_t>(slot * config_.num_layers + layer)]; }
   [[nodiscard]] const layer_view& host_view(int slot, int layer) const { return host_views_[static_cast<std::size_t>(slot * config_.num_layers + layer)]; }
   [[nodiscard]] layer_view* device_view(int slot, int layer) const;
@@ -132,6 +151,8 @@ class cuda_backend final : public backend {
   device_buffer inv_freq_;
   device_buffer batch_slots_;    ///< int [max_batch]
   host_buffer batch_staging_;    ///< pinned int [max_batch]
+  device_buffer solver_infos_;   ///< int [max_batch]: the cuSOLVER info of each sequence of a prefill
+  host_buffer solver_infos_host_;  ///< pinned int [max_batch]: their copy, read once per prefill
   std::vector<layer_view> host_views_;
   std::vector<int> uploaded_slots_;
   step_workspace workspace_{};

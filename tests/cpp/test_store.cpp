@@ -6,6 +6,7 @@
 //  * the selection and the outliers follow the landmark scores of docs/semantics.md;
 //  * every rejected call throws the documented type and leaves the store exactly as a twin that never saw it;
 //  * capacity (max_batch, max_seq_len), memory() against the formulas of docs/semantics.md, stats();
+//  * a batch prefill of ragged prompts equals prefilling each sequence alone (both factorisations);
 //  * two stores driven from two threads at once give what each gives alone (CUDA: they share the device's handles).
 #include <gtest/gtest.h>
 
@@ -24,6 +25,7 @@
 #include <string>
 #include <thread>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "shadowkv/config.hpp"
@@ -1404,6 +1406,102 @@ TEST_P(StorePlacement, OutputsDoNotDependOnWhereValuesLive) {
     for (const float x : out_host) norm += static_cast<double>(x) * x;
   }
   EXPECT_GT(norm, 0.0);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// a batch prefill equals prefilling its sequences one by one
+// ---------------------------------------------------------------------------------------------------------------
+
+class StoreBatchPrefill : public backend_test<> {};
+INSTANTIATE_TEST_SUITE_P(Backends, StoreBatchPrefill, ::testing::ValuesIn(all_backends()), backend_name);
+
+// Three ragged prompts, right-padded in one tensor with warm-up queries, go to one store in one call per layer and to
+// another in one call per sequence; then both decode the same steps of the whole batch. With "svd" the 150- and
+// 133-token prompts take the exact SVD and the 97-token one the Gram path (fewer rows than Hkv*D = 128), so one call
+// mixes both solvers. (On CUDA a batch call queues every sequence and reads their cuSOLVER infos once, at its end.)
+TEST_P(StoreBatchPrefill, EqualsPrefillingEachSequenceAlone) {
+  for (const factorization_method method : {factorization_method::gram, factorization_method::svd}) {
+    const std::uint64_t seed = method == factorization_method::gram ? 611 : 612;
+    SCOPED_TRACE(std::string(method == factorization_method::gram ? "gram" : "svd") + " seed=" + std::to_string(seed));
+    config cfg = twin_config();
+    cfg.max_seq_len = 200;
+    cfg.kv_dtype = dtype::float32;
+    cfg.factorization = method;
+    random_source rng(seed);
+    kv_store batched(cfg, where());
+    kv_store alone(cfg, where());
+    const std::vector<int> slots = slot_list({0, 1, 2});
+    ASSERT_EQ(batched.add_sequences(3), slots);
+    ASSERT_EQ(alone.add_sequences(3), slots);
+    const std::vector<std::int64_t> lengths = {150, 97, 133};
+    const std::int64_t padded = 150;
+    const std::int64_t width = cfg.kv_width();
+    const std::int64_t query = static_cast<std::int64_t>(cfg.num_q_heads) * cfg.head_dim;
+    for (int layer = 0; layer < cfg.num_layers; ++layer) {
+      const std::vector<float> keys = rng.normals(static_cast<std::size_t>(3 * padded * width));
+      const std::vector<float> values = rng.normals(static_cast<std::size_t>(3 * padded * width));
+      const std::vector<float> q_last = rng.normals(static_cast<std::size_t>(3 * query), 3.0F);
+      prefill_options options;
+      options.lengths = lengths;
+      options.q_last = mem.view_of(q_last, {3, 1, cfg.num_q_heads, cfg.head_dim});
+      batched.prefill(layer, slots, mem.view_of(keys, {3, padded, cfg.num_kv_heads, cfg.head_dim}),
+                      mem.view_of(values, {3, padded, cfg.num_kv_heads, cfg.head_dim}), options);
+      for (std::size_t b = 0; b < slots.size(); ++b) {
+        const std::int64_t length = lengths[b];
+        const auto row = [&](const std::vector<float>& data, std::int64_t stride, std::int64_t count) {
+          const auto first = data.begin() + static_cast<std::ptrdiff_t>(static_cast<std::int64_t>(b) * stride);
+          return std::vector<float>(first, first + static_cast<std::ptrdiff_t>(count));
+        };
+        const std::vector<float> own_keys = row(keys, padded * width, length * width);
+        const std::vector<float> own_values = row(values, padded * width, length * width);
+        const std::vector<float> own_query = row(q_last, query, query);
+        prefill_options own;
+        own.q_last = mem.view_of(own_query, {1, 1, cfg.num_q_heads, cfg.head_dim});
+        alone.prefill(layer, std::vector<int>{slots[b]},
+                      mem.view_of(own_keys, {1, length, cfg.num_kv_heads, cfg.head_dim}),
+                      mem.view_of(own_values, {1, length, cfg.num_kv_heads, cfg.head_dim}), own);
+      }
+    }
+    const auto expect_same_state = [&](const std::string& when) {
+      SCOPED_TRACE(when);
+      expect_same_memory(batched.memory(), alone.memory());
+      expect_same_stats(batched.stats(), alone.stats());
+      for (int layer = 0; layer < cfg.num_layers; ++layer) {
+        for (const int slot : slots) {
+          SCOPED_TRACE("layer=" + std::to_string(layer) + " slot=" + std::to_string(slot));
+          expect_same_info(batched.info(layer, slot), alone.info(layer, slot));
+          EXPECT_EQ(batched.outlier_chunks(layer, slot), alone.outlier_chunks(layer, slot));
+          EXPECT_EQ(batched.selected_chunks(layer, slot), alone.selected_chunks(layer, slot));
+        }
+      }
+    };
+    expect_same_state("after prefill");
+    double total = 0.0;
+    for (int step = 0; step < 20; ++step) {  // window 16: the last steps fold
+      for (int layer = 0; layer < cfg.num_layers; ++layer) {
+        const std::vector<float> q = rng.normals(static_cast<std::size_t>(3 * query), 2.0F);
+        const std::vector<float> k = rng.normals(static_cast<std::size_t>(3 * width));
+        const std::vector<float> v = rng.normals(static_cast<std::size_t>(3 * width));
+        std::vector<float> out_batched(q.size(), -1.0F);
+        std::vector<float> out_alone(q.size(), -2.0F);
+        for (auto [store, out] : {std::pair{&batched, &out_batched}, std::pair{&alone, &out_alone}}) {
+          store->decode(layer, slots, mem.view_of(q, {3, cfg.num_q_heads, cfg.head_dim}),
+                        mem.view_of(k, {3, cfg.num_kv_heads, cfg.head_dim}),
+                        mem.view_of(v, {3, cfg.num_kv_heads, cfg.head_dim}),
+                        mem.mutable_view_of(*out, {3, cfg.num_q_heads, cfg.head_dim}));
+        }
+        ASSERT_TRUE(all_finite(out_batched)) << "step " << step << " layer " << layer;
+        // The same kernels on the same data: equal to float rounding (the backends are deterministic).
+        for (std::size_t i = 0; i < out_batched.size(); ++i) {
+          ASSERT_NEAR(out_batched[i], out_alone[i], 1e-5) << "step " << step << " layer " << layer << " element " << i;
+        }
+        total += norm(out_batched);
+      }
+    }
+    EXPECT_GT(total, 0.1);
+    expect_same_state("after 20 decode steps");
+    EXPECT_GT(batched.stats().folds, 0);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------------------------
