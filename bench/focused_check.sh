@@ -7,7 +7,7 @@
 #     bash bench/focused_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out="${OUT:-bench/results}"
+out="$(cd "${OUT:-bench/results}" && pwd)"
 commit="${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 export COMMIT="$commit"
 cutlass_arg=()
@@ -28,7 +28,7 @@ for t in ${TESTS:-}; do
 done
 for f in ${PYTESTS:-}; do
   (cd tests/python && SHADOWKV_TEST_DEVICES=cuda timeout 300 python3 -m pytest -q -rf -p no:cacheprovider "$f" \
-    >>"../../$out/tests.log" 2>&1)
+    >>"$out/tests.log" 2>&1)
   echo "pytest $f: rc $?"
 done
 tests_json=$(python3 - "$out/tests.log" <<'PY'
