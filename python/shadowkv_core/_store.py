@@ -201,7 +201,8 @@ class KVStore:
         chunk_score: what a chunk's score of one query head is computed from: "landmark" (default: the mean of the
             chunk's keys, one row per chunk and KV head) or "two_centroids" (a 2-means of the chunk's keys, two fp8
             centroids and a count: log(w1·exp(s·q·c1) + w2·exp(s·q·c2)); docs/semantics.md, "Chunk scores").
-            "two_centroids" is on the CPU backend only so far (the CUDA backend rejects it).
+            On CUDA its scoring kernel is not tuned yet: ~3.4 ms a layer at B=24, S=122880 against 0.32 ms for
+            landmarks (bench/NOTES.md, session 8).
         factor_dtype: element type of the low-rank key factors A and B: None/"auto" (bfloat16 for bfloat16 and
             float16 stores, float32 for float32 stores), "bfloat16" (half the bytes of the largest per-sequence
             array; A and B are rounded once, docs/semantics.md "Low-rank factors") or "float32".

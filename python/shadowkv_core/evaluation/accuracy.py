@@ -254,7 +254,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--group-score", default="mean", choices=("mean", "max"),
                    help="how a chunk's score combines the query heads of a KV head's group (KVStore group_score)")
     p.add_argument("--chunk-score", default="landmark", choices=("landmark", "two_centroids"),
-                   help="what a chunk's score is computed from (KVStore chunk_score; two_centroids: CPU only)")
+                   help="what a chunk's score is computed from (KVStore chunk_score)")
     p.add_argument("--local-chunks", type=int, default=4)
     p.add_argument("--generation-window", type=int, default=256)
     p.add_argument("--store-dtype", default=None, help="store precision (default: the model's)")

@@ -58,7 +58,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--group-score", default="mean", choices=["max", "mean"],
                         help="how a chunk's score combines a group's query heads (default mean)")
     parser.add_argument("--chunk-score", default="landmark", choices=["landmark", "two_centroids"],
-                        help="what a chunk's score is computed from (default landmark; two_centroids: CPU only)")
+                        help="what a chunk's score is computed from (default landmark)")
     parser.add_argument("--no-warm", action="store_true", help="do not warm the selection with the last prompt query")
     parser.add_argument("--no-mass", action="store_true", help="skip the attention-mass columns")
     parser.add_argument("--json", help="write the result JSON here")
