@@ -23,6 +23,7 @@ def table(path: str) -> str:
         lines.append(f"| {r['batch']} | {r['seq_len']} | {r['budget']} | {r.get('value_store', 'host')} | "
                      f"{r.get('factor_dtype', 'float32')}{' (parts ' + str(r['decode_pipeline_parts']) + ')' if r.get('decode_pipeline_parts') else ''}"
                      f"{' (group max)' if r.get('group_score') == 'max' else ''}"
+                     f"{' (two centroids)' if r.get('chunk_score') == 'two_centroids' else ''}"
                      f"{' (fetch CTAs ' + str(r['fetch_ctas']) + ')' if r.get('fetch_ctas') else ''}"
                      f"{' (cache ' + str(r['cache_tokens']) + ' tokens)' if r.get('cache_tokens') else ''} | {r['hit']:.2f} | "
                      f"{r['ours_ms']:.3f} | {graph} | {r['full_ms']:.3f} | {r['floor_ms']:.3f} | "
