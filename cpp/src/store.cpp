@@ -116,6 +116,10 @@ void kv_store::check_slot(int slot) const {
                    " holds no sequence (never added, or released)");
 }
 
+bool kv_store::layer_prefilled(int layer, int slot) const {
+  return sequences_[static_cast<std::size_t>(slot)].layers[static_cast<std::size_t>(layer)].prefilled;
+}
+
 void kv_store::check_batch_slots(std::span<const int> slots) const {
   SHADOWKV_EXPECTS(!slots.empty(), "slots must name at least one sequence");
   std::set<int> seen;
@@ -414,10 +418,13 @@ void kv_store::account_replayed_steps(int layer, std::span<const int> slots, std
   decode_steps_ += steps;
 }
 
+// A layer not prefilled yet has no chunks: empty lists per KV head, the same on every backend (the CUDA backend's
+// arrays of such a layer hold whatever an earlier sequence or a failed prefill left).
 chunk_ids_per_head kv_store::selected_chunks(int layer, int slot) const {
   const std::lock_guard lock(*mutex_);
   check_layer(layer);
   check_slot(slot);
+  if (!layer_prefilled(layer, slot)) return chunk_ids_per_head(static_cast<std::size_t>(config_.num_kv_heads));
   return backend_->selected_chunks(layer, slot);
 }
 
@@ -425,6 +432,7 @@ chunk_ids_per_head kv_store::outlier_chunks(int layer, int slot) const {
   const std::lock_guard lock(*mutex_);
   check_layer(layer);
   check_slot(slot);
+  if (!layer_prefilled(layer, slot)) return chunk_ids_per_head(static_cast<std::size_t>(config_.num_kv_heads));
   return backend_->outlier_chunks(layer, slot);
 }
 
@@ -432,6 +440,7 @@ chunk_ids_per_head kv_store::attended_chunks(int layer, int slot) const {
   const std::lock_guard lock(*mutex_);
   check_layer(layer);
   check_slot(slot);
+  if (!layer_prefilled(layer, slot)) return chunk_ids_per_head(static_cast<std::size_t>(config_.num_kv_heads));
   chunk_ids_per_head result = backend_->outlier_chunks(layer, slot);
   const chunk_ids_per_head selected = backend_->selected_chunks(layer, slot);
   for (std::size_t h = 0; h < result.size() && h < selected.size(); ++h) {

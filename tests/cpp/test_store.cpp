@@ -1120,6 +1120,11 @@ TEST_P(StoreErrors, DecodeBeforeAnyPrefill) {
   EXPECT_EQ(store.info(0, slots[0]).last_position, -1);
   EXPECT_EQ(store.stats().decode_steps, 0);
   EXPECT_EQ(store.memory().total(), 0);
+  // A layer not prefilled has no chunks: one empty list per KV head from every inspection call, on every backend.
+  const shadowkv::chunk_ids_per_head empty(static_cast<std::size_t>(twin_config().num_kv_heads));
+  EXPECT_EQ(store.selected_chunks(0, slots[0]), empty);
+  EXPECT_EQ(store.outlier_chunks(0, slots[0]), empty);
+  EXPECT_EQ(store.attended_chunks(0, slots[0]), empty);
 }
 
 // ---------------------------------------------------------------------------------------------------------------

@@ -128,6 +128,7 @@ class kv_store {
 
   void check_layer(int layer) const;
   void check_slot(int slot) const;
+  [[nodiscard]] bool layer_prefilled(int layer, int slot) const;  ///< after check_layer and check_slot
   void check_batch_slots(std::span<const int> slots) const;
 
   config config_;
