@@ -23,8 +23,8 @@ struct ring_chunk_keys {
   int window;
   int head_dim;
   SHADOWKV_HOST_DEVICE float operator()(int i, int d) const {
-    return to_float(head_keys[static_cast<long long>(local_capacity + rules::ring_row(ring_head, i, window)) * head_dim +
-                              d]);
+    const long long row = local_capacity + rules::ring_row(ring_head, i, window);
+    return to_float(head_keys[row * head_dim + d]);
   }
 };
 

@@ -61,8 +61,8 @@ __device__ void two_means_warp(const Key& key, int chunk, int dim, double* work,
   for (int round = 0; round < rules::kLloydRounds; ++round) {
     const bool low = lane < chunk && rules::nearer_second(key, lane, c1, c2, dim);
     const bool high = lane + 32 < chunk && rules::nearer_second(key, lane + 32, c1, c2, dim);
-    const std::uint64_t second =
-        static_cast<std::uint64_t>(__ballot_sync(kAll, low)) | static_cast<std::uint64_t>(__ballot_sync(kAll, high)) << 32;
+    const std::uint64_t second = static_cast<std::uint64_t>(__ballot_sync(kAll, low)) |
+                                 static_cast<std::uint64_t>(__ballot_sync(kAll, high)) << 32;
     n2 = __popcll(second);
     __syncwarp();  // every lane has read the centroids before any moves them
     for (int d = lane; d < dim; d += 32) rules::move_centroids(key, d, chunk, second, n2, c1, c2);

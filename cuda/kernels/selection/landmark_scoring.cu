@@ -11,12 +11,12 @@
 #include "common/async_copy.cuh"
 #include "common/dispatch.cuh"
 #include "common/element_access.cuh"
+#include "common/fp8_vectors.cuh"
 #include "common/float_constants.cuh"
 #include "common/per_device_cache.hpp"
 #include "cuda_check.hpp"
 #include "selection/softmax_partials.cuh"
 #include "shadowkv/errors.hpp"
-#include "shadowkv/fp8.hpp"
 
 namespace shadowkv::cuda::selection {
 namespace {
@@ -95,8 +95,9 @@ __global__ void __launch_bounds__(kLogitThreads) landmark_logits_kernel(const di
   float* q_shared = reinterpret_cast<float*>(logit_shared + 2 * stage_bytes);
   float* part_sums = q_shared + kHeadBlock * padded;  // [parts][kHeadBlock][tile_rows], only when parts > 1
 
-  const T* head_landmarks =
-      kCentroids ? nullptr : static_cast<const T*>(view->landmarks) + static_cast<long long>(h) * d.max_chunks * d.head_dim;
+  const T* head_landmarks = kCentroids ? nullptr
+                                        : static_cast<const T*>(view->landmarks) +
+                                              static_cast<long long>(h) * d.max_chunks * d.head_dim;
   const long long head_first = static_cast<long long>(h) * d.max_chunks;  // (head, chunk 0) of the per-chunk arrays
   const std::uint8_t* head_codes = kCentroids ? view->centroid_codes + head_first * 2 * d.head_dim : nullptr;
   const std::uint8_t* head_outliers = view->is_outlier + head_first;
@@ -193,18 +194,19 @@ __global__ void __launch_bounds__(kLogitThreads) landmark_logits_kernel(const di
         const int m = part / half_parts;
         const int per_centroid = d.head_dim / 16;
         for (int v = part - m * half_parts; v < per_centroid; v += half_parts) {
-          const uint4 packed = *reinterpret_cast<const uint4*>(row + (m * per_centroid + v) * 16);
-          const auto* codes = reinterpret_cast<const std::uint8_t*>(&packed);
+          // 16 codes decoded once for all heads (hardware conversion, two codes an instruction).
+          float x[16];
+          decode_e4m3x16(*reinterpret_cast<const uint4*>(row + (m * per_centroid + v) * 16), x);
 #pragma unroll
           for (int gi = 0; gi < kHeadBlock; ++gi) {
             const float4* q4 = reinterpret_cast<const float4*>(q_shared + gi * padded + v * 16);
 #pragma unroll
             for (int e4 = 0; e4 < 4; ++e4) {
               const float4 q = q4[e4];
-              acc[gi] = fmaf(q.x, fp8::decode_e4m3(codes[4 * e4 + 0]), acc[gi]);
-              acc[gi] = fmaf(q.y, fp8::decode_e4m3(codes[4 * e4 + 1]), acc[gi]);
-              acc[gi] = fmaf(q.z, fp8::decode_e4m3(codes[4 * e4 + 2]), acc[gi]);
-              acc[gi] = fmaf(q.w, fp8::decode_e4m3(codes[4 * e4 + 3]), acc[gi]);
+              acc[gi] = fmaf(q.x, x[4 * e4 + 0], acc[gi]);
+              acc[gi] = fmaf(q.y, x[4 * e4 + 1], acc[gi]);
+              acc[gi] = fmaf(q.z, x[4 * e4 + 2], acc[gi]);
+              acc[gi] = fmaf(q.w, x[4 * e4 + 3], acc[gi]);
             }
           }
         }
