@@ -38,7 +38,7 @@ int splits_for(int batch, int kv_heads, int most) {
 // Key rebuild as a gather-GEMM: keys[rows, D] = A[rows, 0:r] · B[0:r, h*D:(h+1)*D], rows = the C tokens of each missed
 // chunk of (entry, head), then RoPE, rounded to T, into the chunks' buffer slots.
 //
-// Tiles (one CTA works on one (entry, head) and one group of missed chunks at a time; M = rows, N = dims, K = rank):
+// Tiles (one CTA works on one (entry, head), one group of missed chunks after another; M = rows, N = dims, K = rank):
 //  * M = 64 gathered rows = floor(64 / C) whole chunks (8 at C = 8, 4 at C = 16, 64 at C = 1). A group never splits
 //    a chunk, so every row of the tile has one destination row and one position.
 //  * N = D, the whole head: RoPE pairs dim i with i + rotary_dim/2 (or 2i with 2i+1), so the epilogue needs whole
@@ -51,8 +51,19 @@ int splits_for(int batch, int kv_heads, int most) {
 // Shared memory rows are padded so that the MMA operand loads are free of bank conflicts: a float32 A row is 36
 // floats (lanes (g, t) read row g, column t: bank 4g + t), a bf16 row 40 halves (word 20g + t/2); a B row (fixed k, all
 // D dims) is D + 8 elements (float: bank 8t + g, or 24t + g at D = 80; bf16: word 4t + g/2, or 12t + g/2). All pads
-// keep rows 16-byte aligned for cp.async. The epilogue reuses the stage buffers as a [64, D + 8] fp32 tile of the
-// results.
+// keep rows 16-byte aligned for cp.async.
+//
+// Groups overlap: while group g is in its epilogue (RoPE, stores), the row tables of the CTA's next group and its first
+// two K tiles are already in flight, so that its main loop starts on landed tiles (the kernel's group loop lists the
+// barriers that order the two groups). Shared memory, each stage its A rows then its B rows: [stage 0 | stage 1 |
+// stage 2 ... | row tables x 2]. The epilogue's [64, D + 8] fp32 tile of the results (sC) starts at stage 2 and may
+// run past it: the next group's prologue fills stages 0 and 1 only, and its main loop refills stage 2 (K tile 2) only
+// after a barrier that follows this group's stores. sC beside all three stages would gain nothing: K tile 2 could then
+// load during the epilogue too, but tile 3 needs the stage that tile 0's MMAs free, so the main loop would still wait
+// for one gather round trip; and it would cost 13.5 KiB more at D = 128 with bf16 factors, and with float32 factors
+// (115 KiB) no longer allow two CTAs an SM. Sharing stage 2, both factor types keep two CTAs an SM up to D = 128
+// (rebuild_tile's static_assert), so both take the one, overlapped, schedule. The row tables are double-buffered: the
+// next group's are written while this group's RoPE and stores read its own.
 //
 // Precision: the CPU backend (the oracle) computes this product with fp32 sgemm, and the parity tests compare at
 // fp32 tolerances, so plain TF32 (10-bit mantissa) is not enough for float32 factors. Each operand is split as
@@ -68,6 +79,19 @@ constexpr int kRebuildRankTile = 32;  // K per stage
 constexpr int kRebuildStages = 3;
 constexpr int kRebuildThreads = 256;  // 8 warps, 4 x 2 over (M, N)
 
+// Two CTAs per SM up to D = 128 (the grid of splits_for is sized for two per SM), which caps registers at 128 (no
+// spills with the overlapped groups, -Xptxas -v; the 40-byte stack frame is the float64 sincos's); at D = 256 the
+// 2 x 64 accumulators alone need one CTA per SM.
+template <int D>
+constexpr int rebuild_min_ctas_per_sm() {
+  return D <= 128 ? 2 : 1;
+}
+
+// sm_90 (H100/H200): 228 KiB of shared memory per SM, at most 227 KiB a CTA, 1 KiB of each resident CTA's reserved.
+constexpr std::size_t kSharedPerSm = 228 * 1024;
+constexpr std::size_t kSharedPerCtaMax = 227 * 1024;
+constexpr std::size_t kSharedReservedPerCta = 1024;
+
 // F: the factors' element type (float or __nv_bfloat16).
 template <typename F, int D>
 struct rebuild_tile {
@@ -78,20 +102,30 @@ struct rebuild_tile {
   static constexpr int c_stride = D + 8;                           // floats per row of the epilogue tile
   static constexpr int a_stage = kRebuildRows * a_stride;
   static constexpr int b_stage = kRebuildRankTile * b_stride;
-  static constexpr std::size_t stage_bytes = kRebuildStages * (a_stage + b_stage) * sizeof(F);
-  static constexpr std::size_t c_bytes = kRebuildRows * c_stride * sizeof(float);  // aliases the stages
-  static constexpr std::size_t tile_bytes = std::max(stage_bytes, c_bytes);
-  // Then three tables of kRebuildRows long longs: coefficient row, destination offset and position of each row.
-  static constexpr std::size_t shared_bytes = tile_bytes + 3 * kRebuildRows * sizeof(long long);
+  static constexpr int stage = a_stage + b_stage;  // elements of one stage: its A rows, then its B rows
+  static constexpr std::size_t stage_bytes = stage * sizeof(F);
+  static constexpr std::size_t c_bytes = kRebuildRows * c_stride * sizeof(float);
+  // sC begins at the last stage, the one the next group's prologue leaves alone (see above).
+  static constexpr std::size_t c_offset = (kRebuildStages - 1) * stage_bytes;
+  static constexpr std::size_t tile_bytes = c_offset + std::max(stage_bytes, c_bytes);
+  // Then two buffers of three tables of kRebuildRows long longs: coefficient row, destination offset and position of
+  // each row.
+  static constexpr int table_entries = 3 * kRebuildRows;
+  static constexpr std::size_t shared_bytes = tile_bytes + 2 * table_entries * sizeof(long long);
+  // bf16 factors: 40 / 46 / 52 / 64 / 112 KiB at D = 64 / 80 / 96 / 128 / 256; float32: 57 / 65 / 73 / 89 / 153 KiB.
+  static_assert(rebuild_min_ctas_per_sm<D>() * (shared_bytes + kSharedReservedPerCta) <= kSharedPerSm &&
+                    shared_bytes <= kSharedPerCtaMax,
+                "the rebuild's shared memory must allow rebuild_min_ctas_per_sm CTAs on an SM");
 
   // (row, rank, stage): rows padded to a_stride.
   using a_layout = decltype(cute::make_layout(
       cute::make_shape(cute::Int<kRebuildRows>{}, cute::Int<kRebuildRankTile>{}, cute::Int<kRebuildStages>{}),
-      cute::make_stride(cute::Int<a_stride>{}, cute::Int<1>{}, cute::Int<a_stage>{})));
-  // (dim, rank, stage): B[k0 + k, h*D + n] at n + k * b_stride, i.e. row-major B as in global memory.
+      cute::make_stride(cute::Int<a_stride>{}, cute::Int<1>{}, cute::Int<stage>{})));
+  // (dim, rank, stage): B[k0 + k, h*D + n] at n + k * b_stride, i.e. row-major B as in global memory; from the stage's
+  // first element + a_stage.
   using b_layout = decltype(cute::make_layout(
       cute::make_shape(cute::Int<D>{}, cute::Int<kRebuildRankTile>{}, cute::Int<kRebuildStages>{}),
-      cute::make_stride(cute::Int<1>{}, cute::Int<b_stride>{}, cute::Int<b_stage>{})));
+      cute::make_stride(cute::Int<1>{}, cute::Int<b_stride>{}, cute::Int<stage>{})));
   // (row, dim): the results, row-major.
   using c_layout = decltype(cute::make_layout(cute::make_shape(cute::Int<kRebuildRows>{}, cute::Int<D>{}),
                                               cute::make_stride(cute::Int<c_stride>{}, cute::Int<1>{})));
@@ -110,14 +144,6 @@ __device__ __forceinline__ void split_tf32(float x, cutlass::tfloat32_t& big, cu
   small = cutlass::tfloat32_t::bitcast((__float_as_uint(remainder) + 0x1000U) & 0xFFFFE000U);
 }
 
-// Two CTAs per SM up to D = 128 (the grid of splits_for is sized for two per SM), which caps registers at 128 (at
-// three stages ptxas spills 4 bytes at D = 80 with bf16 factors, none elsewhere: -Xptxas -v); at D = 256 the 2 x 64
-// accumulators alone need one CTA per SM.
-template <int D>
-constexpr int rebuild_min_ctas_per_sm() {
-  return D <= 128 ? 2 : 1;
-}
-
 /// A tf32 operand from a factor element: float32 is split into big + small parts, bf16 is exact as it is.
 __device__ __forceinline__ cutlass::tfloat32_t exact_tf32(__nv_bfloat16 x) {
   return cutlass::tfloat32_t::bitcast(__float_as_uint(__bfloat162float(x)));
@@ -132,9 +158,12 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
   constexpr bool kSplitOperands = std::is_same_v<F, float>;
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   F* shared = reinterpret_cast<F*>(shared_bytes);
-  long long* row_token = reinterpret_cast<long long*>(shared_bytes + tile::tile_bytes);  // row of A; -1: padding
-  long long* row_target = row_token + kRebuildRows;    // element offset of the key row in this head's cache_keys
-  long long* row_position = row_target + kRebuildRows;  // RoPE position
+  // Row tables of buffer 0 or 1: row of A (-1: padding), element offset of the key row in this head's cache_keys,
+  // RoPE position.
+  long long* const tables = reinterpret_cast<long long*>(shared_bytes + tile::tile_bytes);
+  const auto row_token = [&](int buffer) { return tables + buffer * tile::table_entries; };
+  const auto row_target = [&](int buffer) { return tables + buffer * tile::table_entries + kRebuildRows; };
+  const auto row_position = [&](int buffer) { return tables + buffer * tile::table_entries + 2 * kRebuildRows; };
 
   const int b = static_cast<int>(blockIdx.x);
   const int h = static_cast<int>(blockIdx.y);
@@ -154,11 +183,10 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
   const bool a_vectors = rank % tile::vector == 0 && reinterpret_cast<std::uintptr_t>(coefficients) % 16 == 0;
   const bool b_vectors = reinterpret_cast<std::uintptr_t>(basis) % 16 == 0;
 
-  F* const b_stages = shared + kRebuildStages * tile::a_stage;
-  Tensor sA = make_tensor(make_smem_ptr(shared), typename tile::a_layout{});    // (64, 32, 2)
-  Tensor sB = make_tensor(make_smem_ptr(b_stages), typename tile::b_layout{});  // (D, 32, 2)
-  Tensor sC = make_tensor(make_smem_ptr(reinterpret_cast<float*>(shared_bytes)),
-                          typename tile::c_layout{});  // (64, D), aliases the stages
+  Tensor sA = make_tensor(make_smem_ptr(shared), typename tile::a_layout{});                 // (64, 32, 3)
+  Tensor sB = make_tensor(make_smem_ptr(shared + tile::a_stage), typename tile::b_layout{});  // (D, 32, 3)
+  Tensor sC = make_tensor(make_smem_ptr(reinterpret_cast<float*>(shared_bytes + tile::c_offset)),
+                          typename tile::c_layout{});  // (64, D), from stage 2 on
 
   TiledMMA mma = make_tiled_mma(SM80_16x8x8_F32TF32TF32F32_TN{}, Layout<Shape<_4, _2, _1>>{});
   static_assert(decltype(size(mma))::value == kRebuildThreads);
@@ -177,15 +205,16 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
   static_assert(decltype(size<1>(tCsA))::value == 1, "one MMA row block per warp");
 
   // Issues the cp.async of K tile `k_tile` (rank columns [32 k_tile, 32 k_tile + 32)) into `stage`: the gathered A
-  // rows and B[k0:k0+32, head]. Out-of-range elements are zero-filled (src-size 0; the source address stays valid).
-  auto load_stage = [&](int k_tile, int stage) {
+  // rows (of the group whose row_token table is `tokens`) and B[k0:k0+32, head]. Out-of-range elements are zero-filled
+  // (src-size 0; the source address stays valid).
+  auto load_stage = [&](int k_tile, int stage, const long long* tokens) {
     const int k0 = k_tile * kRebuildRankTile;
     if (a_vectors) {
       constexpr int per_row = kRebuildRankTile / tile::vector;
       for (int v = static_cast<int>(threadIdx.x); v < kRebuildRows * per_row; v += kRebuildThreads) {
         const int row = v / per_row;
         const int k = (v % per_row) * tile::vector;
-        const long long token = row_token[row];
+        const long long token = tokens[row];
         const bool valid = token >= 0 && k0 + k < rank;
         const F* source = valid ? coefficients + token * rank + k0 + k : coefficients;
         copy_async_or_zero<16, copy_cache::l2_only, true>(&sA(row, k, stage), source, valid);
@@ -194,7 +223,7 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
       for (int e = static_cast<int>(threadIdx.x); e < kRebuildRows * kRebuildRankTile; e += kRebuildThreads) {
         const int row = e / kRebuildRankTile;
         const int k = e % kRebuildRankTile;
-        const long long token = row_token[row];
+        const long long token = tokens[row];
         const bool valid = token >= 0 && k0 + k < rank;
         const F* source = valid ? coefficients + token * rank + k0 + k : coefficients;
         if constexpr (kSplitOperands) {
@@ -229,116 +258,162 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
     }
   };
 
-  for (int first = static_cast<int>(blockIdx.z) * group_chunks; first < misses;
-       first += static_cast<int>(gridDim.z) * group_chunks) {
-    const int rows = min(group_chunks, misses - first) * d.chunk;
-    __syncthreads();  // the previous group's epilogue has finished with sC (the stages) and the row tables
-    if (threadIdx.x < kRebuildRows) {
+  // Pass p of the loop below finishes the CTA's group p - 1 ("current"; none at p = 0) and starts its group p ("next";
+  // none in the last pass), with row tables in buffers (p - 1) % 2 and p % 2:
+  //   main loop of current, its results to sC | row_token, row_target of next; cp.async of its row_position |
+  //   barrier A | cp.async of next's K tiles 0 and 1 | RoPE of current in sC | barrier B | stores of current |
+  //   barrier C.
+  // What orders the two groups' uses of shared memory:
+  //  * stages 0 and 1: next's prologue (after A) fills them; current's main loop has finished reading them (each K
+  //    tile's closing barrier) and has no copies in flight (its last K tile waits for all).
+  //  * sC (stage 2 on): written after current's last closing barrier; read by RoPE after A and by the stores after B;
+  //    next's main loop refills stage 2 (K tile 2, in its first iteration) only after C.
+  //  * next's table buffer: last read by the group before current (its RoPE and stores, one pass earlier, before that
+  //    pass's C); row_token and row_target are written before A, which the prologue after A needs; row_position is
+  //    committed with K tile 0, so next's main loop waits for it (and its barrier publishes it) before next's RoPE.
+  //  * current's table buffer: written one pass earlier, read by its main loop (tokens), RoPE (positions) and stores
+  //    (targets).
+  // The cp.async groups pending when a main loop starts are the prologue's alone (the epilogue commits no others), so
+  // the main loop's wait counts are those of a prologue issued right before it.
+  // Everything per pass is derived from p, not carried from pass to pass: fewer registers live across the main loop.
+  const int group_stride = static_cast<int>(gridDim.z) * group_chunks;
+  const int first_group = static_cast<int>(blockIdx.z) * group_chunks;  // first miss-list entry of the CTA's group 0
+  if (first_group >= misses) return;  // nothing for this CTA (the whole CTA returns: no barrier is left waiting)
+  for (int pass = 0;; ++pass) {
+    const int buffer = pass % 2;
+    const int next = first_group + pass * group_stride;  // first miss-list entry of the next group
+    const int current_rows = pass == 0 ? 0 : min(group_chunks, misses - (next - group_stride)) * d.chunk;
+    if (current_rows > 0) {
+      const long long* const tokens = row_token(buffer ^ 1);
+      // Main loop: three stages; stage kt % 3 is computed while tiles kt + 1 and kt + 2 land in the other two. Tiles 0
+      // and 1 were issued during the previous pass's epilogue.
+      static_assert(kRebuildStages == 3, "the prologue and the waits below are written for three stages");
+      clear(accumulators);
+#pragma unroll 1
+      for (int kt = 0; kt < k_tiles; ++kt) {
+        // Stage (kt + 2) % 3 was last computed in iteration kt - 1, whose closing barrier every thread has passed
+        // (stage 2 at kt = 0: the previous group's sC, released by barrier C).
+        if (kt + 2 < k_tiles) {
+          load_stage(kt + 2, (kt + 2) % kRebuildStages, tokens);
+          commit_async_copies();
+          wait_async_copies<2>();  // tile kt has landed (this thread's copies) ...
+        } else if (kt + 1 < k_tiles) {
+          wait_async_copies<1>();
+        } else {
+          wait_async_copies<0>();
+        }
+        __syncthreads();  // ... and every thread's
+        const int stage = kt % kRebuildStages;
+        clear(tile_sums);
+        CUTE_UNROLL
+        for (int kb = 0; kb < size<2>(tCsA); ++kb) {
+          if constexpr (kSplitOperands) {
+            CUTE_UNROLL
+            for (int i = 0; i < size(a_big); ++i) split_tf32(tCsA(_, _, kb, stage)(i), a_big(i), a_small(i));
+            CUTE_UNROLL
+            for (int n = 0; n < size<1>(tCsB); ++n) {
+              CUTE_UNROLL
+              for (int i = 0; i < size(b_big); ++i) split_tf32(tCsB(_, n, kb, stage)(i), b_big(i), b_small(i));
+              // Small products first: they are added while the sum is still small.
+              gemm(mma, tile_sums(_, 0, n), a_small(_, 0), b_big, tile_sums(_, 0, n));
+              gemm(mma, tile_sums(_, 0, n), a_big(_, 0), b_small, tile_sums(_, 0, n));
+              gemm(mma, tile_sums(_, 0, n), a_big(_, 0), b_big, tile_sums(_, 0, n));
+            }
+          } else {
+            CUTE_UNROLL
+            for (int i = 0; i < size(a_big); ++i) a_big(i) = exact_tf32(tCsA(_, _, kb, stage)(i));
+            CUTE_UNROLL
+            for (int n = 0; n < size<1>(tCsB); ++n) {
+              CUTE_UNROLL
+              for (int i = 0; i < size(b_big); ++i) b_big(i) = exact_tf32(tCsB(_, n, kb, stage)(i));
+              gemm(mma, tile_sums(_, 0, n), a_big(_, 0), b_big, tile_sums(_, 0, n));
+            }
+          }
+        }
+        // Tensor cores round their fp32 sums toward zero, so one accumulator chained through all 3 * r / 8 MMAs
+        // drifts (a host model that truncates every MMA result: 1.3e-5 of sum |a*b| at r = 2048, near the parity
+        // tests' tolerance). Chains of 12 MMAs per K tile, summed with round-to-nearest fp32 adds: 2e-7 in the same
+        // model.
+        CUTE_UNROLL
+        for (int i = 0; i < size(accumulators); ++i) accumulators(i) += tile_sums(i);
+        __syncthreads();  // everyone is done with this stage before it is refilled (or stage 2 reused as sC)
+      }
+      CUTE_UNROLL
+      for (int i = 0; i < size(accumulators); ++i) tCsC(i) = accumulators(i);
+    }
+
+    // The next group's tables. The two dependent loads that the prologue needs (miss slot, then the slot's chunk)
+    // are waited for here. The position (a third, random load) is needed only by the next pass's RoPE: a cp.async
+    // (zeros for padding rows), committed with K tile 0 below and so waited for by the next main loop's first wait.
+    // (Held in a register across the RoPE instead, it cost a 4-byte spill at D = 96: the float64 sincos's slow path
+    // is a call.)
+    const bool has_next = next < misses;
+    if (has_next && threadIdx.x < kRebuildRows) {
+      const int next_rows = min(group_chunks, misses - next) * d.chunk;
       const int row = static_cast<int>(threadIdx.x);
       long long token = -1;
       long long target = 0;
-      long long position = 0;
-      if (row < rows) {
-        const int slot = miss_slots[first + row / d.chunk];
+      if (row < next_rows) {
+        const int slot = miss_slots[next + row / d.chunk];
         const int j = row % d.chunk;
         token = static_cast<long long>(cache_chunks[slot]) * d.chunk + j;
         target = (static_cast<long long>(slot) * d.chunk + j) * D;
-        position = view->context_positions[token];
       }
-      row_token[row] = token;
-      row_target[row] = target;
-      row_position[row] = position;
+      row_token(buffer)[row] = token;
+      row_target(buffer)[row] = target;
+      const long long* const positions = view->context_positions;
+      const bool live = token >= 0;
+      copy_async_or_zero<8, copy_cache::all_levels>(row_position(buffer) + row, live ? positions + token : positions,
+                                                    live);
     }
-    __syncthreads();
+    __syncthreads();  // A: sC and the next group's row_token are written
 
-    // Main loop: three stages; stage kt % 3 is computed while tiles kt + 1 and kt + 2 land in the other two.
-    static_assert(kRebuildStages == 3, "the prologue and the waits below are written for three stages");
-    // (A loop, not two calls: one more inlined copy of load_stage made ptxas spill ~200 bytes with bf16 factors.)
+    if (has_next) {
+      // The next group's prologue: K tiles 0 and 1 into stages 0 and 1, landing during the RoPE below.
+      // (A loop, not two calls: one more inlined copy of load_stage made ptxas spill ~200 bytes with bf16 factors.)
 #pragma unroll 1
-    for (int kt = 0; kt < kRebuildStages - 1 && kt < k_tiles; ++kt) {
-      load_stage(kt, kt);
-      commit_async_copies();
-    }
-    clear(accumulators);
-#pragma unroll 1
-    for (int kt = 0; kt < k_tiles; ++kt) {
-      // Stage (kt + 2) % 3 was last computed in iteration kt - 1, whose closing barrier every thread has passed.
-      if (kt + 2 < k_tiles) {
-        load_stage(kt + 2, (kt + 2) % kRebuildStages);
+      for (int kt = 0; kt < kRebuildStages - 1 && kt < k_tiles; ++kt) {
+        load_stage(kt, kt, row_token(buffer));
         commit_async_copies();
-        wait_async_copies<2>();  // tile kt has landed (this thread's copies) ...
-      } else if (kt + 1 < k_tiles) {
-        wait_async_copies<1>();
-      } else {
-        wait_async_copies<0>();
       }
-      __syncthreads();  // ... and every thread's
-      const int stage = kt % kRebuildStages;
-      clear(tile_sums);
-      CUTE_UNROLL
-      for (int kb = 0; kb < size<2>(tCsA); ++kb) {
-        if constexpr (kSplitOperands) {
-          CUTE_UNROLL
-          for (int i = 0; i < size(a_big); ++i) split_tf32(tCsA(_, _, kb, stage)(i), a_big(i), a_small(i));
-          CUTE_UNROLL
-          for (int n = 0; n < size<1>(tCsB); ++n) {
-            CUTE_UNROLL
-            for (int i = 0; i < size(b_big); ++i) split_tf32(tCsB(_, n, kb, stage)(i), b_big(i), b_small(i));
-            // Small products first: they are added while the sum is still small.
-            gemm(mma, tile_sums(_, 0, n), a_small(_, 0), b_big, tile_sums(_, 0, n));
-            gemm(mma, tile_sums(_, 0, n), a_big(_, 0), b_small, tile_sums(_, 0, n));
-            gemm(mma, tile_sums(_, 0, n), a_big(_, 0), b_big, tile_sums(_, 0, n));
-          }
-        } else {
-          CUTE_UNROLL
-          for (int i = 0; i < size(a_big); ++i) a_big(i) = exact_tf32(tCsA(_, _, kb, stage)(i));
-          CUTE_UNROLL
-          for (int n = 0; n < size<1>(tCsB); ++n) {
-            CUTE_UNROLL
-            for (int i = 0; i < size(b_big); ++i) b_big(i) = exact_tf32(tCsB(_, n, kb, stage)(i));
-            gemm(mma, tile_sums(_, 0, n), a_big(_, 0), b_big, tile_sums(_, 0, n));
-          }
-        }
-      }
-      // Tensor cores round their fp32 sums toward zero, so one accumulator chained through all 3 * r / 8 MMAs drifts
-      // (a host model that truncates every MMA result: 1.3e-5 of sum |a*b| at r = 2048, near the parity tests'
-      // tolerance). Chains of 12 MMAs per K tile, summed with round-to-nearest fp32 adds: 2e-7 in the same model.
-      CUTE_UNROLL
-      for (int i = 0; i < size(accumulators); ++i) accumulators(i) += tile_sums(i);
-      __syncthreads();  // everyone is done with this stage before it is refilled (or reused as sC)
     }
 
-    // Epilogue: results to shared memory, RoPE in place (a thread per pair), then 16-byte stores of whole rows.
-    CUTE_UNROLL
-    for (int i = 0; i < size(accumulators); ++i) tCsC(i) = accumulators(i);
-    __syncthreads();
-    const int half = d.rotary_dim / 2;
-    for (int item = static_cast<int>(threadIdx.x); item < rows * half; item += kRebuildThreads) {
-      const int row = item / half;
-      const int pair = item % half;
-      int first_dim;
-      int second_dim;
-      rope_dims(d, pair, first_dim, second_dim);
-      float x1 = sC(row, first_dim);
-      float x2 = sC(row, second_dim);
-      rope_pair(x1, x2, inv_freq[pair], row_position[row], d.attention_scaling, false);
-      sC(row, first_dim) = x1;
-      sC(row, second_dim) = x2;
+    // Epilogue of the current group: RoPE in place in sC (a thread per pair), then 16-byte stores of whole rows.
+    if (current_rows > 0) {
+      const long long* const positions = row_position(buffer ^ 1);
+      const int half = d.rotary_dim / 2;
+      for (int item = static_cast<int>(threadIdx.x); item < current_rows * half; item += kRebuildThreads) {
+        const int row = item / half;
+        const int pair = item % half;
+        int first_dim;
+        int second_dim;
+        rope_dims(d, pair, first_dim, second_dim);
+        float x1 = sC(row, first_dim);
+        float x2 = sC(row, second_dim);
+        rope_pair(x1, x2, inv_freq[pair], positions[row], d.attention_scaling, false);
+        sC(row, first_dim) = x1;
+        sC(row, second_dim) = x2;
+      }
     }
-    __syncthreads();
-    constexpr int kVector = 16 / static_cast<int>(sizeof(T));  // D * sizeof(T) is a multiple of 16 for every D
-    constexpr int kVectorsPerRow = D / kVector;
-    for (int item = static_cast<int>(threadIdx.x); item < rows * kVectorsPerRow; item += kRebuildThreads) {
-      const int row = item / kVectorsPerRow;
-      const int column = (item % kVectorsPerRow) * kVector;
-      union {
-        uint4 vector;
-        T elements[kVector];
-      } packed;
+    __syncthreads();  // B: RoPE is done with sC
+    if (current_rows > 0) {
+      const long long* const targets = row_target(buffer ^ 1);
+      constexpr int kVector = 16 / static_cast<int>(sizeof(T));  // D * sizeof(T) is a multiple of 16 for every D
+      constexpr int kVectorsPerRow = D / kVector;
+      for (int item = static_cast<int>(threadIdx.x); item < current_rows * kVectorsPerRow; item += kRebuildThreads) {
+        const int row = item / kVectorsPerRow;
+        const int column = (item % kVectorsPerRow) * kVector;
+        union {
+          uint4 vector;
+          T elements[kVector];
+        } packed;
 #pragma unroll
-      for (int i = 0; i < kVector; ++i) packed.elements[i] = from_float<T>(sC(row, column + i));
-      *reinterpret_cast<uint4*>(cache_keys + row_target[row] + column) = packed.vector;
+        for (int i = 0; i < kVector; ++i) packed.elements[i] = from_float<T>(sC(row, column + i));
+        *reinterpret_cast<uint4*>(cache_keys + targets[row] + column) = packed.vector;
+      }
     }
+    if (!has_next) break;
+    __syncthreads();  // C: the stores are done with sC before the main loop refills stage 2
   }
 }
 

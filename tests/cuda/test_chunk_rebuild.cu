@@ -692,6 +692,47 @@ TEST_F(ChunkRebuild, LargerCacheSlotStride) {
   }
 }
 
+TEST_F(ChunkRebuild, ManyGroupsPerCta) {
+  // 320 (entry, head) pairs: splits_for gives one split on any GPU of up to 160 SMs, so each CTA takes every group of
+  // its pair in turn (up to 5 here), the next group's row tables and K tiles 0 and 1 loading during this group's
+  // epilogue, with double-buffered tables and the epilogue tile over stage 2. (The other cases have about one group a
+  // CTA on an H200: splits_for spreads the groups of a few pairs over 2 x 132 CTAs.) Ragged counts: CTAs with none, one
+  // and several groups, and a last group of fewer rows. Ranks of 5, 3 and 2 K tiles: the first main-loop iteration
+  // refills stage 2 (the previous group's sC) at 5 and 3, not at 2.
+  struct shape {
+    int head_dim;
+    int chunk;
+    int rank;
+    int budget;  // 5 groups when every chunk is missed
+    int kv_type;
+    bool bf16_factors;
+    miss_pattern pattern;
+  };
+  const shape shapes[] = {
+      {128, 8, 160, 40, shadowkv::cuda::element_bf16, true, miss_pattern::ragged},  // as DESIGN.md §7
+      {64, 16, 96, 20, shadowkv::cuda::element_f32, false, miss_pattern::all},
+      {96, 3, 33, 105, shadowkv::cuda::element_f16, false, miss_pattern::ragged},  // 63-row groups, 4-byte A copies
+  };
+  std::uint64_t seed = 901;
+  for (const shape& s : shapes) {
+    case_config cfg;
+    cfg.seed = seed++;
+    cfg.batch = 2;
+    cfg.kv_heads = 160;
+    cfg.head_dim = s.head_dim;
+    cfg.chunk = s.chunk;
+    cfg.rank = s.rank;
+    cfg.rotary_dim = s.head_dim == 96 ? 64 : 0;
+    cfg.interleaved = s.head_dim == 64;
+    cfg.kv_type = s.kv_type;
+    cfg.bf16_factors = s.bf16_factors;
+    cfg.budget = s.budget;
+    cfg.pattern = s.pattern;
+    run_case(cfg);
+    if (HasFatalFailure()) return;
+  }
+}
+
 TEST(ChunkRebuildArguments, RejectsUnsupportedShapes) {
   // Checked before anything touches the device: runs without a GPU too.
   dims d{};
