@@ -19,10 +19,14 @@
 namespace shadowkv::cuda {
 namespace {
 
-// CTAs per (entry, head): enough to give every SM two CTAs for small batches; each takes every gridDim.z-th group.
-// The SM count is the current device's, asked at each launch (a cached driver attribute; a per-process cache would be
-// wrong for a store on a second, different GPU).
-int splits_for(int batch, int kv_heads, int most) {
+// CTAs per (entry, head) ("splits"; each takes every gridDim.z-th group): the count that would finish soonest if
+// every (entry, head) missed `most` groups, counting whole waves of `resident_per_sm` CTAs per SM:
+//   minimise waves(s) * ceil(most / s),  waves(s) = ceil(batch * kv_heads * s / resident),
+// the smallest such s (fewest CTAs). The earlier rule, ceil(2 * SMs / pairs), could pass one wave by a few CTAs: at
+// B=8, Hkv=8 it gave 5 splits, 320 CTAs on 264 places, and the 56 of the second wave doubled the kernel's longest
+// path (~12 group-times where one wave of 4 splits takes 8). Depends on dims, batch and the device only (capturable).
+// The SM count is the current device's, asked at each launch (a cached driver attribute).
+int splits_for(int batch, int kv_heads, int most, int resident_per_sm) {
   int device = 0;
   int multiprocessors = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
@@ -30,8 +34,19 @@ int splits_for(int batch, int kv_heads, int most) {
     (void)cudaGetLastError();
     multiprocessors = 1;  // a failing device fails the launch itself, with its own error
   }
-  const int wanted = (2 * multiprocessors + batch * kv_heads - 1) / (batch * kv_heads);
-  return std::max(1, std::min(wanted, most));
+  const long long resident = static_cast<long long>(std::max(multiprocessors, 1)) * std::max(resident_per_sm, 1);
+  const long long pairs = static_cast<long long>(std::max(batch, 1)) * std::max(kv_heads, 1);
+  int best = 1;
+  long long best_time = -1;
+  for (int s = 1; s <= std::max(most, 1); ++s) {
+    const long long waves = (pairs * s + resident - 1) / resident;
+    const long long time = waves * ((std::max(most, 1) + s - 1) / s);
+    if (best_time < 0 || time < best_time) {
+      best_time = time;
+      best = s;
+    }
+  }
+  return best;
 }
 
 // ---------------------------------------------------------------------------------------------------------------------
@@ -426,7 +441,7 @@ void launch_rebuild_for(const dims& d, layer_view* views, const int* batch_slots
   const int group_chunks = kRebuildRows / d.chunk;
   const int groups = (d.budget + group_chunks - 1) / group_chunks;
   const dim3 grid(static_cast<unsigned>(batch), static_cast<unsigned>(d.kv_heads),
-                  static_cast<unsigned>(splits_for(batch, d.kv_heads, groups)));
+                  static_cast<unsigned>(splits_for(batch, d.kv_heads, groups, rebuild_min_ctas_per_sm<D>())));
   rebuild_keys_kernel<T, F, D><<<grid, kRebuildThreads, tile::shared_bytes, stream>>>(d, views, batch_slots, layer,
                                                                                        workspace, inv_freq);
 }
