@@ -13,6 +13,8 @@
 //     apply_lru_rule below because the CUDA tests compile as C++17): also cache_last_used, selection_clock and
 //     selected_slots exactly, and the listed slots' chunks == the selection;
 //   * counters (hits, misses, selections; the bytes counter untouched).
+// Chunk scores by landmarks, or by two centroids (dims::chunk_centroids, shadowkv/chunk_centroids.hpp): random e4m3
+// codes, scales and first-cluster counts, the float64 logit log(w1 e^(s q.c1) + w2 e^(s q.c2)) in the model.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -35,6 +37,7 @@
 #include "cuda_test_support.cuh"
 #include "device_layout.cuh"
 #include "shadowkv/errors.hpp"
+#include "shadowkv/fp8.hpp"
 
 namespace {
 
@@ -44,6 +47,8 @@ using shadowkv::cuda::step_workspace;
 using shadowkv::cuda::strided_tensor;
 
 using namespace shadowkv::cuda::testing;
+
+constexpr int kChunk = 8;  ///< dims::chunk: tokens a chunk (the two-centroid weights are n1 / kChunk)
 
 struct case_config {
   std::uint64_t seed = 0;
@@ -66,6 +71,7 @@ struct case_config {
   bool warm_cache = false;       ///< first step starts from a random consistent cache
   bool fresh_second = false;     ///< second step's queries unrelated to the first's (else a small perturbation)
   bool graph = false;            ///< capture the launch once in a CUDA graph and replay it for both steps
+  bool two_centroids = false;    ///< chunks scored by two e4m3 centroids (dims::chunk_centroids), not landmarks
 
   [[nodiscard]] std::string describe() const {
     std::ostringstream s;
@@ -74,7 +80,8 @@ struct case_config {
       << " steps=" << steps << " Tq=" << tokens << " kv=" << type_name(kv_type)
       << " q=" << type_name(q_type) << " max_context=" << max_context << " outliers<=" << max_outliers
       << " qscale=" << query_scale << " ties=" << tie_fraction << (equal_landmarks ? " equal_landmarks" : "")
-      << (warm_cache ? " warm" : "") << (fresh_second ? " fresh_second" : "") << (graph ? " graph" : "");
+      << (warm_cache ? " warm" : "") << (fresh_second ? " fresh_second" : "") << (graph ? " graph" : "")
+      << (two_centroids ? " two_centroids" : "");
     return s.str();
   }
 };
@@ -83,7 +90,10 @@ struct case_config {
 struct host_entry {
   int slot = 0;
   int context[2] = {0, 0};           // context_chunks at step 0 and step 1
-  std::vector<float> landmarks;      // [Hkv, max_chunks, D], rounded through kv_type
+  std::vector<float> landmarks;      // [Hkv, max_chunks, D], rounded through kv_type (empty with two centroids)
+  std::vector<std::uint8_t> centroid_codes;  // two centroids only: [Hkv, max_chunks, 2 * D], centroid 1 then 2
+  std::vector<float> centroid_scales;        // two centroids only: [Hkv, max_chunks, 2]
+  std::vector<std::uint8_t> first_counts;    // two centroids only: [Hkv, max_chunks], n1 in [0, kChunk]
   std::vector<std::uint8_t> outlier; // [Hkv, max_chunks]
   std::vector<int> cache;            // [Hkv, K] model state
   std::vector<int> slot_of;          // [Hkv, max_chunks] model state
@@ -92,6 +102,7 @@ struct host_entry {
   struct tie { int head, first, second; };
   std::vector<tie> ties;
   device_buffer landmarks_device, outlier_device, cache_device, slot_of_device;
+  device_buffer codes_device, scales_device, counts_device;  // two centroids only
   device_buffer last_used_device, clock_device, selected_slots_device;  // K > k only
 };
 
@@ -135,6 +146,42 @@ std::vector<int> apply_lru_rule(const std::vector<int>& chosen, long long now, i
   return filled;
 }
 
+/// The exact values of the 256 e4m3 codes (NaN at the two NaN codes, which the test never draws).
+const double* e4m3_values() {
+  static const std::vector<double> values = [] {
+    std::vector<double> v(256);
+    for (int code = 0; code < 256; ++code) {
+      v[static_cast<std::size_t>(code)] = shadowkv::fp8::decode_e4m3(static_cast<std::uint8_t>(code));
+    }
+    return v;
+  }();
+  return values.data();
+}
+
+/// float64 two-centroid logit of chunk c of head h: log(w1 e^(s q.c1) + w2 e^(s q.c2)) with w1 = n1 / C, w2 = 1 - w1
+/// and c_m = decode(code) * scale_m; a zero weight drops its term (n1 = 0 or C: one centroid's logit).
+double centroid_logit(const case_config& cfg, const host_entry& e, int h, int c, const float* query, double scale) {
+  const int D = cfg.head_dim;
+  const double* value = e4m3_values();
+  const std::size_t chunk = static_cast<std::size_t>(h) * cfg.max_chunks + c;
+  const std::uint8_t* codes = e.centroid_codes.data() + chunk * 2 * D;
+  const int n1 = e.first_counts[chunk];
+  double term[2];
+  for (int m = 0; m < 2; ++m) {
+    const int members = m == 0 ? n1 : kChunk - n1;
+    if (members == 0) {
+      term[m] = -INFINITY;
+      continue;
+    }
+    double dot = 0.0;
+    for (int x = 0; x < D; ++x) dot += static_cast<double>(query[x]) * value[codes[m * D + x]];
+    term[m] = scale * dot * static_cast<double>(e.centroid_scales[chunk * 2 + m]) +
+              std::log(static_cast<double>(members) / kChunk);
+  }
+  const double top = std::max(term[0], term[1]);
+  return top + std::log(std::exp(term[0] - top) + std::exp(term[1] - top));
+}
+
 /// float64 scores as cpu_backend::select_chunks computes them; -1 for chunks that are not candidates.
 std::vector<double> reference_scores(const case_config& cfg, const host_entry& e, int h, int n, int b,
                                      const std::vector<float>& q /* [Tq, B, Hq, D] */, double scale) {
@@ -156,6 +203,11 @@ std::vector<double> reference_scores(const case_config& cfg, const host_entry& e
       const float* query = q.data() + ((static_cast<std::size_t>(t) * cfg.batch + b) * Hq + j) * D;
       double largest = -INFINITY;
       for (std::size_t i = 0; i < candidates.size(); ++i) {
+        if (cfg.two_centroids) {
+          logits[i] = centroid_logit(cfg, e, h, candidates[i], query, scale);
+          largest = std::max(largest, logits[i]);
+          continue;
+        }
         const float* landmark = e.landmarks.data() + (static_cast<std::size_t>(h) * cfg.max_chunks + candidates[i]) * D;
         double dot = 0.0;
         for (int x = 0; x < D; ++x) dot += static_cast<double>(query[x]) * static_cast<double>(landmark[x]);
@@ -191,6 +243,70 @@ std::vector<int> top_k(const std::vector<Score>& score, const std::vector<int>& 
 
 double tolerance(double value) { return 1e-4 * std::fabs(value) + 1e-30; }
 
+/// Two-centroid data of head h's chunks [0, n) (later chunks stay zero). Codes are never NaN (0x7f, 0xff): half of
+/// the centroids are normal values encoded with the fp8 rule's scale (codes up to +-448), the others any non-NaN byte
+/// (subnormals, both zeros, every exponent). Each scale is then u / rms(decoded codes), u uniform in [0.5, 2], so that
+/// s * q.c has a standard deviation of about u * query_scale, as a landmark logit has about query_scale. n1 is 0 or C
+/// a fifth of the time each (one centroid's logit alone), else uniform in [1, C - 1]. Planted ties copy an earlier
+/// chunk's codes, scales and n1; equal_landmarks copies chunk 0's to every chunk.
+void draw_centroids(const case_config& cfg, host_entry& e, int h, int n, std::mt19937_64& rng) {
+  const std::size_t D = static_cast<std::size_t>(cfg.head_dim);
+  const std::size_t first = static_cast<std::size_t>(h) * cfg.max_chunks;  // (head h, chunk 0) of the arrays
+  std::normal_distribution<float> normal(0.0F, 1.0F);
+  std::uniform_real_distribution<double> unit(0.0, 1.0);
+  auto uniform = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  const double* value = e4m3_values();
+  auto copy_chunk = [&](int from, int to) {
+    const std::size_t source = first + static_cast<std::size_t>(from);
+    const std::size_t target = first + static_cast<std::size_t>(to);
+    std::copy_n(e.centroid_codes.begin() + static_cast<std::ptrdiff_t>(source * 2 * D), 2 * D,
+                e.centroid_codes.begin() + static_cast<std::ptrdiff_t>(target * 2 * D));
+    e.centroid_scales[target * 2] = e.centroid_scales[source * 2];
+    e.centroid_scales[target * 2 + 1] = e.centroid_scales[source * 2 + 1];
+    e.first_counts[target] = e.first_counts[source];
+  };
+  std::vector<float> values(D);
+  for (int c = 0; c < n; ++c) {
+    if (cfg.equal_landmarks && c > 0) {
+      copy_chunk(0, c);
+      continue;
+    }
+    if (!cfg.equal_landmarks && c > 0 && unit(rng) < cfg.tie_fraction) {
+      const int source = uniform(0, c - 1);
+      copy_chunk(source, c);
+      e.ties.push_back({h, source, c});
+      continue;
+    }
+    const std::size_t chunk = first + static_cast<std::size_t>(c);
+    for (std::size_t m = 0; m < 2; ++m) {
+      std::uint8_t* codes = e.centroid_codes.data() + (chunk * 2 + m) * D;
+      if (unit(rng) < 0.5) {
+        float amax = 0.0F;
+        for (float& x : values) {
+          x = normal(rng);
+          amax = std::max(amax, std::fabs(x));
+        }
+        const float base = shadowkv::fp8::scale_for(amax);
+        for (std::size_t x = 0; x < D; ++x) codes[x] = shadowkv::fp8::encode_e4m3(values[x] / base);
+      } else {
+        for (std::size_t x = 0; x < D; ++x) {
+          int code = 0x7f;
+          while (code == 0x7f || code == 0xff) code = uniform(0, 255);
+          codes[x] = static_cast<std::uint8_t>(code);
+        }
+      }
+      double squares = 0.0;
+      for (std::size_t x = 0; x < D; ++x) squares += value[codes[x]] * value[codes[x]];
+      const double rms = std::sqrt(squares / static_cast<double>(D));
+      const double u = std::uniform_real_distribution<double>(0.5, 2.0)(rng);
+      e.centroid_scales[chunk * 2 + m] = static_cast<float>(rms > 0.0 ? u / rms : u);
+    }
+    const double weights = unit(rng);
+    e.first_counts[chunk] =
+        static_cast<std::uint8_t>(weights < 0.2 ? 0 : (weights < 0.4 ? kChunk : uniform(1, kChunk - 1)));
+  }
+}
+
 void run_case(const case_config& cfg) {
   SCOPED_TRACE(cfg.describe());
   std::printf("[ chunk_selection ] %s\n", cfg.describe().c_str());
@@ -220,7 +336,7 @@ void run_case(const case_config& cfg) {
   d.kv_heads = Hkv;
   d.head_dim = D;
   d.group = G;
-  d.chunk = 8;
+  d.chunk = kChunk;
   d.budget = k;
   d.cache_slots = K;
   d.max_outliers = std::max(1, cfg.max_outliers);
@@ -232,6 +348,7 @@ void run_case(const case_config& cfg) {
   d.rope_interleaved = 0;
   d.attention_scaling = 1.0F;
   d.softmax_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  d.chunk_centroids = cfg.two_centroids ? 1 : 0;
 
   // Entries on a shuffled subset of the slots (exercises slot * num_layers + layer indexing).
   std::vector<int> slot_order(static_cast<std::size_t>(slots));
@@ -250,25 +367,35 @@ void run_case(const case_config& cfg) {
     e.context[1] = std::min(mc, e.context[0] + uniform(0, 3));
     const int n = e.context[1];
 
-    e.landmarks.assign(static_cast<std::size_t>(Hkv) * mc * D, 0.0F);
+    e.landmarks.assign(cfg.two_centroids ? 0 : static_cast<std::size_t>(Hkv) * mc * D, 0.0F);
     std::vector<unsigned char> bytes(e.landmarks.size() * element_bytes(cfg.kv_type), 0);
     e.outlier.assign(static_cast<std::size_t>(Hkv) * mc, 0);
+    if (cfg.two_centroids) {
+      e.centroid_codes.assign(static_cast<std::size_t>(Hkv) * mc * 2 * D, 0);
+      e.centroid_scales.assign(static_cast<std::size_t>(Hkv) * mc * 2, 0.0F);
+      e.first_counts.assign(static_cast<std::size_t>(Hkv) * mc, 0);
+    }
     for (int h = 0; h < Hkv; ++h) {
-      float* head = e.landmarks.data() + static_cast<std::size_t>(h) * mc * D;
-      std::vector<float> common(static_cast<std::size_t>(D));
-      for (float& x : common) x = normal(rng);
-      for (int c = 0; c < n; ++c) {
-        float* row = head + static_cast<std::size_t>(c) * D;
-        if (cfg.equal_landmarks) {
-          std::copy(common.begin(), common.end(), row);
-        } else if (c > 0 && std::uniform_real_distribution<double>(0.0, 1.0)(rng) < cfg.tie_fraction) {
-          const int source = uniform(0, c - 1);
-          std::copy(head + static_cast<std::size_t>(source) * D, head + static_cast<std::size_t>(source + 1) * D, row);
-          e.ties.push_back({h, source, c});
-        } else {
-          for (int x = 0; x < D; ++x) row[x] = normal(rng);
+      if (cfg.two_centroids) {
+        draw_centroids(cfg, e, h, n, rng);
+      } else {
+        float* head = e.landmarks.data() + static_cast<std::size_t>(h) * mc * D;
+        std::vector<float> common(static_cast<std::size_t>(D));
+        for (float& x : common) x = normal(rng);
+        for (int c = 0; c < n; ++c) {
+          float* row = head + static_cast<std::size_t>(c) * D;
+          if (cfg.equal_landmarks) {
+            std::copy(common.begin(), common.end(), row);
+          } else if (c > 0 && std::uniform_real_distribution<double>(0.0, 1.0)(rng) < cfg.tie_fraction) {
+            const int source = uniform(0, c - 1);
+            std::copy(head + static_cast<std::size_t>(source) * D, head + static_cast<std::size_t>(source + 1) * D,
+                      row);
+            e.ties.push_back({h, source, c});
+          } else {
+            for (int x = 0; x < D; ++x) row[x] = normal(rng);
+          }
+          for (int x = 0; x < D; ++x) row[x] = round_through(cfg.kv_type, row[x]);
         }
-        for (int x = 0; x < D; ++x) row[x] = round_through(cfg.kv_type, row[x]);
       }
       // Outliers: distinct random chunks of the final context.
       const int outliers = std::min(n, uniform(0, cfg.max_outliers));
@@ -314,7 +441,17 @@ void run_case(const case_config& cfg) {
     e.cache_device = device_buffer(e.cache.size() * sizeof(int));
     e.slot_of_device = device_buffer(e.slot_of.size() * sizeof(int));
     ASSERT_TRUE(e.landmarks_device.ok() && e.outlier_device.ok() && e.cache_device.ok() && e.slot_of_device.ok());
-    CUDA_OK(upload(e.landmarks_device, bytes));
+    if (cfg.two_centroids) {
+      e.codes_device = device_buffer(e.centroid_codes.size());
+      e.scales_device = device_buffer(e.centroid_scales.size() * sizeof(float));
+      e.counts_device = device_buffer(e.first_counts.size());
+      ASSERT_TRUE(e.codes_device.ok() && e.scales_device.ok() && e.counts_device.ok());
+      CUDA_OK(upload(e.codes_device, e.centroid_codes));
+      CUDA_OK(upload(e.scales_device, e.centroid_scales));
+      CUDA_OK(upload(e.counts_device, e.first_counts));
+    } else {
+      CUDA_OK(upload(e.landmarks_device, bytes));
+    }
     CUDA_OK(upload(e.outlier_device, e.outlier));
     CUDA_OK(upload(e.cache_device, e.cache));
     CUDA_OK(upload(e.slot_of_device, e.slot_of));
@@ -330,7 +467,14 @@ void run_case(const case_config& cfg) {
 
     layer_view& view = views[static_cast<std::size_t>(e.slot) * num_layers + layer];
     view.context_chunks = e.context[0];
-    view.landmarks = e.landmarks_device.get();
+    if (cfg.two_centroids) {
+      view.landmarks = nullptr;  // centroid mode has no landmarks: a kernel that reads them would fault
+      view.centroid_codes = e.codes_device.get<std::uint8_t>();
+      view.centroid_scales = e.scales_device.get<float>();
+      view.first_counts = e.counts_device.get<std::uint8_t>();
+    } else {
+      view.landmarks = e.landmarks_device.get();
+    }
     view.is_outlier = e.outlier_device.get<std::uint8_t>();
     view.cache_chunks = e.cache_device.get<int>();
     view.slot_of_chunk = e.slot_of_device.get<int>();
@@ -914,6 +1058,123 @@ TEST_F(ChunkSelection, CapturedInGraph) {
     cfg.graph = true;
     run_case(cfg);
     if (HasFatalFailure()) return;
+  }
+}
+
+TEST_F(ChunkSelection, TwoCentroidScores) {
+  // Two-centroid logits (dims::chunk_centroids) through both logit kernels: one query token takes the streaming decode
+  // kernel (landmark_logits.cu) where it covers the shape (rows of 2 * D = 128, 256 or 512 code bytes, G <= 8), the
+  // tiled kernel (selection/landmark_scoring.cu) otherwise: two tokens, D = 80 and 96 (rows of 160 and 192 bytes, the
+  // decode kernel's fallback) and G = 12. The landmarks' type plays no part in the codes (the tiled kernel still
+  // dispatches on it).
+  const int bf16 = shadowkv::cuda::element_bf16;
+  const int f32 = shadowkv::cuda::element_f32;
+  const int f16 = shadowkv::cuda::element_f16;
+  const int shapes[][5] = {  // group, head_dim, kv heads, kv type, batch
+      {1, 64, 3, bf16, 4}, {2, 128, 2, f32, 3}, {4, 256, 1, bf16, 2}, {8, 128, 2, bf16, 1}, {8, 64, 1, f32, 2},
+      {1, 256, 2, f32, 3}, {2, 64, 1, f16, 4},  {4, 80, 2, f32, 2},   {2, 96, 3, bf16, 1},  {12, 64, 1, bf16, 2}};
+  std::uint64_t seed = 0xce27;
+  for (const auto& shape : shapes) {
+    for (int tokens : {1, 2}) {
+      case_config cfg = random_case(seed);
+      cfg.seed = seed++;
+      cfg.two_centroids = true;
+      cfg.group = shape[0];
+      cfg.head_dim = shape[1];
+      cfg.kv_heads = shape[2];
+      cfg.kv_type = shape[3];
+      cfg.batch = shape[4];
+      cfg.tokens = tokens;
+      cfg.max_context = 300;
+      cfg.max_chunks = 333;
+      cfg.budget = std::min(cfg.budget, 64);  // 1, 5 or 64 of up to 300 chunks
+      cfg.warm_cache = cfg.seed % 2 == 0;
+      run_case(cfg);
+      if (HasFatalFailure()) return;
+    }
+  }
+  // Several tiles a head (700 chunks: 6 of the decode kernel's 128-chunk tiles at 256-byte rows, 11 of 64 at 512),
+  // and contexts up to the capacity (max_context = max_chunks: a last tile that ends at max_chunks).
+  const int long_shapes[][6] = {  // group, head_dim, kv heads, kv type, batch, max_chunks (= max_context)
+      {4, 128, 3, bf16, 4, 700}, {2, 256, 2, f32, 3, 700}, {4, 128, 2, bf16, 2, 3000}, {2, 256, 2, f32, 2, 3000}};
+  for (const auto& shape : long_shapes) {
+    for (int tokens : {1, 2}) {
+      case_config cfg = random_case(seed);
+      cfg.seed = seed++;
+      cfg.two_centroids = true;
+      cfg.group = shape[0];
+      cfg.head_dim = shape[1];
+      cfg.kv_heads = shape[2];
+      cfg.kv_type = shape[3];
+      cfg.batch = shape[4];
+      cfg.max_chunks = shape[5];
+      cfg.max_context = shape[5];
+      cfg.tokens = tokens;
+      cfg.budget = 64;
+      cfg.warm_cache = tokens == 1;
+      run_case(cfg);
+      if (HasFatalFailure()) return;
+    }
+  }
+  // More live tiles than the decode kernel's one wave of CTAs (a few an SM: about 500 on an H200): 12 heads of up to
+  // 313 tiles of 128 chunks, about 1900 live, so a CTA's share holds several tiles and crosses heads and sequences.
+  {
+    case_config cfg = random_case(seed);
+    cfg.seed = seed++;
+    cfg.two_centroids = true;
+    cfg.batch = 4;
+    cfg.kv_heads = 3;
+    cfg.group = 2;
+    cfg.head_dim = 64;
+    cfg.kv_type = bf16;
+    cfg.tokens = 1;
+    cfg.max_chunks = 40000;
+    cfg.max_context = 40000;
+    cfg.budget = 256;
+    run_case(cfg);
+    if (HasFatalFailure()) return;
+  }
+  // Captured once in a CUDA graph and replayed (the context grows on the device only).
+  for (int tokens : {1, 2}) {
+    case_config cfg = random_case(seed);
+    cfg.seed = seed++;
+    cfg.two_centroids = true;
+    cfg.batch = 2;
+    cfg.kv_heads = 2;
+    cfg.group = 4;
+    cfg.head_dim = 128;
+    cfg.kv_type = bf16;
+    cfg.tokens = tokens;
+    cfg.max_chunks = 4096;
+    cfg.max_context = 3000;
+    cfg.budget = 256;
+    cfg.fresh_second = true;
+    cfg.graph = true;
+    run_case(cfg);
+    if (HasFatalFailure()) return;
+  }
+  // Every chunk the same (codes, scales and n1): equal scores, the smallest ids win.
+  for (int tokens : {1, 2}) {
+    case_config cfg = random_case(seed);
+    cfg.seed = seed++;
+    cfg.two_centroids = true;
+    cfg.equal_landmarks = true;
+    cfg.group = 2;
+    cfg.head_dim = 128;
+    cfg.tokens = tokens;
+    cfg.max_context = 900;
+    cfg.max_chunks = 1000;
+    cfg.budget = 100;
+    run_case(cfg);
+    if (HasFatalFailure()) return;
+  }
+  // A cache larger than the budget (the LRU rule) over several steps: the selection after the logits is unchanged.
+  {
+    case_config cfg = random_lru_case(seed);
+    cfg.seed = seed++;
+    cfg.two_centroids = true;
+    cfg.tokens = 1;
+    run_case(cfg);
   }
 }
 
