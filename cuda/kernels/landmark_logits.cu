@@ -12,6 +12,7 @@
 #include "common/dispatch.cuh"
 #include "common/element_access.cuh"
 #include "common/float_constants.cuh"
+#include "common/fp8_vectors.cuh"
 #include "common/per_device_cache.hpp"
 #include "cuda_check.hpp"
 
@@ -22,10 +23,11 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 // CTAs per multiprocessor that the register budget must allow: four (64 registers a thread, 32 warps) up to four
 // query heads a KV head; with eight, the CTA's shared memory (~60 KiB: the copy rings, q and the tile logits of
-// eight heads) leaves room for three on an H100/H200 anyway, so the registers may grow to 80.
-template <int kG>
+// eight heads) leaves room for three on an H100/H200 anyway, so the registers may grow to 80. Two centroids (kC = 2)
+// double the sums a lane keeps and hold 16 decoded codes a vector: one CTA fewer from two query heads up.
+template <int kG, int kC>
 constexpr int min_ctas_per_multiprocessor() {
-  return kG <= 4 ? 4 : 3;
+  return kG * kC <= 4 ? 4 : (kG * kC <= 8 ? 3 : 2);
 }
 // Batches in a warp's copy ring: two are in flight while the warp computes the third, also across tile boundaries,
 // block barriers and tile epilogues.
@@ -38,7 +40,11 @@ constexpr int kSequenceRounding = 32;
 /// (vectors part and part + kLanesPerRow: each warp-wide copy covers whole 32-byte sectors) and two rows per batch, so
 /// a batch is 2 KiB a warp and the two rows share every shared-memory read of q (q stays out of registers). Two
 /// vectors a lane keep a row to 4-16 lanes, so summing it over its lanes takes few shuffles.
-template <typename T, int kRowBytes, int kG>
+///
+/// Two-centroid rows (kC = 2, T = e4m3_code): a row is a chunk's 2·D codes, centroid 1's D then centroid 2's, so the
+/// lane's vector k = 0 is a slice of centroid 1 and k = 1 the same slice of centroid 2: both meet the same q elements,
+/// and each (row, head) has two sums, one per centroid (index (u * kG + g) * kC + c).
+template <typename T, int kRowBytes, int kG, int kC>
 struct row_split {
   static constexpr int kElements = vector16<T>::elements;  // per 16-byte vector
   static constexpr int kDims = kRowBytes / static_cast<int>(sizeof(T));
@@ -48,25 +54,39 @@ struct row_split {
   static constexpr int kRowsPerLane = 2;                // per batch
   static constexpr int kBatchRows = kRowGroups * kRowsPerLane;
   static constexpr int kSlots = kRowsPerLane * kVectorsPerLane;  // 16-byte copies a lane makes per batch
-  static constexpr int kSums = kRowsPerLane * kG;                 // dot products a lane accumulates per batch
+  static constexpr int kSums = kRowsPerLane * kG * kC;            // dot products a lane accumulates per batch
+  static constexpr int kQueryDims = kDims / kC;                   // elements of q a row meets (D)
   // After the reduction over a row's lanes: whole sums a lane holds (when there are fewer sums than lanes, every
   // lane holds one, shared by kLanesPerRow / kSums lanes).
   static constexpr int kKept = kSums >= kLanesPerRow ? kSums / kLanesPerRow : 1;
   static_assert(kRowBytes % 32 == 0 && kLanesPerRow >= 2 && kLanesPerRow <= 32, "row of 64-1024 bytes");
   static_assert(kElements % 4 == 0, "q is read as float4");
+  static_assert(kC == 1 || kLanesPerRow * kElements == kQueryDims, "two centroids: vector k of a lane is centroid k");
 };
 
-/// One sequence of the batch as the CTA sees it.
-struct sequence_entry {
-  const void* landmarks;         ///< T [Hkv, max_chunks, D]
+/// The per-chunk weights of two-centroid scores (layer_view::centroid_scales and first_counts), kept only by the
+/// instantiations that score two centroids (an empty base elsewhere: the landmark kernel's shared memory is as before).
+struct centroid_weights {
+  const float* scales;               ///< [.., 2]: centroid 1's and 2's scale
+  const std::uint8_t* first_counts;  ///< keys in the first cluster
+};
+struct no_centroid_weights {};
+template <int kC>
+using weights_of = std::conditional_t<kC == 2, centroid_weights, no_centroid_weights>;
+
+/// One sequence of the batch as the CTA sees it (the weights from [Hkv, max_chunks] on).
+template <int kC>
+struct sequence_entry : weights_of<kC> {
+  const void* landmarks;         ///< T [Hkv, max_chunks, D], or the codes [Hkv, max_chunks, 2·D]
   const std::uint8_t* outliers;  ///< [Hkv, max_chunks]
   int context_chunks;
   int first_tile;  ///< live tiles of the sequences before this one (every head's); the last entry holds the total
 };
 
 /// One live tile of the CTA's share: rows [index * tile_rows, index * tile_rows + rows) of head `head` of batch entry
-/// `sequence`.
-struct tile_descriptor {
+/// `sequence` (the weights from the tile's first row on).
+template <int kC>
+struct tile_descriptor : weights_of<kC> {
   const void* source;            ///< T: the tile's first landmark row
   const std::uint8_t* outliers;  ///< the tile's first outlier flag
   int rows;
@@ -93,17 +113,17 @@ struct shared_layout {
   int bytes;
 };
 
-template <typename Split, int kG>
+template <typename Split, int kG, int kC>
 __host__ __device__ shared_layout shared_layout_for(int tile_rows, int batch) {
   auto align16 = [](int bytes) { return (bytes + 15) / 16 * 16; };
   shared_layout layout{};
   layout.rings = 0;
   layout.queries = layout.rings + kWarps * kStages * Split::kSlots * 32 * 16;
-  layout.tile_logits = layout.queries + align16(kG * Split::kDims * 4);
+  layout.tile_logits = layout.queries + align16(kG * Split::kQueryDims * 4);
   layout.descriptors = layout.tile_logits + align16(2 * kG * tile_rows * 4);
-  layout.sequences = layout.descriptors + align16(kDescriptorSlots * static_cast<int>(sizeof(tile_descriptor)));
+  layout.sequences = layout.descriptors + align16(kDescriptorSlots * static_cast<int>(sizeof(tile_descriptor<kC>)));
   const int entries = (batch + 1 + kSequenceRounding - 1) / kSequenceRounding * kSequenceRounding;
-  layout.bytes = layout.sequences + entries * static_cast<int>(sizeof(sequence_entry));
+  layout.bytes = layout.sequences + entries * static_cast<int>(sizeof(sequence_entry<kC>));
   return layout;
 }
 
@@ -135,9 +155,9 @@ __device__ __forceinline__ void reduce_scatter(float (&v)[kSums], int part) {
 }
 
 /// The live tile at position `live_index` of the batch's enumeration (sequence-major, then head, then tile).
-template <int kDims, typename T>
-__device__ tile_descriptor describe_tile(const sequence_entry* sequences, int batch, int live_index, int tile_rows,
-                                         const dims& d) {
+template <int kDims, typename T, int kC>
+__device__ tile_descriptor<kC> describe_tile(const sequence_entry<kC>* sequences, int batch, int live_index,
+                                             int tile_rows, const dims& d) {
   // The last entry that starts at or before live_index; empty sequences start where the next one does, so this one
   // is not empty.
   int low = 0;
@@ -150,10 +170,10 @@ __device__ tile_descriptor describe_tile(const sequence_entry* sequences, int ba
       high = middle - 1;
     }
   }
-  const sequence_entry& sequence = sequences[low];
+  const sequence_entry<kC>& sequence = sequences[low];
   const int per_head = (sequence.context_chunks + tile_rows - 1) / tile_rows;
   const int within = live_index - sequence.first_tile;
-  tile_descriptor tile;
+  tile_descriptor<kC> tile;
   tile.sequence = low;
   tile.head = within / per_head;
   tile.index = within - tile.head * per_head;
@@ -162,6 +182,10 @@ __device__ tile_descriptor describe_tile(const sequence_entry* sequences, int ba
       static_cast<long long>(tile.head) * d.max_chunks + static_cast<long long>(tile.index) * tile_rows;
   tile.source = static_cast<const T*>(sequence.landmarks) + first_row * kDims;
   tile.outliers = sequence.outliers + first_row;
+  if constexpr (kC == 2) {
+    tile.scales = sequence.scales + 2 * first_row;
+    tile.first_counts = sequence.first_counts + first_row;
+  }
   return tile;
 }
 
@@ -174,17 +198,24 @@ __device__ tile_descriptor describe_tile(const sequence_entry* sequences, int ba
 // for registers. One block barrier per tile hands the tile's logits (double-buffered in shared memory) to the
 // epilogue: coalesced logit writes and the tile's softmax partial per query head, one warp per head; the copies of
 // the next batches are in flight meanwhile.
-template <typename T, int kRowBytes, int kG>
-__global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG>())
+//
+// kC = 2: two-centroid scores (T = e4m3_code, rows of codes; see row_split). The logit of a row is
+// log(w1 e^(s q·ĉ1) + w2 e^(s q·ĉ2)) as in selection/landmark_scoring.cu's tiled kernel (shadowkv/chunk_centroids.hpp),
+// formed by the lane that keeps the row's two sums.
+template <typename T, int kRowBytes, int kG, int kC>
+__global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG, kC>())
     decode_landmark_logits_kernel(const dims d, const layer_view* views, const int* batch_slots, const int layer,
                                   const int batch, const strided_tensor queries, const int tile_rows, const int tiles,
                                   float* logits, float* partials) {
-  using split = row_split<T, kRowBytes, kG>;
+  using split = row_split<T, kRowBytes, kG, kC>;
+  using sequence_entry = shadowkv::cuda::sequence_entry<kC>;
+  using tile_descriptor = shadowkv::cuda::tile_descriptor<kC>;
   constexpr int kLanesPerRow = split::kLanesPerRow;
   constexpr int kVectorsPerLane = split::kVectorsPerLane;
   constexpr int kQuads = split::kElements / 4;  // float4 of q per 16-byte vector of landmarks
+  constexpr int kQueryVectors = kC == 2 ? 1 : kVectorsPerLane;  // q vectors a lane reads per head
   extern __shared__ __align__(16) unsigned char shared[];
-  const shared_layout layout = shared_layout_for<split, kG>(tile_rows, batch);
+  const shared_layout layout = shared_layout_for<split, kG, kC>(tile_rows, batch);
   uint4* rings = reinterpret_cast<uint4*>(shared + layout.rings);
   float* q_shared = reinterpret_cast<float*>(shared + layout.queries);
   float* tile_logits = reinterpret_cast<float*>(shared + layout.tile_logits);
@@ -198,7 +229,13 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG>())
 
   for (int b = threadIdx.x; b < batch; b += kThreads) {
     const layer_view* view = views + static_cast<long long>(batch_slots[b]) * d.num_layers + layer;
-    sequences[b].landmarks = view->landmarks;
+    if constexpr (kC == 2) {
+      sequences[b].landmarks = view->centroid_codes;
+      sequences[b].scales = view->centroid_scales;
+      sequences[b].first_counts = view->first_counts;
+    } else {
+      sequences[b].landmarks = view->landmarks;
+    }
     sequences[b].outliers = view->is_outlier;
     sequences[b].context_chunks = context_chunks_of(view, d);
   }
@@ -224,7 +261,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG>())
     __syncwarp();
     const int begin = share_edge(blockIdx.x);
     if (lane < kDescribedAhead && begin + lane < share_edge(blockIdx.x + 1)) {
-      descriptors[lane] = describe_tile<split::kDims, T>(sequences, batch, begin + lane, tile_rows, d);
+      descriptors[lane] = describe_tile<split::kDims, T, kC>(sequences, batch, begin + lane, tile_rows, d);
     }
   }
   __syncthreads();
@@ -234,11 +271,12 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG>())
 
   // q of (sequence, head) as float, ordered [g][k][quad][part][4]: for one (g, k, quad) the lanes of a row group
   // read kLanesPerRow consecutive float4 (no bank conflicts), and the row groups read the same ones (broadcasts).
+  // Two centroids: D elements, k = 0 only (both of a lane's vectors meet the same slice of q).
   auto stage_queries = [&](const tile_descriptor& tile) {
 #pragma unroll 1
-    for (int i = threadIdx.x; i < kG * split::kDims; i += kThreads) {
-      const int g = i / split::kDims;
-      const int e = i - g * split::kDims;
+    for (int i = threadIdx.x; i < kG * split::kQueryDims; i += kThreads) {
+      const int g = i / split::kQueryDims;
+      const int e = i - g * split::kQueryDims;
       float value = 0.0F;
       if (g < d.group) {
         const long long j = static_cast<long long>(tile.head) * d.group + g;
@@ -249,7 +287,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG>())
       const int within = e - vector * split::kElements;
       const int k = vector / kLanesPerRow;
       const int owner = vector - k * kLanesPerRow;
-      q_shared[(((g * kVectorsPerLane + k) * kQuads + within / 4) * kLanesPerRow + owner) * 4 + within % 4] = value;
+      q_shared[(((g * kQueryVectors + k) * kQuads + within / 4) * kLanesPerRow + owner) * 4 + within % 4] = value;
     }
   };
 
@@ -328,17 +366,22 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG>())
   stage_queries(descriptors[0]);
   __syncthreads();
 
-  // Of the kSums sums (index u * kG + g), the ones this lane keeps after the reduction, and so the row it stores.
+  // Of the kSums sums (index (u * kG + g) * kC + c), the ones this lane keeps after the reduction, and so the row it
+  // stores. Two centroids: a lane keeping one sum gets the other of its pair from the lane that keeps it (lane ^
+  // kPartner), and only the lane of the pair's first sum stores.
   int kept_first = 0;
   bool keeps = true;
   if constexpr (split::kSums >= kLanesPerRow) {
-    static_assert(kG % split::kKept == 0, "a lane's kept sums belong to one row");
+    static_assert((kG * kC) % split::kKept == 0, "a lane's kept sums belong to one row");
     kept_first = part * split::kKept;
   } else {
     kept_first = part / (kLanesPerRow / split::kSums);
     keeps = part % (kLanesPerRow / split::kSums) == 0;
   }
-  const int kept_row_offset = (kept_first / kG) * split::kRowGroups + row_group;
+  constexpr int kPartner = split::kSums >= kLanesPerRow ? 1 : kLanesPerRow / split::kSums;
+  if constexpr (kC == 2 && split::kKept == 1) keeps = keeps && kept_first % 2 == 0;
+  constexpr int kKeptPairs = kC == 2 ? (split::kKept >= 2 ? split::kKept / 2 : 1) : split::kKept;  // logits stored
+  const int kept_row_offset = (kept_first / (kG * kC)) * split::kRowGroups + row_group;
 
   int stage = 0;
   for (int ordinal = 0; ordinal < tiles_here; ++ordinal) {
@@ -355,6 +398,17 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG>())
         const bool kept_live = keeps && kept_row < rows;
         // Loaded before the arithmetic so that its latency hides behind it.
         const bool outlier = kept_live && __ldg(tile.outliers + kept_row) != 0;
+        // Two centroids: the row's scales and cluster weights, log w (-inf for an empty cluster).
+        float scale1 = 0.0F;
+        float scale2 = 0.0F;
+        int first_count = 0;
+        if constexpr (kC == 2) {
+          if (kept_live) {
+            scale1 = __ldg(tile.scales + 2 * kept_row);
+            scale2 = __ldg(tile.scales + 2 * kept_row + 1);
+            first_count = __ldg(tile.first_counts + kept_row);
+          }
+        }
 
         const uint4* ring = warp_ring + stage * split::kSlots * 32;
         const float4* q_vectors = reinterpret_cast<const float4*>(q_shared) + part;
@@ -373,10 +427,10 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG>())
           for (int quad = 0; quad < kQuads; ++quad) {
 #pragma unroll
             for (int g = 0; g < kG; ++g) {
-              const float4 q = q_vectors[((g * kVectorsPerLane + k) * kQuads + quad) * kLanesPerRow];
+              const float4 q = q_vectors[((g * kQueryVectors + (kC == 2 ? 0 : k)) * kQuads + quad) * kLanesPerRow];
 #pragma unroll
               for (int u = 0; u < split::kRowsPerLane; ++u) {
-                float& sum = sums[u * kG + g];
+                float& sum = sums[(u * kG + g) * kC + (kC == 2 ? k : 0)];
                 sum = fmaf(q.x, x[u][4 * quad + 0], sum);
                 sum = fmaf(q.y, x[u][4 * quad + 1], sum);
                 sum = fmaf(q.z, x[u][4 * quad + 2], sum);
@@ -386,11 +440,41 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG>())
           }
         }
         reduce_scatter<kLanesPerRow / 2, split::kSums>(sums, part);
-        if (kept_live) {
+        // Two centroids: the second sum of each kept pair (a lane keeping one sum takes its partner's: every lane
+        // takes part in the shuffle).
+        float second[kKeptPairs];
+        if constexpr (kC == 2 && split::kKept == 1) {
+          second[0] = __shfl_xor_sync(0xffffffffU, sums[0], kPartner);
+        } else if constexpr (kC == 2) {
 #pragma unroll
-          for (int i = 0; i < split::kKept; ++i) {
-            const int g = (kept_first + i) % kG;
-            if (g < d.group) buffer[g * tile_rows + kept_row] = outlier ? kNegativeInfinity : d.softmax_scale * sums[i];
+          for (int i = 0; i < kKeptPairs; ++i) second[i] = sums[2 * i + 1];
+        }
+        if (kept_live) {
+          float log_w1 = kNegativeInfinity;
+          float log_w2 = kNegativeInfinity;
+          if constexpr (kC == 2) {
+            if (first_count > 0) log_w1 = logf(static_cast<float>(first_count) / static_cast<float>(d.chunk));
+            if (first_count < d.chunk) {
+              log_w2 = logf(static_cast<float>(d.chunk - first_count) / static_cast<float>(d.chunk));
+            }
+          }
+#pragma unroll
+          for (int i = 0; i < kKeptPairs; ++i) {
+            const int g = (kept_first / kC + i) % kG;
+            if (g < d.group) {
+              float logit = kNegativeInfinity;
+              if (outlier) {
+              } else if constexpr (kC == 2) {
+                // As the tiled kernel: logaddexp(s q·ĉ1 + log w1, s q·ĉ2 + log w2).
+                const float first = d.softmax_scale * (sums[kC * i] * scale1) + log_w1;
+                const float other = d.softmax_scale * (second[i] * scale2) + log_w2;
+                const float top = fmaxf(first, other);
+                logit = top + logf(expf(first - top) + expf(other - top));
+              } else {
+                logit = d.softmax_scale * sums[i];
+              }
+              buffer[g * tile_rows + kept_row] = logit;
+            }
           }
         }
       }
@@ -406,7 +490,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG>())
     __syncthreads();
     if (threadIdx.x == 0 && ordinal + kDescribedAhead < tiles_here) {
       descriptors[(ordinal + kDescribedAhead) % kDescriptorSlots] =
-          describe_tile<split::kDims, T>(sequences, batch, begin + ordinal + kDescribedAhead, tile_rows, d);
+          describe_tile<split::kDims, T, kC>(sequences, batch, begin + ordinal + kDescribedAhead, tile_rows, d);
     }
     if (new_queries) stage_queries(next);
     write_tile(tile, buffer);
@@ -420,11 +504,11 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG>())
 /// value, so concurrent launches of other sizes never see it lowered) and asks for the largest shared-memory carveout,
 /// so that the launch gets the residency the grid is sized for (one CTA short per multiprocessor would leave a
 /// second wave of whole shares).
-template <typename T, int kRowBytes, int kG>
+template <typename T, int kRowBytes, int kG, int kC>
 int resident_ctas(int shared_bytes) {
   static per_device_cache<int> known;  // (device, shared bytes) -> CTAs per multiprocessor
   return known.get(shared_bytes, [](int device, int bytes) {
-    auto kernel = decode_landmark_logits_kernel<T, kRowBytes, kG>;
+    auto kernel = decode_landmark_logits_kernel<T, kRowBytes, kG, kC>;
     int optin = 0;
     SHADOWKV_CUDA_TRY(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
     int ctas = 0;
@@ -439,13 +523,13 @@ int resident_ctas(int shared_bytes) {
   });
 }
 
-template <typename T, int kRowBytes, int kG>
+template <typename T, int kRowBytes, int kG, int kC>
 bool launch_with(const dims& d, const layer_view* views, const int* batch_slots, int layer, int batch,
                  const strided_tensor& queries, int tile_rows, int tiles, int multiprocessors, int beside_ctas,
                  float* logits, float* partials, cudaStream_t stream) {
-  using split = row_split<T, kRowBytes, kG>;
-  const shared_layout layout = shared_layout_for<split, kG>(tile_rows, batch);
-  const int per_multiprocessor = resident_ctas<T, kRowBytes, kG>(layout.bytes);
+  using split = row_split<T, kRowBytes, kG, kC>;
+  const shared_layout layout = shared_layout_for<split, kG, kC>(tile_rows, batch);
+  const int per_multiprocessor = resident_ctas<T, kRowBytes, kG, kC>(layout.bytes);
   if (per_multiprocessor < 1) return false;
   // Exactly the resident CTAs (one wave) less those another kernel may hold beside it (each takes the place of one of
   // ours on its multiprocessor), fewer only when there are fewer tiles than that even with every chunk live.
@@ -453,22 +537,22 @@ bool launch_with(const dims& d, const layer_view* views, const int* batch_slots,
   const long long resident = static_cast<long long>(per_multiprocessor) * std::max(multiprocessors, 1);
   const long long ctas = std::min<long long>(
       std::max<long long>(resident - std::max(beside_ctas, 0), std::max(multiprocessors, 1)), most_tiles);
-  decode_landmark_logits_kernel<T, kRowBytes, kG>
+  decode_landmark_logits_kernel<T, kRowBytes, kG, kC>
       <<<static_cast<unsigned>(ctas), kThreads, static_cast<std::size_t>(layout.bytes), stream>>>(
           d, views, batch_slots, layer, batch, queries, tile_rows, tiles, logits, partials);
   SHADOWKV_CUDA_CHECK_LAUNCH();
   return true;
 }
 
-template <typename T, int kRowBytes>
+template <typename T, int kRowBytes, int kC>
 bool launch_for_group(const dims& d, const layer_view* views, const int* batch_slots, int layer, int batch,
                       const strided_tensor& queries, int tile_rows, int tiles, int multiprocessors, int beside_ctas,
                       float* logits, float* partials, cudaStream_t stream) {
   bool launched = false;
   shadowkv_dispatch_head_tile(d.group, [&](auto head_tile) {
-    launched = launch_with<T, kRowBytes, decltype(head_tile)::value>(d, views, batch_slots, layer, batch, queries,
-                                                                     tile_rows, tiles, multiprocessors, beside_ctas,
-                                                                     logits, partials, stream);
+    launched = launch_with<T, kRowBytes, decltype(head_tile)::value, kC>(d, views, batch_slots, layer, batch, queries,
+                                                                         tile_rows, tiles, multiprocessors,
+                                                                         beside_ctas, logits, partials, stream);
   });
   return launched;
 }
@@ -479,23 +563,36 @@ bool launch_decode_landmark_logits(const dims& d, int kv_type, const layer_view*
                                    int layer, int batch, const strided_tensor& queries, int tile_rows, int tiles,
                                    int multiprocessors, int beside_ctas, float* logits, float* partials,
                                    cudaStream_t stream) {
-  // Two-centroid scores take the tiled kernel (selection/landmark_scoring.cu).
-  if (d.chunk_centroids != 0 || d.group < 1 || d.group > 8 || batch <= 0 || tiles <= 0 || tile_rows <= 0) return false;
+  if (d.group < 1 || d.group > 8 || batch <= 0 || tiles <= 0 || tile_rows <= 0) return false;
+  if (d.chunk_centroids != 0) {
+    // Rows of 2·D codes, whatever the store's element type.
+    auto launch = [&](auto row_bytes) {
+      return launch_for_group<e4m3_code, decltype(row_bytes)::value, 2>(d, views, batch_slots, layer, batch, queries,
+                                                                         tile_rows, tiles, multiprocessors,
+                                                                         beside_ctas, logits, partials, stream);
+    };
+    switch (2 * d.head_dim) {
+      case 128: return launch(std::integral_constant<int, 128>{});
+      case 256: return launch(std::integral_constant<int, 256>{});
+      case 512: return launch(std::integral_constant<int, 512>{});
+      default: return false;  // the tiled kernel (selection/landmark_scoring.cu)
+    }
+  }
   bool launched = false;
   shadowkv_dispatch_element(kv_type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const int row_bytes = d.head_dim * static_cast<int>(sizeof(T));
     switch (row_bytes) {
       case 128:
-        launched = launch_for_group<T, 128>(d, views, batch_slots, layer, batch, queries, tile_rows, tiles,
+        launched = launch_for_group<T, 128, 1>(d, views, batch_slots, layer, batch, queries, tile_rows, tiles,
                                             multiprocessors, beside_ctas, logits, partials, stream);
         break;
       case 256:
-        launched = launch_for_group<T, 256>(d, views, batch_slots, layer, batch, queries, tile_rows, tiles,
+        launched = launch_for_group<T, 256, 1>(d, views, batch_slots, layer, batch, queries, tile_rows, tiles,
                                             multiprocessors, beside_ctas, logits, partials, stream);
         break;
       case 512:
-        launched = launch_for_group<T, 512>(d, views, batch_slots, layer, batch, queries, tile_rows, tiles,
+        launched = launch_for_group<T, 512, 1>(d, views, batch_slots, layer, batch, queries, tile_rows, tiles,
                                             multiprocessors, beside_ctas, logits, partials, stream);
         break;
       default: break;

@@ -1,4 +1,5 @@
-// Landmark logits of one decode step (one query token), streamed through shared memory by one wave of CTAs.
+// Landmark (or two-centroid) logits of one decode step (one query token), streamed through shared memory by one
+// wave of CTAs.
 //
 // The same outputs as kernel 1 of chunk_selection.cu in its decode mode (kLogits with tile partials), which stages
 // whole tiles per CTA in shared memory and measured ~3x the landmark bytes' time at HBM speed on an H200 (B=8: 176 µs
@@ -17,10 +18,12 @@ namespace shadowkv::cuda {
 
 /// Writes softmax_scale * q_j·L[c] (-inf for outliers) to logits [B, Hq, max_chunks] for chunks c < context_chunks,
 /// and each tile's softmax partial (max, sum exp) per query head j of KV head h to partials row (b, h) of
-/// [G][tiles][2] floats (step_workspace::selection_partials; tiles of `tile_rows` chunks).
-/// Returns false, launching nothing, for shapes it does not cover: a landmark row of other than 128, 256 or 512
-/// bytes, more than 8 query heads per KV head, or two-centroid scores (dims::chunk_centroids). The grid (one wave: the CTAs that fit on `multiprocessors`, less
-/// `beside_ctas` that another kernel may hold meanwhile) depends on dims, batch and the device only.
+/// [G][tiles][2] floats (step_workspace::selection_partials; tiles of `tile_rows` chunks). With two-centroid scores
+/// (dims::chunk_centroids) the logit is the two-centroid one (shadowkv/chunk_centroids.hpp), read from rows of 2·D
+/// e4m3 codes. Returns false, launching nothing, for shapes it does not cover: a row (landmark, or codes) of other
+/// than 128, 256 or 512 bytes, or more than 8 query heads per KV head. The grid (one wave: the CTAs that fit on
+/// `multiprocessors`, less `beside_ctas` that another kernel may hold meanwhile) depends on dims, batch and the
+/// device only.
 bool launch_decode_landmark_logits(const dims& d, int kv_type, const layer_view* views, const int* batch_slots,
                                    int layer, int batch, const strided_tensor& queries, int tile_rows, int tiles,
                                    int multiprocessors, int beside_ctas, float* logits, float* partials,

@@ -8,6 +8,10 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <cstdint>
+
+#include "common/element_access.cuh"
+
 namespace shadowkv::cuda {
 
 /// x[i] = the value of byte i of `packed` (little-endian: byte 0 is the low byte of packed.x).
@@ -25,5 +29,20 @@ __device__ __forceinline__ void decode_e4m3x16(const uint4& packed, float (&x)[1
     }
   }
 }
+
+/// One e4m3 code as the element of a row (the two-centroid codes of dims::chunk_centroids): a kernel templated on
+/// the element type reads rows of codes through vector16<e4m3_code>, 16 codes a 16-byte vector.
+struct e4m3_code {
+  std::uint8_t bits;
+};
+static_assert(sizeof(e4m3_code) == 1, "one byte a code");
+
+template <>
+struct vector16<e4m3_code> {
+  static constexpr int elements = 16;
+  __device__ __forceinline__ static void to_floats(const uint4& raw, float* out) {
+    decode_e4m3x16(raw, *reinterpret_cast<float(*)[16]>(out));
+  }
+};
 
 }  // namespace shadowkv::cuda
