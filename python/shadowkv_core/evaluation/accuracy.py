@@ -26,6 +26,7 @@ each sample, so a run cut short keeps what it did), `summary.md` (the tables) an
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -58,7 +59,7 @@ class EvalConfig:
     def __init__(self, *, tasks=("niah",), lengths=(4096,), depths=(0.0, 0.25, 0.5, 0.75, 1.0), samples=2,
                  budgets=("3.125%",), rank=64, chunk_size=8, outlier_chunks=4, local_chunks=4,
                  generation_window=256, store_dtype=None, seed=0, max_new_tokens=None, time_limit=None,
-                 sink_chunks=1, group_score="mean", chunk_score="landmark"):
+                 sink_chunks=1, group_score="mean", chunk_score="landmark", selection="store"):
         for task in tasks:
             if task not in TASKS:
                 raise ValueError(f"unknown task {task!r}; tasks: {', '.join(TASKS)}")
@@ -77,6 +78,9 @@ class EvalConfig:
         if chunk_score not in ("landmark", "two_centroids"):
             raise ValueError(f"chunk_score must be 'landmark' or 'two_centroids', got {chunk_score!r}")
         self.chunk_score = str(chunk_score)
+        if selection not in ("store", "oracle"):
+            raise ValueError(f"selection must be 'store' or 'oracle', got {selection!r}")
+        self.selection = str(selection)
         self.local_chunks = int(local_chunks)
         self.generation_window = int(generation_window)
         self.store_dtype = store_dtype
@@ -118,6 +122,25 @@ def _samples(config: EvalConfig, fmt: PromptFormat, haystack: Haystack) -> List[
     return out
 
 
+def _oracle_run(decoder, dense, first_logits, sample, max_new, config, spec, budget, length, layers) -> dict:
+    """One conversation on a copy of the dense prefill with the best possible chunk selection (oracle.py) at the
+    store's budget and settings; shaped like a store run (memory: the dense cache's bytes, no stats)."""
+    from .oracle import OracleSpec, oracle_attention
+
+    cache = copy.deepcopy(dense)
+    oracle = OracleSpec(prompt_length=length, budget_tokens=budget, chunk_size=config.chunk_size,
+                        outlier_chunks=config.outlier_chunks, sink_chunks=config.sink_chunks,
+                        local_chunks=config.local_chunks, store_layers=layers)
+    with oracle_attention(oracle):
+        run = decoder.converse(cache, first_logits, sample, max_new)
+    dense_bytes = sum(t.numel() * t.element_size() for layer in dense.layers for t in (layer.keys, layer.values)
+                      if t is not None)
+    del cache
+    scores = [score(a, t.expected) for a, t in zip(run["answers"], sample.turns)]
+    return dict(budget=spec, budget_tokens=budget, store_prefill_seconds=0.0, scores=scores, selection="oracle",
+                memory=dict(total=dense_bytes, value_store=0, full_attention_equivalent=dense_bytes), stats={}, **run)
+
+
 def _versions() -> dict:
     import torch
     import transformers
@@ -148,6 +171,8 @@ def evaluate(model, tokenizer, config: EvalConfig, *, model_name: str = "model",
     modules = attention_modules(model)
     kv = skv.store_kwargs_for(model, max(config.lengths) + 64)
     rank = kv["num_kv_heads"] * kv["head_dim"] if config.rank in (None, "full") else int(config.rank)
+    layer_types, _ = skv._plan_layers(model, max(config.lengths) + 64)
+    oracle_layers = frozenset(i for i, kind in enumerate(layer_types) if kind == "full_attention")
 
     results = {
         "model": model_name,
@@ -180,6 +205,13 @@ def evaluate(model, tokenizer, config: EvalConfig, *, model_name: str = "model",
             store_runs = []
             for spec in config.budgets:
                 budget = budget_tokens(spec, length, config.chunk_size)
+                if config.selection == "oracle":
+                    store_runs.append(_oracle_run(decoder, dense, first_logits, sample, max_new, config, spec,
+                                                  budget, length, oracle_layers))
+                    done_store += sum(store_runs[-1]["scores"]) / len(store_runs[-1]["scores"])
+                    n_store += 1
+                    bar.update()
+                    continue
                 cache = skv.make_cache(model, budget=budget, rank=rank, chunk_size=config.chunk_size,
                                        outlier_chunks=config.outlier_chunks, sink_chunks=config.sink_chunks,
                                        group_score=config.group_score, chunk_score=config.chunk_score,
@@ -255,6 +287,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="how a chunk's score combines the query heads of a KV head's group (KVStore group_score)")
     p.add_argument("--chunk-score", default="landmark", choices=("landmark", "two_centroids"),
                    help="what a chunk's score is computed from (KVStore chunk_score)")
+    p.add_argument("--selection", default="store", choices=("store", "oracle"),
+                   help="oracle: instead of the store, attention over the chunks with the most true attention mass "
+                        "(exact keys, as many chunks as the store attends; shadowkv_core.evaluation.oracle): the "
+                        "best any chunk score could do at the budget")
     p.add_argument("--local-chunks", type=int, default=4)
     p.add_argument("--generation-window", type=int, default=256)
     p.add_argument("--store-dtype", default=None, help="store precision (default: the model's)")
@@ -294,7 +330,7 @@ def main(argv=None, *, model=None, tokenizer=None) -> int:
             rank=None if args.rank == "full" else int(args.rank), chunk_size=args.chunk_size,
             outlier_chunks=args.outliers, local_chunks=args.local_chunks, generation_window=args.generation_window,
             sink_chunks=args.sink_chunks, group_score=args.group_score, chunk_score=args.chunk_score,
-            store_dtype=args.store_dtype, seed=args.seed,
+            selection=args.selection, store_dtype=args.store_dtype, seed=args.seed,
             max_new_tokens=args.max_new_tokens, time_limit=args.time_limit)
     except ValueError as exc:  # an unknown task, a misspelt budget or rank: one line, not a traceback
         parser.error(str(exc))

@@ -29,12 +29,18 @@ _recording = threading.local()
 
 
 def _eval_attention(module, query, key, value, attention_mask, **kwargs):
-    """The adapter's attention function, recording each layer's last query during a recorded prefill."""
+    """The adapter's attention function, recording each layer's last query during a recorded prefill; inside
+    `oracle.oracle_attention`, the best possible chunk selection on the store's layers after the prompt."""
     import shadowkv_core.hf as skv
+
+    from .oracle import active_spec, oracle_attention_forward
 
     queries = getattr(_recording, "queries", None)
     if queries is not None and query.shape[2] > 1:
         queries[module.layer_idx] = query[:, :, -1:, :].detach().clone()
+    spec = active_spec()
+    if spec is not None and module.layer_idx in spec.store_layers and key.shape[2] > spec.prompt_length:
+        return oracle_attention_forward(module, query, key, value, spec, kwargs.get("scaling") or module.scaling)
     return skv.shadowkv_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
