@@ -259,8 +259,9 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
                                     cudaMemcpyHostToDevice, own_stream_));
   batch_slots_ = device_buffer(batch * sizeof(int), own_stream_, resources_->device_memory());
   batch_staging_ = host_buffer(batch * sizeof(int), resources_->host_memory());
-  solver_infos_ = device_buffer(batch * sizeof(int), own_stream_, resources_->device_memory());
-  solver_infos_host_ = host_buffer(batch * sizeof(int), resources_->host_memory());
+  // [max_batch] cuSOLVER infos, then [max_batch] RoPE overflow flags (prefill_one).
+  solver_infos_ = device_buffer(2 * batch * sizeof(int), own_stream_, resources_->device_memory());
+  solver_infos_host_ = host_buffer(2 * batch * sizeof(int), resources_->host_memory());
   SHADOWKV_CUDA_TRY(cudaStreamSynchronize(own_stream_));
 
   // value_store="auto" without a budget: what is free now, less a margin for the caller's own work (activations,
@@ -530,9 +531,16 @@ void cuda_backend::prefill_one(int layer, std::span<const batch_entry> entries, 
                              inputs.positions.empty() ? 64 : index_bits(inputs.positions), static_cast<int>(entry.row),
                              len, inputs.keys_post_rope, static_cast<const float*>(inv_freq_.data()),
                              static_cast<float*>(keys_pre.data()), keys_post.data(),
-                             static_cast<long long*>(positions.data()), stream_);
-  factorize(static_cast<const float*>(keys_pre.data()), len, basis, static_cast<int*>(solver_infos_.data()) + index,
-            libraries);
+                             static_cast<long long*>(positions.data()), overflow_flag(index), stream_);
+  try {
+    factorize(static_cast<const float*>(keys_pre.data()), len, basis, static_cast<int*>(solver_infos_.data()) + index,
+              libraries);
+  } catch (const cuda_error&) {
+    // Keys that overflowed under RoPE make a Gram matrix of infinities, on which cuSOLVER may fail outright: the
+    // caller's error is the keys, as on the CPU backend.
+    reject_overflowed_keys(entries, index, index + 1);
+    throw;
+  }
   // After the last factorisation every info is final and the stream has drained (cuSOLVER returns only then; see
   // factorize): reading them here costs a copy, where a read at the end of the call would also wait for this
   // sequence's A = K·Bᵀ, landmarks and scatter, which otherwise run on while the caller queues its next work.
@@ -640,7 +648,24 @@ void cuda_backend::prefill(int layer, std::span<const batch_entry> entries, cons
   }
 }
 
+int* cuda_backend::overflow_flag(std::size_t index) const {
+  return static_cast<int*>(solver_infos_.data()) + static_cast<std::size_t>(config_.max_batch) + index;
+}
+
+void cuda_backend::reject_overflowed_keys(std::span<const batch_entry> entries, std::size_t first, std::size_t end) {
+  auto* flags = static_cast<int*>(solver_infos_host_.data()) + config_.max_batch;
+  SHADOWKV_CUDA_TRY(cudaMemcpyAsync(flags + first, overflow_flag(first), (end - first) * sizeof(int),
+                                    cudaMemcpyDeviceToHost, stream_));
+  SHADOWKV_CUDA_TRY(cudaStreamSynchronize(stream_));
+  for (std::size_t b = first; b < end; ++b) {
+    // The CPU backend's words (cpu_backend.cpp), so that both backends reject the same keys alike.
+    SHADOWKV_EXPECTS(flags[b] == 0, "keys of slot ", entries[b].slot,
+                     " are too large: applying or removing RoPE overflows float32");
+  }
+}
+
 void cuda_backend::check_factorizations(std::span<const batch_entry> entries) {
+  reject_overflowed_keys(entries, 0, entries.size());  // first: such keys make the infos meaningless
   SHADOWKV_CUDA_TRY(cudaMemcpyAsync(solver_infos_host_.data(), solver_infos_.data(), entries.size() * sizeof(int),
                                     cudaMemcpyDeviceToHost, stream_));
   SHADOWKV_CUDA_TRY(cudaStreamSynchronize(stream_));

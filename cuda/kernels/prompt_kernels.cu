@@ -59,7 +59,8 @@ template <typename T>
 __global__ void __launch_bounds__(kPrepareThreads)
     prepare_prompt_keys_kernel(dims d, strided_tensor keys, strided_tensor positions, int positions_bits, int row,
                                int len, int tile_tokens, int tile_heads, bool vector_source, bool post_rope,
-                               const float* inv_freq, float* keys_pre, T* keys_post, long long* positions_out) {
+                               const float* inv_freq, float* keys_pre, T* keys_post, long long* positions_out,
+                               int* overflowed) {
   extern __shared__ __align__(16) float prepare_shared[];
   const int head_dim = d.head_dim;
   const int run = tile_heads * head_dim;  // floats of one token's row in the tile
@@ -149,6 +150,8 @@ __global__ void __launch_bounds__(kPrepareThreads)
       value.w = rotary_here > 3 ? turned.w : given.w;
     }
     *reinterpret_cast<float4*>(keys_pre + (t0 + tt) * width + static_cast<long long>(h0) * head_dim + e) = value;
+    // The inputs are finite (the store checks them first), so a non-finite key here is RoPE's overflow.
+    if (!(isfinite(value.x) && isfinite(value.y) && isfinite(value.z) && isfinite(value.w))) *overflowed = 1;
   }
   constexpr int kOut = vector16<T>::elements;
   for (int i = threadIdx.x; i < tokens * (used / kOut); i += blockDim.x) {
@@ -157,7 +160,10 @@ __global__ void __launch_bounds__(kPrepareThreads)
     const int rotary_here = post_rope ? 0 : d.rotary_dim - e % head_dim;
     __align__(16) T out[kOut];
 #pragma unroll
-    for (int k = 0; k < kOut; ++k) out[k] = from_float<T>((k < rotary_here ? rotated : original)[tt * run + e + k]);
+    for (int k = 0; k < kOut; ++k) {
+      out[k] = from_float<T>((k < rotary_here ? rotated : original)[tt * run + e + k]);
+      if (!isfinite(to_float(out[k]))) *overflowed = 1;  // overflowed in the rotation or in the rounding to T
+    }
     *reinterpret_cast<uint4*>(keys_post + (t0 + tt) * width + static_cast<long long>(h0) * head_dim + e) =
         *reinterpret_cast<const uint4*>(out);
   }
@@ -575,8 +581,11 @@ __global__ void __launch_bounds__(kCentroidWarps * 32)
 
 void launch_prepare_prompt_keys(const dims& d, int kv_type, strided_tensor keys, strided_tensor positions,
                                 int positions_bits, int row, int len, bool post_rope, const float* inv_freq,
-                                float* keys_pre, void* keys_post, long long* positions_out, cudaStream_t stream) {
+                                float* keys_pre, void* keys_post, long long* positions_out, int* overflowed,
+                                cudaStream_t stream) {
   check_vector_rows(d);
+  SHADOWKV_EXPECTS(overflowed != nullptr, "prepare_prompt_keys: null overflow flag");
+  SHADOWKV_CUDA_TRY(cudaMemsetAsync(overflowed, 0, sizeof(int), stream));
   if (len == 0) return;
   const int tile_heads = std::min(d.kv_heads, std::max(1, kPrepareTileFloats / d.head_dim));
   const int tile_tokens = std::clamp(kPrepareTileFloats / (tile_heads * d.head_dim), 1, kPrepareMaxTileTokens);
@@ -588,7 +597,7 @@ void launch_prepare_prompt_keys(const dims& d, int kv_type, strided_tensor keys,
     using T = std::remove_pointer_t<decltype(tag)>;
     prepare_prompt_keys_kernel<T><<<grid, kPrepareThreads, shared, stream>>>(
         d, keys, positions, positions_bits, row, len, tile_tokens, tile_heads, vector_source, post_rope, inv_freq,
-        keys_pre, static_cast<T*>(keys_post), positions_out);
+        keys_pre, static_cast<T*>(keys_post), positions_out, overflowed);
   });
   SHADOWKV_CUDA_CHECK_LAUNCH();
 }

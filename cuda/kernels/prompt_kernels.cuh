@@ -13,10 +13,14 @@ namespace shadowkv::cuda {
 
 /// Reads row `row` of keys [B, S, Hkv, D] (len tokens) into keys_pre (float [len, Hkv*D], un-rotated if
 /// `post_rope`) and keys_post (T [len, Hkv*D], rotated if not `post_rope`, rounded to T); positions (int
-/// `positions_bits` tensor [B, S], or data == nullptr for 0..len-1) to positions_out [len].
+/// `positions_bits` tensor [B, S], or data == nullptr for 0..len-1) to positions_out [len]. `*overflowed` (device
+/// int) is zeroed, then set to 1 when a key of either copy is not finite: the inputs are finite (the store checks),
+/// so that is RoPE's rotation, or the rounding to T, overflowing (the CPU backend rejects such keys; so does the
+/// CUDA backend, reading the flag with the factorisations' infos).
 void launch_prepare_prompt_keys(const dims& d, int kv_type, strided_tensor keys, strided_tensor positions,
                                 int positions_bits, int row, int len, bool post_rope, const float* inv_freq,
-                                float* keys_pre, void* keys_post, long long* positions_out, cudaStream_t stream);
+                                float* keys_pre, void* keys_post, long long* positions_out, int* overflowed,
+                                cudaStream_t stream);
 
 /// Landmarks (mean of each chunk's stored post-RoPE keys, rounded to T) into landmarks [Hkv, max_chunks, D] and each
 /// chunk's minimum cosine to its own keys into min_cosine [Hkv, chunks].

@@ -589,15 +589,20 @@ void run_prepare(std::uint64_t seed, int type, int key_type, bool strided, bool 
   device_buffer pre_device(static_cast<std::size_t>(len) * width * sizeof(float));
   device_buffer post_device(static_cast<std::size_t>(len) * width * element_bytes(type));
   device_buffer positions_out(static_cast<std::size_t>(len) * sizeof(long long));
+  device_buffer overflowed(sizeof(int));
   CUDA_OK(upload(keys_device, keys));
   CUDA_OK(upload(positions_device, positions));
+  CUDA_OK(upload(overflowed, std::vector<int>{7}));  // stale: the launch must zero it
   if (!inv_freq.empty()) CUDA_OK(upload(inv_freq_device, inv_freq));
   keys_tensor.data = keys_device.get();
   const strided_tensor positions_tensor{positions_device.get(), 0, {seq, 1, 0, 0}};
   ASSERT_NO_THROW(shadowkv::cuda::launch_prepare_prompt_keys(
       d, type, keys_tensor, positions_tensor, 32, row, len, post_rope, inv_freq_device.get<float>(),
-      pre_device.get<float>(), post_device.get(), positions_out.get<long long>(), nullptr));
+      pre_device.get<float>(), post_device.get(), positions_out.get<long long>(), overflowed.get<int>(), nullptr));
   CUDA_OK(cudaDeviceSynchronize());
+  std::vector<int> flag;
+  CUDA_OK(download(flag, overflowed.get<int>(), 1));
+  EXPECT_EQ(flag[0], 0) << "keys of a few units flagged as overflowing";
   std::vector<float> pre;
   std::vector<long long> got_positions;
   CUDA_OK(download(pre, pre_device.get<float>(), static_cast<std::size_t>(len) * width));
@@ -659,6 +664,58 @@ TEST_F(PromptKernels, PrepareKeysMatchesHostRope) {
         run_prepare(seed++, type, type, false, post_rope, false, s.heads, s.head_dim, s.rotary_dim, s.len);
         run_prepare(seed++, type, element_f16, true, post_rope, true, s.heads, s.head_dim, s.rotary_dim, s.len);
         if (HasFatalFailure()) return;
+      }
+    }
+  }
+}
+
+// Finite keys near the float32 limit: rotating (or un-rotating) them overflows at some positions, and the kernel
+// says so (the CUDA backend then rejects the prefill as the CPU backend does). Keys of 1e38 never overflow
+// (|x cos - y sin| <= 1.42e38), nor does a zero rotary_dim.
+TEST_F(PromptKernels, PrepareKeysFlagsRopeOverflow) {
+  const int heads = 2;
+  const int head_dim = 64;
+  const int len = 16;
+  const int width = heads * head_dim;
+  std::vector<float> inv_freq(head_dim / 2);
+  for (int i = 0; i < head_dim / 2; ++i) {
+    inv_freq[static_cast<std::size_t>(i)] = static_cast<float>(1.0 / std::pow(10000.0, 2.0 * i / head_dim));
+  }
+  device_buffer inv_freq_device(inv_freq.size() * sizeof(float));
+  CUDA_OK(upload(inv_freq_device, inv_freq));
+  struct variant {
+    float magnitude;
+    int rotary_dim;
+    bool overflows;
+  };
+  for (const variant v : {variant{3.0e38F, head_dim, true}, variant{1.0e38F, head_dim, false},
+                          variant{3.0e38F, 0, false}}) {
+    for (const int type : {element_f32, element_bf16}) {
+      for (const bool post_rope : {false, true}) {
+        SCOPED_TRACE(testing::Message() << "magnitude " << v.magnitude << " rotary " << v.rotary_dim << " "
+                                        << type_name(type) << (post_rope ? " post" : " pre"));
+        dims d = make_dims(heads, head_dim, 8, 64, 1);
+        d.rotary_dim = v.rotary_dim;
+        std::vector<float> keys(static_cast<std::size_t>(len) * width);
+        for (std::size_t i = 0; i < keys.size(); ++i) keys[i] = i % 2 == 0 ? v.magnitude : -v.magnitude;
+        device_buffer keys_device(keys.size() * sizeof(float));
+        device_buffer pre_device(keys.size() * sizeof(float));
+        device_buffer post_device(keys.size() * element_bytes(type));
+        device_buffer positions_out(static_cast<std::size_t>(len) * sizeof(long long));
+        device_buffer overflowed(sizeof(int));
+        CUDA_OK(upload(keys_device, keys));
+        CUDA_OK(upload(overflowed, std::vector<int>{v.overflows ? 0 : 7}));  // stale either way
+        const strided_tensor keys_tensor{keys_device.get(), element_f32, {static_cast<long long>(len) * width, width,
+                                                                          head_dim, 1}};
+        const strided_tensor no_positions{nullptr, 0, {0, 0, 0, 0}};
+        ASSERT_NO_THROW(shadowkv::cuda::launch_prepare_prompt_keys(
+            d, type, keys_tensor, no_positions, 64, 0, len, post_rope, inv_freq_device.get<float>(),
+            pre_device.get<float>(), post_device.get(), positions_out.get<long long>(), overflowed.get<int>(),
+            nullptr));
+        CUDA_OK(cudaDeviceSynchronize());
+        std::vector<int> flag;
+        CUDA_OK(download(flag, overflowed.get<int>(), 1));
+        EXPECT_EQ(flag[0], v.overflows ? 1 : 0);
       }
     }
   }
