@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 
 #include "chunk_rebuild.cuh"
 #include "chunk_selection.cuh"
@@ -35,6 +36,18 @@ int fetch_ctas_for_host_values(int multiprocessors) {
     return static_cast<int>(value);
   }
   return std::max(8, multiprocessors / 4);
+}
+
+// How attention reads the selected values of a sequence whose values live in device memory (bf16/f16/f32): "gather"
+// (the default: the fetch copies the misses into the selection cache, device to device, and attention reads the
+// cache) or "in_place" (attention reads them from the value store; no copy). SHADOWKV_DEVICE_VALUES picks one (a
+// measurement knob for bench/step_benchmark.py's +ip; bench/NOTES.md).
+bool device_values_in_place() {
+  const char* text = std::getenv("SHADOWKV_DEVICE_VALUES");
+  if (text == nullptr || *text == '\0' || std::strcmp(text, "gather") == 0) return false;
+  SHADOWKV_EXPECTS(std::strcmp(text, "in_place") == 0, "SHADOWKV_DEVICE_VALUES must be 'gather' or 'in_place', got '",
+                   text, "'");
+  return true;
 }
 
 constexpr std::size_t kAlignment = 256;
@@ -171,6 +184,7 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   stream_ = own_stream_;
   fetch_ctas_host_ = fetch_ctas_for_host_values(resources_->multiprocessors());
   fetch_ctas_device_ = 2 * resources_->multiprocessors();
+  values_in_place_ = device_values_in_place();
 
   // Reserve everything up front.
   const std::size_t element = dtype_size(cfg.kv_dtype);
@@ -346,6 +360,8 @@ void cuda_backend::open_sequence(int slot, value_place values_on) {
     views[static_cast<std::size_t>(layer)].value_store = layer_base;
     views[static_cast<std::size_t>(layer)].value_scales =
         dims_.value_fp8 != 0 ? reinterpret_cast<float*>(layer_base + value_codes_bytes_) : nullptr;
+    views[static_cast<std::size_t>(layer)].values_in_place =
+        values_in_place_ && values_on == value_place::device && dims_.value_fp8 == 0 ? 1 : 0;
   }
   // The slot's views (fresh counters, the new value store) go to the device before any kernel can read them.
   SHADOWKV_CUDA_TRY(cudaMemcpyAsync(device_view(slot, 0), views.data(), views.size() * sizeof(layer_view),

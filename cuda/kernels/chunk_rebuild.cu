@@ -491,6 +491,13 @@ __global__ void fetch_values_kernel(dims d, layer_view* views, const int* batch_
       const unsigned long long run_bytes = d.value_fp8 != 0 ? run + sizeof(float) : run * sizeof(T);
       atomicAdd(workspace.counters + 3, static_cast<unsigned long long>(misses) * run_bytes);
     }
+    if (view->values_in_place != 0) {
+      // Attention reads these values from the value store: the bytes are counted (the statistics stay the same
+      // whichever way the values are read), nothing is copied; on to the next pair.
+      const long long next_pair = (pair + 1) * d.budget;
+      item += (next_pair - item + warps - 1) / warps * warps;
+      continue;
+    }
     const int slot = workspace.miss_slots[pair * d.budget + m];  // k entries per pair, slots in [0, K)
     const int chunk = view->cache_chunks[static_cast<long long>(h) * d.cache_slots + slot];
     const long long source_run = static_cast<long long>(chunk) * d.kv_heads + h;

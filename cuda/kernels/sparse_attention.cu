@@ -227,7 +227,15 @@ __global__ void __launch_bounds__(kThreads, 3)
       i += (slot_list[entry] - entry) * chunk;
     }
     key = cache_keys + static_cast<long long>(i) * D;
-    value = cache_values + static_cast<long long>(i) * D;
+    if (view.values_in_place != 0) {
+      // The value store's run of (chunk, head h), [max_chunks, Hkv, C, D], for buffer slot i / C's chunk.
+      const int slot = chunk_shift >= 0 ? i >> chunk_shift : i / chunk;
+      const int token = i - slot * chunk;
+      const long long chunk_id = view.cache_chunks[static_cast<long long>(h) * d.cache_slots + slot];
+      value = static_cast<const T*>(view.value_store) + ((chunk_id * d.kv_heads + h) * chunk + token) * D;
+    } else {
+      value = cache_values + static_cast<long long>(i) * D;
+    }
   };
   // Starts the copies of step `step` into its stage (rows spread over all row slots) and commits them as one group
   // (an empty group past the last step keeps the group count uniform).
