@@ -273,9 +273,10 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
                                     cudaMemcpyHostToDevice, own_stream_));
   batch_slots_ = device_buffer(batch * sizeof(int), own_stream_, resources_->device_memory());
   batch_staging_ = host_buffer(batch * sizeof(int), resources_->host_memory());
-  // [max_batch] cuSOLVER infos, then [max_batch] RoPE overflow flags (prefill_one).
-  solver_infos_ = device_buffer(2 * batch * sizeof(int), own_stream_, resources_->device_memory());
-  solver_infos_host_ = host_buffer(2 * batch * sizeof(int), resources_->host_memory());
+  solver_infos_ = device_buffer(batch * sizeof(int), own_stream_, resources_->device_memory());
+  solver_infos_host_ = host_buffer(batch * sizeof(int), resources_->host_memory());
+  key_stats_ = device_buffer(batch * sizeof(key_stats), own_stream_, resources_->device_memory());
+  key_stats_host_ = host_buffer(batch * sizeof(key_stats), resources_->host_memory());
   SHADOWKV_CUDA_TRY(cudaStreamSynchronize(own_stream_));
 
   // value_store="auto" without a budget: what is free now, less a margin for the caller's own work (activations,
@@ -306,6 +307,7 @@ cuda_backend::~cuda_backend() {
   inv_freq_.release(own_stream_);
   batch_slots_.release(own_stream_);
   solver_infos_.release(own_stream_);
+  key_stats_.release(own_stream_);
   for (device_buffer& values : device_values_) values.release(own_stream_);
   (void)cudaStreamSynchronize(own_stream_);
   host_values_.clear();
@@ -547,7 +549,11 @@ void cuda_backend::prefill_one(int layer, std::span<const batch_entry> entries, 
                              inputs.positions.empty() ? 64 : index_bits(inputs.positions), static_cast<int>(entry.row),
                              len, inputs.keys_post_rope, static_cast<const float*>(inv_freq_.data()),
                              static_cast<float*>(keys_pre.data()), keys_post.data(),
-                             static_cast<long long*>(positions.data()), overflow_flag(index), stream_);
+                             static_cast<long long*>(positions.data()), stats_of(index), stream_);
+  // Keys whose largest magnitude the float32 Gram matrix cannot square: scaled by a power of two, as on the CPU
+  // backend (A is scaled back below); nothing happens, but a launch that reads one word, for all other keys.
+  launch_scale_keys_for_gram(static_cast<float*>(keys_pre.data()), static_cast<long long>(len) * config_.kv_width(),
+                             stats_of(index), stream_);
   try {
     factorize(static_cast<const float*>(keys_pre.data()), len, basis, static_cast<int*>(solver_infos_.data()) + index,
               libraries);
@@ -572,6 +578,9 @@ void cuda_backend::prefill_one(int layer, std::span<const batch_entry> entries, 
                                     static_cast<int>(width), &one, basis, static_cast<int>(width),
                                     static_cast<const float*>(keys_pre.data()), static_cast<int>(width), &zero,
                                     coefficients, config_.rank));
+    // From keys scaled for the Gram matrix (launch_scale_keys_for_gram): back to the keys' own scale.
+    launch_unscale_coefficients(coefficients, static_cast<long long>(config_.rank) * context_tokens, stats_of(index),
+                                stream_);
     if (bf16_factors) {
       launch_factors_to_bf16(coefficients, static_cast<long long>(coefficient_elements), view.coefficients, false,
                              stream_);
@@ -664,18 +673,18 @@ void cuda_backend::prefill(int layer, std::span<const batch_entry> entries, cons
   }
 }
 
-int* cuda_backend::overflow_flag(std::size_t index) const {
-  return static_cast<int*>(solver_infos_.data()) + static_cast<std::size_t>(config_.max_batch) + index;
+key_stats* cuda_backend::stats_of(std::size_t index) const {
+  return static_cast<key_stats*>(key_stats_.data()) + index;
 }
 
 void cuda_backend::reject_overflowed_keys(std::span<const batch_entry> entries, std::size_t first, std::size_t end) {
-  auto* flags = static_cast<int*>(solver_infos_host_.data()) + config_.max_batch;
-  SHADOWKV_CUDA_TRY(cudaMemcpyAsync(flags + first, overflow_flag(first), (end - first) * sizeof(int),
+  auto* stats = static_cast<key_stats*>(key_stats_host_.data());
+  SHADOWKV_CUDA_TRY(cudaMemcpyAsync(stats + first, stats_of(first), (end - first) * sizeof(key_stats),
                                     cudaMemcpyDeviceToHost, stream_));
   SHADOWKV_CUDA_TRY(cudaStreamSynchronize(stream_));
   for (std::size_t b = first; b < end; ++b) {
     // The CPU backend's words (cpu_backend.cpp), so that both backends reject the same keys alike.
-    SHADOWKV_EXPECTS(flags[b] == 0, "keys of slot ", entries[b].slot,
+    SHADOWKV_EXPECTS(stats[b].overflowed == 0, "keys of slot ", entries[b].slot,
                      " are too large: applying or removing RoPE overflows float32");
   }
 }

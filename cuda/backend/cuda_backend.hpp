@@ -38,6 +38,8 @@
 
 namespace shadowkv::cuda {
 
+struct key_stats;  // prompt_kernels.cuh
+
 class cuda_backend final : public backend {
  public:
   cuda_backend(const config& cfg, int device_index);
@@ -88,8 +90,8 @@ class cuda_backend final : public backend {
   /// Copies the entries' cuSOLVER infos to pinned memory and waits for them (the prefill's one wait of its own);
   /// throws cuda_error naming the slot and batch row of the first that is not zero.
   void check_factorizations(std::span<const batch_entry> entries);
-  /// Device int of entries[index]: set by the prompt-key kernel when RoPE overflowed its keys (launch_prepare_prompt_keys).
-  [[nodiscard]] int* overflow_flag(std::size_t index) const;
+  /// entries[index]'s key_stats (device): RoPE overflow, largest magnitude, Gram scaling (launch_prepare_prompt_keys).
+  [[nodiscard]] key_stats* stats_of(std::size_t index) const;
   /// Reads the overflow flags of entries [first, end) (waits for the stream) and throws invalid_argument, with the
   /// CPU backend's message, for the first one set.
   void reject_overflowed_keys(std::span<const batch_entry> entries, std::size_t first, std::size_t end);
@@ -157,8 +159,10 @@ class cuda_backend final : public backend {
   device_buffer inv_freq_;
   device_buffer batch_slots_;    ///< int [max_batch]
   host_buffer batch_staging_;    ///< pinned int [max_batch]
-  device_buffer solver_infos_;   ///< int [2 * max_batch]: each sequence's cuSOLVER info, then its RoPE overflow flag
-  host_buffer solver_infos_host_;  ///< pinned int [2 * max_batch]: their copy, read once per prefill
+  device_buffer solver_infos_;   ///< int [max_batch]: the cuSOLVER info of each sequence of a prefill
+  host_buffer solver_infos_host_;  ///< pinned int [max_batch]: their copy, read once per prefill
+  device_buffer key_stats_;      ///< key_stats [max_batch]: what the prompt-key kernel found in each sequence's keys
+  host_buffer key_stats_host_;   ///< pinned key_stats [max_batch]: their copy, read with the infos
   std::vector<layer_view> host_views_;
   std::vector<int> uploaded_slots_;
   step_workspace workspace_{};
