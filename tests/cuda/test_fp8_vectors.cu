@@ -1,6 +1,5 @@
-// decode_e4m3x16 (common/fp8_vectors.cuh, the integer decode the two-centroid scores use) against the store's rule,
-// fp8::decode_e4m3, for all 256 codes in every position of a 16-byte vector: bit for bit, but the two NaN codes, which
-// the fast decode reads as +-480 (documented there; the store never writes them).
+// decode_e4m3x16 (common/fp8_vectors.cuh, the hardware conversion the two-centroid scores use) against the store's
+// rule, fp8::decode_e4m3, for all 256 codes in every position of a 16-byte vector.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -48,8 +47,7 @@ TEST(Fp8Vectors, EveryCodeInEveryPositionMatchesTheRule) {
   for (std::size_t i = 0; i < codes.size(); ++i) {
     const float want = shadowkv::fp8::decode_e4m3(codes[i]);
     if (std::isnan(want)) {
-      EXPECT_EQ(got[i], (codes[i] & 0x80) != 0 ? -480.0F : 480.0F) << "NaN code " << int(codes[i]) << " at byte "
-                                                                   << i % 16;
+      EXPECT_TRUE(std::isnan(got[i])) << "code " << int(codes[i]) << " at byte " << i % 16;
       continue;
     }
     ASSERT_EQ(std::memcmp(&got[i], &want, sizeof(float)), 0)

@@ -1,13 +1,11 @@
-// Sixteen e4m3 codes (one 16-byte vector) to floats, with integer operations: a code's sign bit and its seven
-// magnitude bits, moved to bits 31 and 20..26 of a float, make the float of (the code's value) * 2^-120 — for the
-// subnormal codes too (they become float subnormals) — and one multiply by 2^120 makes it exact. Three integer
-// operations a code (byte to the top, arithmetic shift right by 4, one mask) and the multiply, where the hardware
-// conversion (cvt.rn.f16x2.e4m3x2, then half to float) takes 1.5 conversions a code at a quarter of the integer rate
-// (bench/NOTES.md, session 9). The floats equal fp8::decode_e4m3's bit for bit for every code but the two NaN codes,
-// 0x7f and 0xff, which give +-480 here (the store's encoder never writes them: it saturates at 448). Checked over all
-// 256 codes in every byte position by tests/cuda/test_fp8_vectors.cu.
+// Sixteen e4m3 codes (one 16-byte vector) to floats with the hardware conversion: cvt.rn.f16x2.e4m3x2 turns two codes
+// into two halves in one instruction on sm_89 and later (cuda_fp8.h falls back to its portable rule elsewhere). Every
+// e4m3 value is a half exactly, so the floats equal fp8::decode_e4m3's for every code but the two NaN codes (a NaN
+// either way; the store's encoder never writes them). Checked over all 256 codes by tests/cuda/test_fp8_vectors.cu.
 #pragma once
 
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -16,22 +14,19 @@
 
 namespace shadowkv::cuda {
 
-/// The code in bits 24..31 of `top` (the bits below are ignored) as a float.
-__device__ __forceinline__ float decode_e4m3_at_top(unsigned top) {
-  // Arithmetic shift: the sign fills bits 27..31, the magnitude lands in 20..26; the mask keeps bit 31 and 20..26.
-  const unsigned bits = static_cast<unsigned>(static_cast<int>(top) >> 4) & 0x87F00000U;
-  return __uint_as_float(bits) * 0x1p120F;
-}
-
 /// x[i] = the value of byte i of `packed` (little-endian: byte 0 is the low byte of packed.x).
 __device__ __forceinline__ void decode_e4m3x16(const uint4& packed, float (&x)[16]) {
   const unsigned words[4] = {packed.x, packed.y, packed.z, packed.w};
 #pragma unroll
   for (int w = 0; w < 4; ++w) {
-    x[4 * w + 0] = decode_e4m3_at_top(words[w] << 24);
-    x[4 * w + 1] = decode_e4m3_at_top(words[w] << 16);
-    x[4 * w + 2] = decode_e4m3_at_top(words[w] << 8);
-    x[4 * w + 3] = decode_e4m3_at_top(words[w]);
+#pragma unroll
+    for (int p = 0; p < 2; ++p) {
+      const auto pair = static_cast<__nv_fp8x2_storage_t>((words[w] >> (16 * p)) & 0xFFFFU);
+      const __half2 halves(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3));  // .x: the low byte
+      const float2 f = __half22float2(halves);
+      x[4 * w + 2 * p] = f.x;
+      x[4 * w + 2 * p + 1] = f.y;
+    }
   }
 }
 
