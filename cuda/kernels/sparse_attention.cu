@@ -12,7 +12,7 @@
 //    slots, ascending, compacted by the select kernel): slots cached but not selected are never read. The
 //    split's share is a contiguous range of ceil(N / splits) rows of the N actual rows, so a short sequence in a
 //    ragged batch costs what it holds.
-//    Rows stream through a multi-stage shared-memory pipeline (cp.async, 16 bytes per copy, 2-8 stages in <= 64 KiB
+//    Rows stream through a multi-stage shared-memory pipeline (cp.async, 16 bytes per copy, 2-8 stages in <= 40 KiB
 //    of dynamic shared memory per CTA, or 2 stages when they need more, so the bytes in flight do not cost
 //    registers): a stage holds the K and V rows of one compute step and the producing threads note which of its rows
 //    are tokens. A row is read from shared
@@ -64,12 +64,11 @@ constexpr int kMinRowsPerSplit = 64;
 /// CTAs the split count aims for: one wave at 3 CTAs per SM of an H200 (132 SMs). A constant, not the device's SM
 /// count, so that the split count (and with it the rounding of the result) depends only on the dims and the batch.
 constexpr int kTargetCtas = 132 * 3;
-/// Shared memory for the K/V pipeline stages of one CTA: 64 KiB, three CTAs per SM (192 of the H200's 228 KiB), over
-/// the 48 KiB default (see launch_split). At 40 KiB a bf16 step of D = 128 and 4 heads a lane (16 KiB) had two
-/// stages: one step in flight while the CTA computed the other, and the kernel read ~1.2 TB/s at B=8 (45 µs for
-/// ~80 MB, bench/NOTES.md session 9); four stages keep three in flight. At least two stages are kept, so a step
-/// larger than half of this (fp32, D = 256, 4 heads per lane: 32 KiB) still gets two.
-constexpr int kPipelineBytes = 64 * 1024;
+/// Shared memory for the K/V pipeline stages of one CTA. At least two stages are kept, so a step larger than half of
+/// this (fp32, D = 256, 4 heads per lane: 32 KiB) takes more (64 KiB, over the 48 KiB default; see launch_split).
+/// (64 KiB, i.e. four stages instead of two for bf16 D = 128, measured slower on the H200: B=8 48 µs against 45, B=24
+/// 221 against 200; bench/NOTES.md, session 9.)
+constexpr int kPipelineBytes = 40 * 1024;
 /// Shared memory (static and dynamic) a CTA may use without the opt-in attribute.
 constexpr int kDefaultSharedBytes = 48 * 1024;
 

@@ -79,10 +79,6 @@ void shadowkv_allow_max_shared_memory(Kernel kernel) {
   SHADOWKV_CUDA_TRY(cudaFuncGetAttributes(&attributes, kernel));
   const int dynamic_limit = optin - static_cast<int>(attributes.sharedSizeBytes);
   SHADOWKV_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dynamic_limit));
-  // The largest shared-memory carveout, so that as many CTAs are resident as the grids are sized for (the carveout
-  // is otherwise a choice of the driver's, which may leave one CTA per multiprocessor short).
-  SHADOWKV_CUDA_TRY(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
 }
 
 /// Above 48 KiB a kernel needs the opt-in limit. The attribute belongs to each device's copy of the kernel, so it is
