@@ -24,6 +24,7 @@ def table(path: str) -> str:
                      f"{r.get('factor_dtype', 'float32')}{' (parts ' + str(r['decode_pipeline_parts']) + ')' if r.get('decode_pipeline_parts') else ''}"
                      f"{' (group max)' if r.get('group_score') == 'max' else ''}"
                      f"{' (two centroids)' if r.get('chunk_score') == 'two_centroids' else ''}"
+                     f"{' (values in place)' if r.get('device_values') == 'in_place' else ''}"
                      f"{' (fetch CTAs ' + str(r['fetch_ctas']) + ')' if r.get('fetch_ctas') else ''}"
                      f"{' (cache ' + str(r['cache_tokens']) + ' tokens)' if r.get('cache_tokens') else ''} | {r['hit']:.2f} | "
                      f"{r['ours_ms']:.3f} | {graph} | {r['full_ms']:.3f} | {r['floor_ms']:.3f} | "

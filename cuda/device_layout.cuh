@@ -89,6 +89,10 @@ struct layer_view {
   std::uint8_t* centroid_codes;  ///< [Hkv, max_chunks, 2 * D] e4m3 codes: centroid 1, then centroid 2
   float* centroid_scales;        ///< [Hkv, max_chunks, 2]
   std::uint8_t* first_counts;    ///< [Hkv, max_chunks]: keys in the first cluster
+  // 1: attention reads this sequence's selected values from value_store where they are (device values, not fp8, and
+  // SHADOWKV_DEVICE_VALUES=in_place), and the value fetch only counts their bytes; 0: from cache_values, filled by the
+  // fetch (issue 15 item 1 asks for both, measured).
+  int values_in_place;
 };
 
 /// Ring row of the i-th oldest generated token (0 <= i < generated_exact_len) in the exact region.

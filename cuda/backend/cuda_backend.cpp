@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 
 #include "chunk_rebuild.cuh"
 #include "chunk_selection.cuh"
@@ -35,6 +36,18 @@ int fetch_ctas_for_host_values(int multiprocessors) {
     return static_cast<int>(value);
   }
   return std::max(8, multiprocessors / 4);
+}
+
+// How attention reads the selected values of a sequence whose values live in device memory (bf16/f16/f32): "gather"
+// (the default: the fetch copies the misses into the selection cache, device to device, and attention reads the
+// cache) or "in_place" (attention reads them from the value store; no copy). SHADOWKV_DEVICE_VALUES picks one (a
+// measurement knob for bench/step_benchmark.py's +ip; bench/NOTES.md).
+bool device_values_in_place() {
+  const char* text = std::getenv("SHADOWKV_DEVICE_VALUES");
+  if (text == nullptr || *text == '\0' || std::strcmp(text, "gather") == 0) return false;
+  SHADOWKV_EXPECTS(std::strcmp(text, "in_place") == 0, "SHADOWKV_DEVICE_VALUES must be 'gather' or 'in_place', got '",
+                   text, "'");
+  return true;
 }
 
 constexpr std::size_t kAlignment = 256;
@@ -171,6 +184,7 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   stream_ = own_stream_;
   fetch_ctas_host_ = fetch_ctas_for_host_values(resources_->multiprocessors());
   fetch_ctas_device_ = 2 * resources_->multiprocessors();
+  values_in_place_ = device_values_in_place();
 
   // Reserve everything up front.
   const std::size_t element = dtype_size(cfg.kv_dtype);
@@ -261,6 +275,8 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   batch_staging_ = host_buffer(batch * sizeof(int), resources_->host_memory());
   solver_infos_ = device_buffer(batch * sizeof(int), own_stream_, resources_->device_memory());
   solver_infos_host_ = host_buffer(batch * sizeof(int), resources_->host_memory());
+  key_stats_ = device_buffer(batch * sizeof(key_stats), own_stream_, resources_->device_memory());
+  key_stats_host_ = host_buffer(batch * sizeof(key_stats), resources_->host_memory());
   SHADOWKV_CUDA_TRY(cudaStreamSynchronize(own_stream_));
 
   // value_store="auto" without a budget: what is free now, less a margin for the caller's own work (activations,
@@ -291,6 +307,7 @@ cuda_backend::~cuda_backend() {
   inv_freq_.release(own_stream_);
   batch_slots_.release(own_stream_);
   solver_infos_.release(own_stream_);
+  key_stats_.release(own_stream_);
   for (device_buffer& values : device_values_) values.release(own_stream_);
   (void)cudaStreamSynchronize(own_stream_);
   host_values_.clear();
@@ -345,6 +362,8 @@ void cuda_backend::open_sequence(int slot, value_place values_on) {
     views[static_cast<std::size_t>(layer)].value_store = layer_base;
     views[static_cast<std::size_t>(layer)].value_scales =
         dims_.value_fp8 != 0 ? reinterpret_cast<float*>(layer_base + value_codes_bytes_) : nullptr;
+    views[static_cast<std::size_t>(layer)].values_in_place =
+        values_in_place_ && values_on == value_place::device && dims_.value_fp8 == 0 ? 1 : 0;
   }
   // The slot's views (fresh counters, the new value store) go to the device before any kernel can read them.
   SHADOWKV_CUDA_TRY(cudaMemcpyAsync(device_view(slot, 0), views.data(), views.size() * sizeof(layer_view),
@@ -530,9 +549,20 @@ void cuda_backend::prefill_one(int layer, std::span<const batch_entry> entries, 
                              inputs.positions.empty() ? 64 : index_bits(inputs.positions), static_cast<int>(entry.row),
                              len, inputs.keys_post_rope, static_cast<const float*>(inv_freq_.data()),
                              static_cast<float*>(keys_pre.data()), keys_post.data(),
-                             static_cast<long long*>(positions.data()), stream_);
-  factorize(static_cast<const float*>(keys_pre.data()), len, basis, static_cast<int*>(solver_infos_.data()) + index,
-            libraries);
+                             static_cast<long long*>(positions.data()), stats_of(index), stream_);
+  // Keys whose largest magnitude the float32 Gram matrix cannot square: scaled by a power of two, as on the CPU
+  // backend (A is scaled back below); nothing happens, but a launch that reads one word, for all other keys.
+  launch_scale_keys_for_gram(static_cast<float*>(keys_pre.data()), static_cast<long long>(len) * config_.kv_width(),
+                             stats_of(index), stream_);
+  try {
+    factorize(static_cast<const float*>(keys_pre.data()), len, basis, static_cast<int*>(solver_infos_.data()) + index,
+              libraries);
+  } catch (const cuda_error&) {
+    // Keys that overflowed under RoPE make a Gram matrix of infinities, on which cuSOLVER may fail outright: the
+    // caller's error is the keys, as on the CPU backend.
+    reject_overflowed_keys(entries, index, index + 1);
+    throw;
+  }
   // After the last factorisation every info is final and the stream has drained (cuSOLVER returns only then; see
   // factorize): reading them here costs a copy, where a read at the end of the call would also wait for this
   // sequence's A = K·Bᵀ, landmarks and scatter, which otherwise run on while the caller queues its next work.
@@ -548,6 +578,9 @@ void cuda_backend::prefill_one(int layer, std::span<const batch_entry> entries, 
                                     static_cast<int>(width), &one, basis, static_cast<int>(width),
                                     static_cast<const float*>(keys_pre.data()), static_cast<int>(width), &zero,
                                     coefficients, config_.rank));
+    // From keys scaled for the Gram matrix (launch_scale_keys_for_gram): back to the keys' own scale.
+    launch_unscale_coefficients(coefficients, static_cast<long long>(config_.rank) * context_tokens, stats_of(index),
+                                stream_);
     if (bf16_factors) {
       launch_factors_to_bf16(coefficients, static_cast<long long>(coefficient_elements), view.coefficients, false,
                              stream_);
@@ -640,7 +673,24 @@ void cuda_backend::prefill(int layer, std::span<const batch_entry> entries, cons
   }
 }
 
+key_stats* cuda_backend::stats_of(std::size_t index) const {
+  return static_cast<key_stats*>(key_stats_.data()) + index;
+}
+
+void cuda_backend::reject_overflowed_keys(std::span<const batch_entry> entries, std::size_t first, std::size_t end) {
+  auto* stats = static_cast<key_stats*>(key_stats_host_.data());
+  SHADOWKV_CUDA_TRY(cudaMemcpyAsync(stats + first, stats_of(first), (end - first) * sizeof(key_stats),
+                                    cudaMemcpyDeviceToHost, stream_));
+  SHADOWKV_CUDA_TRY(cudaStreamSynchronize(stream_));
+  for (std::size_t b = first; b < end; ++b) {
+    // The CPU backend's words (cpu_backend.cpp), so that both backends reject the same keys alike.
+    SHADOWKV_EXPECTS(stats[b].overflowed == 0, "keys of slot ", entries[b].slot,
+                     " are too large: applying or removing RoPE overflows float32");
+  }
+}
+
 void cuda_backend::check_factorizations(std::span<const batch_entry> entries) {
+  reject_overflowed_keys(entries, 0, entries.size());  // first: such keys make the infos meaningless
   SHADOWKV_CUDA_TRY(cudaMemcpyAsync(solver_infos_host_.data(), solver_infos_.data(), entries.size() * sizeof(int),
                                     cudaMemcpyDeviceToHost, stream_));
   SHADOWKV_CUDA_TRY(cudaStreamSynchronize(stream_));

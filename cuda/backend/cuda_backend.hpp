@@ -38,6 +38,8 @@
 
 namespace shadowkv::cuda {
 
+struct key_stats;  // prompt_kernels.cuh
+
 class cuda_backend final : public backend {
  public:
   cuda_backend(const config& cfg, int device_index);
@@ -88,6 +90,11 @@ class cuda_backend final : public backend {
   /// Copies the entries' cuSOLVER infos to pinned memory and waits for them (the prefill's one wait of its own);
   /// throws cuda_error naming the slot and batch row of the first that is not zero.
   void check_factorizations(std::span<const batch_entry> entries);
+  /// entries[index]'s key_stats (device): RoPE overflow, largest magnitude, Gram scaling (launch_prepare_prompt_keys).
+  [[nodiscard]] key_stats* stats_of(std::size_t index) const;
+  /// Reads the overflow flags of entries [first, end) (waits for the stream) and throws invalid_argument, with the
+  /// CPU backend's message, for the first one set.
+  void reject_overflowed_keys(std::span<const batch_entry> entries, std::size_t first, std::size_t end);
   /// After a failed prefill: waits for stream_ and puts back the entries' device views of `layer` as open_sequence
   /// uploaded them (fresh counters), so that inspection calls read what they read before the call.
   void forget_prefill(int layer, std::span<const batch_entry> entries) noexcept;
@@ -125,6 +132,7 @@ class cuda_backend final : public backend {
   int kv_type_;
   int fetch_ctas_host_ = 1;             ///< value fetch CTAs when values cross PCIe (fetch_ctas_for_host_values)
   int fetch_ctas_device_ = 1;           ///< value fetch CTAs when every value of the part is in device memory
+  bool values_in_place_ = false;        ///< SHADOWKV_DEVICE_VALUES=in_place (layer_view::values_in_place)
   cudaStream_t stream_ = nullptr;       ///< the current call's compute stream (caller's or own_stream_)
   bool caller_stream_ = false;
   // Handles before buffers: members are destroyed in reverse order, so the buffers (freed on own_stream_) go first.
@@ -153,6 +161,8 @@ class cuda_backend final : public backend {
   host_buffer batch_staging_;    ///< pinned int [max_batch]
   device_buffer solver_infos_;   ///< int [max_batch]: the cuSOLVER info of each sequence of a prefill
   host_buffer solver_infos_host_;  ///< pinned int [max_batch]: their copy, read once per prefill
+  device_buffer key_stats_;      ///< key_stats [max_batch]: what the prompt-key kernel found in each sequence's keys
+  host_buffer key_stats_host_;   ///< pinned key_stats [max_batch]: their copy, read with the infos
   std::vector<layer_view> host_views_;
   std::vector<int> uploaded_slots_;
   step_workspace workspace_{};

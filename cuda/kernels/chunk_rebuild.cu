@@ -12,6 +12,7 @@
 #include "common/async_copy.cuh"
 #include "common/dispatch.cuh"
 #include "common/element_access.cuh"
+#include "common/fp8_vectors.cuh"
 #include "cuda_check.hpp"
 #include "shadowkv/fp8.hpp"
 #include "shape_support.hpp"
@@ -490,6 +491,13 @@ __global__ void fetch_values_kernel(dims d, layer_view* views, const int* batch_
       const unsigned long long run_bytes = d.value_fp8 != 0 ? run + sizeof(float) : run * sizeof(T);
       atomicAdd(workspace.counters + 3, static_cast<unsigned long long>(misses) * run_bytes);
     }
+    if (view->values_in_place != 0) {
+      // Attention reads these values from the value store: the bytes are counted (the statistics stay the same
+      // whichever way the values are read), nothing is copied; on to the next pair.
+      const long long next_pair = (pair + 1) * d.budget;
+      item += (next_pair - item + warps - 1) / warps * warps;
+      continue;
+    }
     const int slot = workspace.miss_slots[pair * d.budget + m];  // k entries per pair, slots in [0, K)
     const int chunk = view->cache_chunks[static_cast<long long>(h) * d.cache_slots + slot];
     const long long source_run = static_cast<long long>(chunk) * d.kv_heads + h;
@@ -511,16 +519,14 @@ __global__ void fetch_values_kernel(dims d, layer_view* views, const int* batch_
 #pragma unroll
           for (int u = 0; u < 2; ++u) {
             if (i0 + u * kStride >= run) break;
-            const std::uint32_t words[4] = {packed[u].x, packed[u].y, packed[u].z, packed[u].w};
+            float codes[16];
+            decode_e4m3x16(packed[u], codes);  // integer decode, equal to fp8::decode_e4m3 (common/fp8_vectors.cuh)
             union {
               uint4 vectors[sizeof(T)];
               T elements[16];
             } decoded;
 #pragma unroll
-            for (int k = 0; k < 16; ++k) {
-              const auto code = static_cast<std::uint8_t>(words[k / 4] >> (8 * (k % 4)));
-              decoded.elements[k] = from_float<T>(fp8::decode_e4m3(code) * scale);
-            }
+            for (int k = 0; k < 16; ++k) decoded.elements[k] = from_float<T>(codes[k] * scale);
             auto* to = reinterpret_cast<uint4*>(target + i0 + u * kStride);
 #pragma unroll
             for (int v = 0; v < static_cast<int>(sizeof(T)); ++v) to[v] = decoded.vectors[v];

@@ -59,7 +59,8 @@ template <typename T>
 __global__ void __launch_bounds__(kPrepareThreads)
     prepare_prompt_keys_kernel(dims d, strided_tensor keys, strided_tensor positions, int positions_bits, int row,
                                int len, int tile_tokens, int tile_heads, bool vector_source, bool post_rope,
-                               const float* inv_freq, float* keys_pre, T* keys_post, long long* positions_out) {
+                               const float* inv_freq, float* keys_pre, T* keys_post, long long* positions_out,
+                               key_stats* stats) {
   extern __shared__ __align__(16) float prepare_shared[];
   const int head_dim = d.head_dim;
   const int run = tile_heads * head_dim;  // floats of one token's row in the tile
@@ -135,6 +136,7 @@ __global__ void __launch_bounds__(kPrepareThreads)
   // Pre-RoPE is the rotated copy when the caller's keys are post-RoPE, and the other way round; dims past
   // rotary_dim are the keys as given in both (their `rotated` entries were never written).
   const long long width = static_cast<long long>(d.kv_heads) * head_dim;
+  float largest = 0.0F;  // of this thread's pre-RoPE keys (the ones the factorisation reads)
   for (int i = threadIdx.x; i < tokens * (used / 4); i += blockDim.x) {
     const int tt = i / (used / 4);
     const int e = (i - tt * (used / 4)) * 4;
@@ -149,7 +151,14 @@ __global__ void __launch_bounds__(kPrepareThreads)
       value.w = rotary_here > 3 ? turned.w : given.w;
     }
     *reinterpret_cast<float4*>(keys_pre + (t0 + tt) * width + static_cast<long long>(h0) * head_dim + e) = value;
+    // The inputs are finite (the store checks them first), so a non-finite key here is RoPE's overflow.
+    if (!(isfinite(value.x) && isfinite(value.y) && isfinite(value.z) && isfinite(value.w))) stats->overflowed = 1;
+    largest = fmaxf(largest, fmaxf(fmaxf(fabsf(value.x), fabsf(value.y)), fmaxf(fabsf(value.z), fabsf(value.w))));
   }
+  // Non-negative floats order as their bits: one atomicMax a warp.
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) largest = fmaxf(largest, __shfl_xor_sync(0xffffffffU, largest, offset));
+  if ((threadIdx.x & 31) == 0 && largest > 0.0F) atomicMax(&stats->largest_bits, __float_as_uint(largest));
   constexpr int kOut = vector16<T>::elements;
   for (int i = threadIdx.x; i < tokens * (used / kOut); i += blockDim.x) {
     const int tt = i / (used / kOut);
@@ -157,9 +166,46 @@ __global__ void __launch_bounds__(kPrepareThreads)
     const int rotary_here = post_rope ? 0 : d.rotary_dim - e % head_dim;
     __align__(16) T out[kOut];
 #pragma unroll
-    for (int k = 0; k < kOut; ++k) out[k] = from_float<T>((k < rotary_here ? rotated : original)[tt * run + e + k]);
+    for (int k = 0; k < kOut; ++k) {
+      out[k] = from_float<T>((k < rotary_here ? rotated : original)[tt * run + e + k]);
+      if (!isfinite(to_float(out[k]))) stats->overflowed = 1;  // overflowed in the rotation or in the rounding to T
+    }
     *reinterpret_cast<uint4*>(keys_post + (t0 + tt) * width + static_cast<long long>(h0) * head_dim + e) =
         *reinterpret_cast<const uint4*>(out);
+  }
+}
+
+// --- keys scaled for the Gram matrix --------------------------------------------------------------------------------
+// The CPU backend's rule (cpp/src/factorization.cpp, rescaled_for_gram): when the largest magnitude is outside
+// [2^-41, 2^40) the float32 Gram matrix could overflow or lose its small entries, so the keys are scaled by 2^-e
+// (exact), e = that magnitude's binary exponent (frexp). Here the pre-RoPE keys are scaled in place (they feed the
+// factorisation and A = K·Bᵀ only), and A is scaled back by 2^e afterwards, also exact: A equals the product of the
+// keys as given but for entries 2^126 times smaller than the largest, which become subnormal on the way.
+
+__device__ __forceinline__ int gram_exponent(unsigned largest_bits) {
+  const float largest = __uint_as_float(largest_bits);
+  if (largest == 0.0F) return 0;
+  int exponent = 0;
+  (void)frexpf(largest, &exponent);
+  return exponent >= -40 && exponent <= 40 ? 0 : exponent;
+}
+
+__global__ void scale_keys_for_gram_kernel(float* keys, long long count, key_stats* stats) {
+  const int exponent = gram_exponent(stats->largest_bits);
+  if (blockIdx.x == 0 && threadIdx.x == 0) stats->gram_exponent = exponent;
+  if (exponent == 0) return;
+  for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<long long>(gridDim.x) * blockDim.x) {
+    keys[i] = ldexpf(keys[i], -exponent);
+  }
+}
+
+__global__ void unscale_coefficients_kernel(float* coefficients, long long count, const key_stats* stats) {
+  const int exponent = stats->gram_exponent;
+  if (exponent == 0) return;
+  for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<long long>(gridDim.x) * blockDim.x) {
+    coefficients[i] = ldexpf(coefficients[i], exponent);
   }
 }
 
@@ -575,8 +621,11 @@ __global__ void __launch_bounds__(kCentroidWarps * 32)
 
 void launch_prepare_prompt_keys(const dims& d, int kv_type, strided_tensor keys, strided_tensor positions,
                                 int positions_bits, int row, int len, bool post_rope, const float* inv_freq,
-                                float* keys_pre, void* keys_post, long long* positions_out, cudaStream_t stream) {
+                                float* keys_pre, void* keys_post, long long* positions_out, key_stats* stats,
+                                cudaStream_t stream) {
   check_vector_rows(d);
+  SHADOWKV_EXPECTS(stats != nullptr, "prepare_prompt_keys: null key_stats");
+  SHADOWKV_CUDA_TRY(cudaMemsetAsync(stats, 0, sizeof(key_stats), stream));
   if (len == 0) return;
   const int tile_heads = std::min(d.kv_heads, std::max(1, kPrepareTileFloats / d.head_dim));
   const int tile_tokens = std::clamp(kPrepareTileFloats / (tile_heads * d.head_dim), 1, kPrepareMaxTileTokens);
@@ -588,7 +637,7 @@ void launch_prepare_prompt_keys(const dims& d, int kv_type, strided_tensor keys,
     using T = std::remove_pointer_t<decltype(tag)>;
     prepare_prompt_keys_kernel<T><<<grid, kPrepareThreads, shared, stream>>>(
         d, keys, positions, positions_bits, row, len, tile_tokens, tile_heads, vector_source, post_rope, inv_freq,
-        keys_pre, static_cast<T*>(keys_post), positions_out);
+        keys_pre, static_cast<T*>(keys_post), positions_out, stats);
   });
   SHADOWKV_CUDA_CHECK_LAUNCH();
 }
@@ -717,6 +766,20 @@ void launch_keys_to_double(const float* keys, int rows, int cols, bool column_ma
                            cudaStream_t stream) {
   keys_to_double_kernel<<<blocks_for(static_cast<long long>(rows) * cols, 256), 256, 0, stream>>>(keys, rows, cols,
                                                                                                  column_major, out);
+  SHADOWKV_CUDA_CHECK_LAUNCH();
+}
+
+void launch_scale_keys_for_gram(float* keys, long long count, key_stats* stats, cudaStream_t stream) {
+  if (count <= 0) return;
+  scale_keys_for_gram_kernel<<<static_cast<unsigned>(std::min<long long>(blocks_for(count, 256), 1024)), 256, 0,
+                               stream>>>(keys, count, stats);
+  SHADOWKV_CUDA_CHECK_LAUNCH();
+}
+
+void launch_unscale_coefficients(float* coefficients, long long count, const key_stats* stats, cudaStream_t stream) {
+  if (count <= 0) return;
+  unscale_coefficients_kernel<<<static_cast<unsigned>(std::min<long long>(blocks_for(count, 256), 1024)), 256, 0,
+                                stream>>>(coefficients, count, stats);
   SHADOWKV_CUDA_CHECK_LAUNCH();
 }
 

@@ -11,12 +11,30 @@
 
 namespace shadowkv::cuda {
 
+/// What the prompt-key kernel learns about one sequence's keys (device memory; launch_prepare_prompt_keys).
+struct key_stats {
+  int overflowed;         ///< 1: a key is not finite after RoPE (or its removal) or the rounding to the store's type
+  unsigned largest_bits;  ///< float bits of the largest |pre-RoPE key| (non-negative floats order as their bits)
+  int gram_exponent;      ///< the scaling of launch_scale_keys_for_gram (0: none)
+};
+
 /// Reads row `row` of keys [B, S, Hkv, D] (len tokens) into keys_pre (float [len, Hkv*D], un-rotated if
 /// `post_rope`) and keys_post (T [len, Hkv*D], rotated if not `post_rope`, rounded to T); positions (int
-/// `positions_bits` tensor [B, S], or data == nullptr for 0..len-1) to positions_out [len].
+/// `positions_bits` tensor [B, S], or data == nullptr for 0..len-1) to positions_out [len]. `*stats` (device) is
+/// zeroed, then: `overflowed` set to 1 when a key of either copy is not finite (the inputs are finite, the store
+/// checks, so that is RoPE's rotation, or the rounding to T, overflowing: the CPU backend rejects such keys, and so
+/// does the CUDA backend, reading the flag with the factorisations' infos); `largest_bits` the float bits of the
+/// largest |pre-RoPE key|.
 void launch_prepare_prompt_keys(const dims& d, int kv_type, strided_tensor keys, strided_tensor positions,
                                 int positions_bits, int row, int len, bool post_rope, const float* inv_freq,
-                                float* keys_pre, void* keys_post, long long* positions_out, cudaStream_t stream);
+                                float* keys_pre, void* keys_post, long long* positions_out, key_stats* stats,
+                                cudaStream_t stream);
+
+/// The CPU backend's Gram scaling (factorization.cpp): when stats->largest_bits' binary exponent e is outside
+/// [-40, 40], keys[0, count) *= 2^-e in place; stats->gram_exponent = e (0: nothing changed). Then
+/// launch_unscale_coefficients multiplies A (computed from the scaled keys) by 2^e.
+void launch_scale_keys_for_gram(float* keys, long long count, key_stats* stats, cudaStream_t stream);
+void launch_unscale_coefficients(float* coefficients, long long count, const key_stats* stats, cudaStream_t stream);
 
 /// Landmarks (mean of each chunk's stored post-RoPE keys, rounded to T) into landmarks [Hkv, max_chunks, D] and each
 /// chunk's minimum cosine to its own keys into min_cosine [Hkv, chunks].

@@ -66,6 +66,8 @@ constexpr int kMinRowsPerSplit = 64;
 constexpr int kTargetCtas = 132 * 3;
 /// Shared memory for the K/V pipeline stages of one CTA. At least two stages are kept, so a step larger than half of
 /// this (fp32, D = 256, 4 heads per lane: 32 KiB) takes more (64 KiB, over the 48 KiB default; see launch_split).
+/// (64 KiB, i.e. four stages instead of two for bf16 D = 128, measured slower on the H200: B=8 48 µs against 45, B=24
+/// 221 against 200; bench/NOTES.md, session 9.)
 constexpr int kPipelineBytes = 40 * 1024;
 /// Shared memory (static and dynamic) a CTA may use without the opt-in attribute.
 constexpr int kDefaultSharedBytes = 48 * 1024;
@@ -224,7 +226,15 @@ __global__ void __launch_bounds__(kThreads, 3)
       i += (slot_list[entry] - entry) * chunk;
     }
     key = cache_keys + static_cast<long long>(i) * D;
-    value = cache_values + static_cast<long long>(i) * D;
+    if (view.values_in_place != 0) {
+      // The value store's run of (chunk, head h), [max_chunks, Hkv, C, D], for buffer slot i / C's chunk.
+      const int slot = chunk_shift >= 0 ? i >> chunk_shift : i / chunk;
+      const int token = i - slot * chunk;
+      const long long chunk_id = view.cache_chunks[static_cast<long long>(h) * d.cache_slots + slot];
+      value = static_cast<const T*>(view.value_store) + ((chunk_id * d.kv_heads + h) * chunk + token) * D;
+    } else {
+      value = cache_values + static_cast<long long>(i) * D;
+    }
   };
   // Starts the copies of step `step` into its stage (rows spread over all row slots) and commits them as one group
   // (an empty group past the last step keeps the group count uniform).

@@ -40,6 +40,7 @@ using shadowkv::cuda::element_bf16;
 using shadowkv::cuda::element_f16;
 using shadowkv::cuda::element_f32;
 using shadowkv::cuda::gram_split;
+using shadowkv::cuda::key_stats;
 using shadowkv::cuda::layer_view;
 using shadowkv::cuda::strided_tensor;
 
@@ -589,21 +590,33 @@ void run_prepare(std::uint64_t seed, int type, int key_type, bool strided, bool 
   device_buffer pre_device(static_cast<std::size_t>(len) * width * sizeof(float));
   device_buffer post_device(static_cast<std::size_t>(len) * width * element_bytes(type));
   device_buffer positions_out(static_cast<std::size_t>(len) * sizeof(long long));
+  device_buffer stats_device(sizeof(key_stats));
   CUDA_OK(upload(keys_device, keys));
   CUDA_OK(upload(positions_device, positions));
+  CUDA_OK(upload(stats_device, std::vector<key_stats>{key_stats{7, 0x7f7fffffU, 3}}));  // stale: the launch zeroes it
   if (!inv_freq.empty()) CUDA_OK(upload(inv_freq_device, inv_freq));
   keys_tensor.data = keys_device.get();
   const strided_tensor positions_tensor{positions_device.get(), 0, {seq, 1, 0, 0}};
   ASSERT_NO_THROW(shadowkv::cuda::launch_prepare_prompt_keys(
       d, type, keys_tensor, positions_tensor, 32, row, len, post_rope, inv_freq_device.get<float>(),
-      pre_device.get<float>(), post_device.get(), positions_out.get<long long>(), nullptr));
+      pre_device.get<float>(), post_device.get(), positions_out.get<long long>(), stats_device.get<key_stats>(),
+      nullptr));
   CUDA_OK(cudaDeviceSynchronize());
+  std::vector<key_stats> stats;
+  CUDA_OK(download(stats, stats_device.get<key_stats>(), 1));
+  EXPECT_EQ(stats[0].overflowed, 0) << "keys of a few units flagged as overflowing";
   std::vector<float> pre;
   std::vector<long long> got_positions;
   CUDA_OK(download(pre, pre_device.get<float>(), static_cast<std::size_t>(len) * width));
   CUDA_OK(download(got_positions, positions_out.get<long long>(), static_cast<std::size_t>(len)));
   std::vector<unsigned char> post(static_cast<std::size_t>(len) * width * element_bytes(type));
   CUDA_OK(cudaMemcpy(post.data(), post_device.get(), post.size(), cudaMemcpyDeviceToHost));
+  float largest = 0.0F;
+  for (const float x : pre) largest = std::max(largest, std::fabs(x));
+  float reported = 0.0F;
+  std::memcpy(&reported, &stats[0].largest_bits, sizeof(float));
+  EXPECT_EQ(reported, largest) << "largest |pre-RoPE key|";
+  EXPECT_EQ(stats[0].gram_exponent, 0);
 
   std::vector<float> given(static_cast<std::size_t>(head_dim));
   std::vector<float> turned(static_cast<std::size_t>(head_dim));
@@ -660,6 +673,101 @@ TEST_F(PromptKernels, PrepareKeysMatchesHostRope) {
         run_prepare(seed++, type, element_f16, true, post_rope, true, s.heads, s.head_dim, s.rotary_dim, s.len);
         if (HasFatalFailure()) return;
       }
+    }
+  }
+}
+
+// Finite keys near the float32 limit: rotating (or un-rotating) them overflows at some positions, and the kernel
+// says so (the CUDA backend then rejects the prefill as the CPU backend does). Keys of 1e38 never overflow
+// (|x cos - y sin| <= 1.42e38), nor does a zero rotary_dim.
+TEST_F(PromptKernels, PrepareKeysFlagsRopeOverflow) {
+  const int heads = 2;
+  const int head_dim = 64;
+  const int len = 16;
+  const int width = heads * head_dim;
+  std::vector<float> inv_freq(head_dim / 2);
+  for (int i = 0; i < head_dim / 2; ++i) {
+    inv_freq[static_cast<std::size_t>(i)] = static_cast<float>(1.0 / std::pow(10000.0, 2.0 * i / head_dim));
+  }
+  device_buffer inv_freq_device(inv_freq.size() * sizeof(float));
+  CUDA_OK(upload(inv_freq_device, inv_freq));
+  struct variant {
+    float magnitude;
+    int rotary_dim;
+    bool overflows;
+  };
+  for (const variant v : {variant{3.0e38F, head_dim, true}, variant{1.0e38F, head_dim, false},
+                          variant{3.0e38F, 0, false}}) {
+    for (const int type : {element_f32, element_bf16}) {
+      for (const bool post_rope : {false, true}) {
+        SCOPED_TRACE(testing::Message() << "magnitude " << v.magnitude << " rotary " << v.rotary_dim << " "
+                                        << type_name(type) << (post_rope ? " post" : " pre"));
+        dims d = make_dims(heads, head_dim, 8, 64, 1);
+        d.rotary_dim = v.rotary_dim;
+        std::vector<float> keys(static_cast<std::size_t>(len) * width);
+        for (std::size_t i = 0; i < keys.size(); ++i) keys[i] = i % 2 == 0 ? v.magnitude : -v.magnitude;
+        device_buffer keys_device(keys.size() * sizeof(float));
+        device_buffer pre_device(keys.size() * sizeof(float));
+        device_buffer post_device(keys.size() * element_bytes(type));
+        device_buffer positions_out(static_cast<std::size_t>(len) * sizeof(long long));
+        device_buffer stats_device(sizeof(key_stats));
+        CUDA_OK(upload(keys_device, keys));
+        CUDA_OK(upload(stats_device, std::vector<key_stats>{key_stats{v.overflows ? 0 : 7, 0, 0}}));  // stale
+        const strided_tensor keys_tensor{keys_device.get(), element_f32, {static_cast<long long>(len) * width, width,
+                                                                          head_dim, 1}};
+        const strided_tensor no_positions{nullptr, 0, {0, 0, 0, 0}};
+        ASSERT_NO_THROW(shadowkv::cuda::launch_prepare_prompt_keys(
+            d, type, keys_tensor, no_positions, 64, 0, len, post_rope, inv_freq_device.get<float>(),
+            pre_device.get<float>(), post_device.get(), positions_out.get<long long>(),
+            stats_device.get<key_stats>(), nullptr));
+        CUDA_OK(cudaDeviceSynchronize());
+        std::vector<key_stats> stats;
+        CUDA_OK(download(stats, stats_device.get<key_stats>(), 1));
+        EXPECT_EQ(stats[0].overflowed, v.overflows ? 1 : 0);
+      }
+    }
+  }
+}
+
+// The CPU backend's Gram scaling (factorization.cpp, rescaled_for_gram): keys whose largest magnitude has a binary
+// exponent outside [-40, 40] are scaled by 2^-exponent, exactly; the coefficients computed from them are scaled back.
+TEST_F(PromptKernels, GramScalingFollowsTheCpuRule) {
+  std::mt19937_64 rng(431);
+  std::normal_distribution<float> normal(0.0F, 1.0F);
+  for (const float magnitude : {0.0F, 3.0F, 1.0e12F, 1.0e30F, 1.0e-30F, 2.0e-13F}) {
+    SCOPED_TRACE(testing::Message() << "largest " << magnitude);
+    const long long count = 3000;
+    std::vector<float> keys(static_cast<std::size_t>(count));
+    for (float& k : keys) k = magnitude * std::tanh(normal(rng));  // |k| < magnitude
+    keys[17] = -magnitude;                                         // the largest, exactly
+    int exponent = 0;
+    (void)std::frexp(magnitude, &exponent);
+    const int expected = magnitude == 0.0F || (exponent >= -40 && exponent <= 40) ? 0 : exponent;
+    unsigned largest_bits = 0;
+    std::memcpy(&largest_bits, &magnitude, sizeof(float));
+    device_buffer keys_device(keys.size() * sizeof(float));
+    device_buffer stats_device(sizeof(key_stats));
+    CUDA_OK(upload(keys_device, keys));
+    CUDA_OK(upload(stats_device, std::vector<key_stats>{key_stats{0, largest_bits, 99}}));
+    ASSERT_NO_THROW(shadowkv::cuda::launch_scale_keys_for_gram(keys_device.get<float>(), count,
+                                                               stats_device.get<key_stats>(), nullptr));
+    std::vector<float> scaled;
+    std::vector<key_stats> stats;
+    CUDA_OK(cudaDeviceSynchronize());
+    CUDA_OK(download(scaled, keys_device.get<float>(), keys.size()));
+    CUDA_OK(download(stats, stats_device.get<key_stats>(), 1));
+    EXPECT_EQ(stats[0].gram_exponent, expected);
+    for (std::size_t i = 0; i < keys.size(); ++i) {
+      ASSERT_EQ(scaled[i], std::ldexp(keys[i], -expected)) << "key " << i;
+    }
+    // Coefficients back by 2^e (the same kernel word).
+    ASSERT_NO_THROW(shadowkv::cuda::launch_unscale_coefficients(keys_device.get<float>(), count,
+                                                                stats_device.get<key_stats>(), nullptr));
+    std::vector<float> back;
+    CUDA_OK(cudaDeviceSynchronize());
+    CUDA_OK(download(back, keys_device.get<float>(), keys.size()));
+    for (std::size_t i = 0; i < keys.size(); ++i) {
+      ASSERT_EQ(back[i], std::ldexp(scaled[i], expected)) << "coefficient " << i;
     }
   }
 }
