@@ -50,6 +50,34 @@ bool device_values_in_place() {
   return true;
 }
 
+// How the batch is split into decode pipeline parts: "even" (the default: equal parts) or "tapered" (the first and
+// last parts half the size of the others, e.g. 6/12/6 of 24: the first part's selection is all the fetch waits for,
+// and the last part's attention is all that runs after it). SHADOWKV_PIPELINE_SPLIT picks one (a measurement knob
+// for bench/step_benchmark.py's +tp; bench/NOTES.md).
+bool tapered_pipeline_split() {
+  const char* text = std::getenv("SHADOWKV_PIPELINE_SPLIT");
+  if (text == nullptr || *text == '\0' || std::strcmp(text, "even") == 0) return false;
+  SHADOWKV_EXPECTS(std::strcmp(text, "tapered") == 0, "SHADOWKV_PIPELINE_SPLIT must be 'even' or 'tapered', got '",
+                   text, "'");
+  return true;
+}
+
+// First entry of part p of `count` parts of `batch` entries: weights 1 each ("even"), or 1, 2, ..., 2, 1 ("tapered",
+// three parts or more); a tapered split that would leave a part empty falls back to the even one.
+int part_start(int p, int count, int batch, bool tapered) {
+  if (tapered && count >= 3) {
+    const long long total = 2LL * (count - 1);  // the weights' sum
+    const auto start = [&](int q) {
+      const long long weight = q == 0 ? 0 : 2LL * q - 1;  // weights of parts 0 .. q-1 (q <= count - 1)
+      return static_cast<int>((q == count ? total : weight) * batch / total);
+    };
+    bool all_filled = true;
+    for (int q = 0; q < count; ++q) all_filled = all_filled && start(q + 1) > start(q);
+    if (all_filled) return start(p);
+  }
+  return static_cast<int>(static_cast<long long>(p) * batch / count);
+}
+
 constexpr std::size_t kAlignment = 256;
 
 std::size_t align_up(std::size_t bytes) { return (bytes + kAlignment - 1) / kAlignment * kAlignment; }
@@ -185,6 +213,7 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   fetch_ctas_host_ = fetch_ctas_for_host_values(resources_->multiprocessors());
   fetch_ctas_device_ = 2 * resources_->multiprocessors();
   values_in_place_ = device_values_in_place();
+  tapered_split_ = tapered_pipeline_split();
 
   // Reserve everything up front.
   const std::size_t element = dtype_size(cfg.kv_dtype);
@@ -750,8 +779,9 @@ std::vector<cuda_backend::batch_part> cuda_backend::pipeline_parts(std::span<con
   count = std::clamp(count, 1, std::max(1, batch));
   std::vector<batch_part> parts(static_cast<std::size_t>(count));
   for (int p = 0; p < count; ++p) {
-    parts[static_cast<std::size_t>(p)].first = p * batch / count;
-    parts[static_cast<std::size_t>(p)].count = (p + 1) * batch / count - p * batch / count;
+    parts[static_cast<std::size_t>(p)].first = part_start(p, count, batch, tapered_split_);
+    parts[static_cast<std::size_t>(p)].count =
+        part_start(p + 1, count, batch, tapered_split_) - part_start(p, count, batch, tapered_split_);
   }
   return parts;
 }

@@ -133,6 +133,7 @@ class cuda_backend final : public backend {
   int fetch_ctas_host_ = 1;             ///< value fetch CTAs when values cross PCIe (fetch_ctas_for_host_values)
   int fetch_ctas_device_ = 1;           ///< value fetch CTAs when every value of the part is in device memory
   bool values_in_place_ = false;        ///< SHADOWKV_DEVICE_VALUES=in_place (layer_view::values_in_place)
+  bool tapered_split_ = false;          ///< SHADOWKV_PIPELINE_SPLIT=tapered (pipeline_parts)
   cudaStream_t stream_ = nullptr;       ///< the current call's compute stream (caller's or own_stream_)
   bool caller_stream_ = false;
   // Handles before buffers: members are destroyed in reverse order, so the buffers (freed on own_stream_) go first.

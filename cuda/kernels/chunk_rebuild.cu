@@ -460,102 +460,111 @@ void launch_rebuild_for(const dims& d, layer_view* views, const int* batch_slots
 constexpr int kFetchWarps = 8;  // per CTA of the value fetch
 
 // A persistent grid of few CTAs (launch_fetch_values): the work is the flat list of (entry, head, miss) items, pair-
-// major (pair = entry * Hkv + head), and warp w of the grid takes items w, w + warps, ... — one missed chunk (a
-// contiguous run of C*D values) at a time, 16-byte reads. Items past a pair's miss count are skipped in one jump to
-// the next pair. The grid is small on purpose: a zero-copy read across PCIe keeps its warp resident for microseconds,
-// so a grid as large as the batch (one CTA per pair, as before) held every multiprocessor for the whole fetch and
-// slowed the key rebuild beside it 2.6x (bench/NOTES.md).
-template <typename T>
+// major (pair = entry * Hkv + head), taken kItemsPerWarp at a time: unit u is items u * kItemsPerWarp ... of one pair
+// (a pair's items are rounded up to whole units), and warp w of the grid takes units w, w + warps, ...; its lanes
+// split into kItemsPerWarp groups, one missed chunk (a contiguous run of C*D values) each, 16-byte reads. Units past a
+// pair's miss count are skipped in one jump to the next pair. The grid is small on purpose: a zero-copy read across
+// PCIe keeps its warp resident for microseconds, so a grid as large as the batch (one CTA per pair, as before) held
+// every multiprocessor for the whole fetch and slowed the key rebuild beside it 2.6x (bench/NOTES.md). fp8 runs are
+// half as long (1 KiB at C = 8, D = 128), so a warp takes two of them: 2 KiB of loads in flight a warp either way.
+template <typename T, int kItemsPerWarp>
 __global__ void fetch_values_kernel(dims d, layer_view* views, const int* batch_slots, int layer, int batch,
                                     step_workspace workspace) {
-  const int lane = threadIdx.x % 32;
+  constexpr int kLanes = 32 / kItemsPerWarp;  // lanes per item
+  const int lane = threadIdx.x % kLanes;
+  const int sub = (threadIdx.x % 32) / kLanes;  // which of the unit's items this lane copies
   const long long warps = static_cast<long long>(gridDim.x) * (blockDim.x / 32);
-  const long long items = static_cast<long long>(batch) * d.kv_heads * d.budget;
+  const long long units_per_pair = (d.budget + kItemsPerWarp - 1) / kItemsPerWarp;
+  const long long units = static_cast<long long>(batch) * d.kv_heads * units_per_pair;
   const long long run = static_cast<long long>(d.chunk) * d.head_dim;  // elements
   const bool vectorised = (run * sizeof(T)) % 16 == 0;
-  long long item = static_cast<long long>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
-  while (item < items) {
-    const long long pair = item / d.budget;
-    const int m = static_cast<int>(item - pair * d.budget);
+  long long unit = static_cast<long long>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  while (unit < units) {
+    const long long pair = unit / units_per_pair;
+    const int first = static_cast<int>(unit - pair * units_per_pair) * kItemsPerWarp;
     const int misses = workspace.miss_counts[pair];
-    if (m >= misses) {
-      // The warp's first item of the next pair: the smallest item + j * warps at or past (pair + 1) * budget.
-      const long long next_pair = (pair + 1) * d.budget;
-      item += (next_pair - item + warps - 1) / warps * warps;
+    // The warp's first unit of the next pair: the smallest unit + j * warps at or past (pair + 1) * units_per_pair.
+    const auto next_pair_unit = [&] { return unit + ((pair + 1) * units_per_pair - unit + warps - 1) / warps * warps; };
+    if (first >= misses) {
+      unit = next_pair_unit();
       continue;
     }
     const int b = static_cast<int>(pair / d.kv_heads);
     const int h = static_cast<int>(pair - static_cast<long long>(b) * d.kv_heads);
     const layer_view* view = views + static_cast<long long>(batch_slots[b]) * d.num_layers + layer;
-    if (m == 0 && lane == 0) {
+    if (first == 0 && threadIdx.x % 32 == 0) {
       const unsigned long long run_bytes = d.value_fp8 != 0 ? run + sizeof(float) : run * sizeof(T);
       atomicAdd(workspace.counters + 3, static_cast<unsigned long long>(misses) * run_bytes);
     }
     if (view->values_in_place != 0) {
       // Attention reads these values from the value store: the bytes are counted (the statistics stay the same
       // whichever way the values are read), nothing is copied; on to the next pair.
-      const long long next_pair = (pair + 1) * d.budget;
-      item += (next_pair - item + warps - 1) / warps * warps;
+      unit = next_pair_unit();
       continue;
     }
-    const int slot = workspace.miss_slots[pair * d.budget + m];  // k entries per pair, slots in [0, K)
-    const int chunk = view->cache_chunks[static_cast<long long>(h) * d.cache_slots + slot];
-    const long long source_run = static_cast<long long>(chunk) * d.kv_heads + h;
-    T* target = static_cast<T*>(view->cache_values) + (static_cast<long long>(h) * d.cache_slots + slot) * run;
-    if (d.value_fp8 != 0) {
-      // 16 codes (16 bytes) a lane at a time, dequantized and rounded to T (shadowkv/fp8.hpp), stored as 16-byte
-      // vectors (16 * sizeof(T) bytes a lane).
-      const float scale = view->value_scales[source_run];
-      const auto* from = static_cast<const std::uint8_t*>(view->value_store) + source_run * run;
-      if (run % 16 == 0) {
-        // Two 16-byte loads a lane in flight before any store (the source is host memory across PCIe).
-        constexpr long long kStride = 16LL * 32;
-        for (long long i0 = 16LL * lane; i0 < run; i0 += 2 * kStride) {
-          uint4 packed[2];
+    const int m = first + sub;
+    if (m < misses) {
+      const int slot = workspace.miss_slots[pair * d.budget + m];  // k entries per pair, slots in [0, K)
+      const int chunk = view->cache_chunks[static_cast<long long>(h) * d.cache_slots + slot];
+      const long long source_run = static_cast<long long>(chunk) * d.kv_heads + h;
+      T* target = static_cast<T*>(view->cache_values) + (static_cast<long long>(h) * d.cache_slots + slot) * run;
+      if (d.value_fp8 != 0) {
+        // 16 codes (16 bytes) a lane at a time, dequantized and rounded to T (shadowkv/fp8.hpp), stored as 16-byte
+        // vectors (16 * sizeof(T) bytes a lane).
+        const float scale = view->value_scales[source_run];
+        const auto* from = static_cast<const std::uint8_t*>(view->value_store) + source_run * run;
+        if (run % 16 == 0) {
+          // Four 16-byte loads a lane in flight before any store (the source is host memory across PCIe): a 1 KiB
+          // run (C = 8, D = 128) in one round trip of 16 lanes.
+          constexpr long long kStride = 16LL * kLanes;
+          constexpr int kLoads = 4;
+          for (long long i0 = 16LL * lane; i0 < run; i0 += kLoads * kStride) {
+            uint4 packed[kLoads];
 #pragma unroll
-          for (int u = 0; u < 2; ++u) {
-            if (i0 + u * kStride < run) packed[u] = *reinterpret_cast<const uint4*>(from + i0 + u * kStride);
+            for (int u = 0; u < kLoads; ++u) {
+              if (i0 + u * kStride < run) packed[u] = *reinterpret_cast<const uint4*>(from + i0 + u * kStride);
+            }
+#pragma unroll
+            for (int u = 0; u < kLoads; ++u) {
+              if (i0 + u * kStride >= run) break;
+              float codes[16];
+              decode_e4m3x16(packed[u], codes);  // integer decode, equal to fp8::decode_e4m3 (common/fp8_vectors.cuh)
+              union {
+                uint4 vectors[sizeof(T)];
+                T elements[16];
+              } decoded;
+#pragma unroll
+              for (int k = 0; k < 16; ++k) decoded.elements[k] = from_float<T>(codes[k] * scale);
+              auto* to = reinterpret_cast<uint4*>(target + i0 + u * kStride);
+#pragma unroll
+              for (int v = 0; v < static_cast<int>(sizeof(T)); ++v) to[v] = decoded.vectors[v];
+            }
+          }
+        } else {
+          for (long long i = lane; i < run; i += kLanes) target[i] = from_float<T>(fp8::decode_e4m3(from[i]) * scale);
+        }
+      } else if (vectorised) {
+        // Four 16-byte loads a lane in flight before any store: a 2 KiB run (C = 8, D = 128, bf16) in one round trip.
+        const long long vectors = run * static_cast<long long>(sizeof(T)) / 16;
+        const int4* from = reinterpret_cast<const int4*>(static_cast<const T*>(view->value_store) + source_run * run);
+        int4* to = reinterpret_cast<int4*>(target);
+        for (long long i0 = lane; i0 < vectors; i0 += 4 * kLanes) {
+          int4 loaded[4];
+#pragma unroll
+          for (int u = 0; u < 4; ++u) {
+            if (i0 + kLanes * u < vectors) loaded[u] = from[i0 + kLanes * u];
           }
 #pragma unroll
-          for (int u = 0; u < 2; ++u) {
-            if (i0 + u * kStride >= run) break;
-            float codes[16];
-            decode_e4m3x16(packed[u], codes);  // integer decode, equal to fp8::decode_e4m3 (common/fp8_vectors.cuh)
-            union {
-              uint4 vectors[sizeof(T)];
-              T elements[16];
-            } decoded;
-#pragma unroll
-            for (int k = 0; k < 16; ++k) decoded.elements[k] = from_float<T>(codes[k] * scale);
-            auto* to = reinterpret_cast<uint4*>(target + i0 + u * kStride);
-#pragma unroll
-            for (int v = 0; v < static_cast<int>(sizeof(T)); ++v) to[v] = decoded.vectors[v];
+          for (int u = 0; u < 4; ++u) {
+            if (i0 + kLanes * u < vectors) to[i0 + kLanes * u] = loaded[u];
           }
         }
       } else {
-        for (long long i = lane; i < run; i += 32) target[i] = from_float<T>(fp8::decode_e4m3(from[i]) * scale);
+        const T* source = static_cast<const T*>(view->value_store) + source_run * run;
+        for (long long i = lane; i < run; i += kLanes) target[i] = source[i];
       }
-    } else if (vectorised) {
-      // Four 16-byte loads a lane in flight before any store: a 2 KiB run (C = 8, D = 128, bf16) in one round trip.
-      const long long vectors = run * static_cast<long long>(sizeof(T)) / 16;
-      const int4* from = reinterpret_cast<const int4*>(static_cast<const T*>(view->value_store) + source_run * run);
-      int4* to = reinterpret_cast<int4*>(target);
-      for (long long i0 = lane; i0 < vectors; i0 += 4 * 32) {
-        int4 loaded[4];
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          if (i0 + 32 * u < vectors) loaded[u] = from[i0 + 32 * u];
-        }
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          if (i0 + 32 * u < vectors) to[i0 + 32 * u] = loaded[u];
-        }
-      }
-    } else {
-      const T* source = static_cast<const T*>(view->value_store) + source_run * run;
-      for (long long i = lane; i < run; i += 32) target[i] = source[i];
     }
-    item += warps;
+    unit += warps;
   }
 }
 
@@ -598,7 +607,11 @@ void launch_fetch_values(const dims& d, int kv_type, layer_view* views, const in
   const auto grid = static_cast<unsigned>(std::min<long long>(ctas, (items + kFetchWarps - 1) / kFetchWarps));
   shadowkv_dispatch_element(kv_type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    fetch_values_kernel<T><<<grid, 32 * kFetchWarps, 0, stream>>>(d, views, batch_slots, layer, batch, workspace);
+    if (d.value_fp8 != 0) {
+      fetch_values_kernel<T, 2><<<grid, 32 * kFetchWarps, 0, stream>>>(d, views, batch_slots, layer, batch, workspace);
+    } else {
+      fetch_values_kernel<T, 1><<<grid, 32 * kFetchWarps, 0, stream>>>(d, views, batch_slots, layer, batch, workspace);
+    }
   });
   SHADOWKV_CUDA_CHECK_LAUNCH();
 }

@@ -1,11 +1,11 @@
 // Landmark scores, top-k per KV head and the temporal-cache update (see chunk_selection.cuh): the host planner. It
 // plans the kernels below from dims, the batch size and the device, and launches them; the kernels live in
-// cuda/kernels/selection/ (landmark_scoring.cu, score_merge.cu, select_kernel.cu; the select kernel's block-wide
-// steps in softmax_partials.cuh, radix_select.cuh and cache_policy.cuh). The workspace rows of its own (tile partials,
+// cuda/kernels/selection/ (landmark_scoring.cu, select_kernel.cu; the select kernel's block-wide steps in
+// group_scores.cuh, softmax_partials.cuh, radix_select.cuh and cache_policy.cuh). The workspace rows of its own (tile partials,
 // and radix keys too many for shared memory) are sized by chunk_selection_workspace, which the backend asks when it
 // reserves the step workspace.
 //
-// Decode (one query token) runs three kernels whose shapes depend only on dims and the batch size, so the step can
+// Decode (one query token) runs two kernels whose shapes depend only on dims and the batch size, so the step can
 // be captured in a CUDA graph (the context length is read from the device layer_view, never from the host):
 //
 //   1. landmark_logits_kernel (selection/landmark_scoring.cu), grid (ceil(tiles / tiles_per_cta), Hkv, B), 256
@@ -17,13 +17,11 @@
 //      number of tiles per CTA is chosen on the host from dims, batch and the device (about one wave of CTAs). The
 //      partials go to workspace.selection_partials: row (b, h) of [G][tiles][2] floats. Decode shapes that the
 //      streaming kernel of landmark_logits.cu covers use that kernel instead (same outputs).
-//   1b. score_kernel (selection/score_merge.cu), grid (ceil(max_chunks / 256), Hkv, B): merges the partials into one
-//      normaliser per query head and writes score(c) = max_j p_j(c) = exp2(max_j(x_j(c) * log2 e - offset_j))
-//      (dims::group_mean: the mean of the p_j(c), an exp each) in place into the group's first logits row (-1 for
-//      non-candidates). Spreads the exp work over the GPU instead of B*Hkv CTAs.
-//   2. select_kernel (selection/select_kernel.cu), one CTA of 1024 threads per (b, h): reads the scores into
-//      per-chunk radix keys (float bits + 1; 0 for non-candidates) and workspace.scores (chunks c < context_chunks;
-//      0 for outliers); the top-k by an MSB-first radix select over the radix keys (digits of 12, 11 and 9 bits,
+//   2. select_kernel (selection/select_kernel.cu), one CTA of 1024 threads per (b, h): merges the tile partials into
+//      one normaliser per query head of the group and scores each chunk from its G logits (selection/group_scores.cuh):
+//      score(c) = max_j p_j(c) = exp2(max_j(x_j(c) * log2 e - offset_j)) (dims::group_mean: the mean of the p_j(c), an
+//      exp each; -1 for non-candidates), into per-chunk radix keys (float bits + 1; 0 for non-candidates) and
+//      workspace.scores (chunks c < context_chunks; 0 for outliers); the top-k by an MSB-first radix select over the radix keys (digits of 12, 11 and 9 bits,
 //      shared-memory histograms, the digit found with one cub::BlockScan over the bins); then an ordered compaction
 //      (warp ballots and one exchange of warp totals) that takes every chunk strictly above the k-th radix key and the
 //      first ties in ascending id, writing workspace.selected ascending; then the cache update with the same
@@ -37,7 +35,7 @@
 // per (b, j, t) that only a full pass can give, and the logits buffer has room for one token. So, per token t in
 // order, kernel 1 runs twice: logit_mode::statistics writes only the tile partials of token t (into the partials rows),
 // then logit_mode::accumulate recomputes the logits, normalises them with the merged partials and adds p_{j,t} into
-// logits row j (-1 for non-candidates). Kernel 1b then takes the max over the group. 2*Tq + 2 launches, two landmark
+// logits row j (-1 for non-candidates). Kernel 2 then takes the max over the group. 2*Tq + 1 launches, two landmark
 // passes per token, all fully parallel.
 //
 // Every chunk's logit is computed by the same sequence of float operations wherever it sits in a tile, so identical
@@ -52,7 +50,6 @@
 #include "cuda_check.hpp"
 #include "landmark_logits.cuh"
 #include "selection/landmark_scoring.cuh"
-#include "selection/score_merge.cuh"
 #include "selection/select_kernel.cuh"
 #include "selection/selection_plan.cuh"
 
@@ -91,12 +88,11 @@ void plan_and_launch(const dims& d, int kv_type, int element_bytes, const layer_
       selection::launch_landmark_scoring(d, kv_type, views, batch_slots, layer, batch, queries, tokens, logit_geo, ws,
                                          limits, stream);
     }
-    selection::launch_score_merge(d, views, batch_slots, layer, batch, logit_geo,
+  }
+  selection::launch_select_kernel(d, views, batch_slots, layer, batch, ws, selection::plan_select(d, limits),
                                   tokens > 1 ? selection::score_input::summed_probabilities
                                              : selection::score_input::logits_and_partials,
-                                  ws, stream);
-  }
-  selection::launch_select_kernel(d, views, batch_slots, layer, batch, ws, selection::plan_select(d, limits), stream);
+                                  logit_geo, stream);
 }
 
 /// Bytes per element of a scored row: the landmarks' type, or 2 for two-centroid codes (2·D bytes a chunk).

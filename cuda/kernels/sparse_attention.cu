@@ -71,6 +71,10 @@ constexpr int kTargetCtas = 132 * 3;
 constexpr int kPipelineBytes = 40 * 1024;
 /// Shared memory (static and dynamic) a CTA may use without the opt-in attribute.
 constexpr int kDefaultSharedBytes = 48 * 1024;
+/// Entries of the cache's slot list (dims::budget) that the split kernel keeps in shared memory; a larger budget
+/// reads the list from global memory. Each pipeline step looks up its rows' list entries before it can issue their
+/// copies, so a list in global memory put an L2 round trip in front of every step's copies.
+constexpr int kSharedSlotEntries = 1024;
 
 constexpr int next_power_of_two(int n) { return n <= 1 ? 1 : 2 * next_power_of_two((n + 1) / 2); }
 
@@ -108,8 +112,9 @@ struct cta_layout {
   static constexpr int pipeline_bytes = stages * stage_bytes;
   static constexpr int reduction_bytes = units * HeadTile * (D + 2) * static_cast<int>(sizeof(float));
   static constexpr int shared_bytes = std::max(pipeline_bytes, reduction_bytes);  ///< dynamic, at launch
-  /// The kernel's static shared arrays (warp_last_filled, row_is_token), with room for their alignment.
-  static constexpr int static_bytes = kWarps * static_cast<int>(sizeof(int)) + stages * step_rows + 16;
+  /// The kernel's static shared arrays (warp_last_filled, row_is_token, shared_slots), with room for their alignment.
+  static constexpr int static_bytes = kWarps * static_cast<int>(sizeof(int)) + stages * step_rows + 16 +
+                                      kSharedSlotEntries * static_cast<int>(sizeof(int));
 };
 
 /// exp2(x - m) for a merge weight; 0 when m is -inf (then x is -inf too: nothing was seen).
@@ -139,6 +144,7 @@ __global__ void __launch_bounds__(kThreads, 3)
   // the 48 KiB that static shared memory may take on every target but sm_90a.
   extern __shared__ __align__(16) unsigned char storage[];
   __shared__ int warp_last_filled[kWarps];
+  __shared__ int shared_slots[kSharedSlotEntries];  // the slot list, when d.budget entries fit
   __shared__ unsigned char row_is_token[kStages][kStepRows];  // written with the copies, read by the consumers
   T* const stage_rows = reinterpret_cast<T*>(storage);
   auto stage_row = [&](int stage, int which, int row) {
@@ -165,13 +171,19 @@ __global__ void __launch_bounds__(kThreads, 3)
   // The cache part is a list of k entries, each C rows or an empty (masked) entry. K == k: entry s is buffer slot s
   // (cache_chunks, -1 where empty), so every filled slot is read. K > k: the slots hold chunks that are not selected
   // now, so entry e is slot selected_slots[e] (the selection's slots, ascending; -1 padding at the end).
-  const int* slot_list = (kListed ? view.selected_slots : view.cache_chunks) + static_cast<long long>(h) * d.budget;
+  const int* global_slot_list =
+      (kListed ? view.selected_slots : view.cache_chunks) + static_cast<long long>(h) * d.budget;
+  const bool list_in_shared = d.budget <= kSharedSlotEntries;
 
-  // The cache part ends after the last filled entry.
+  // The cache part ends after the last filled entry. The list is copied to shared memory on the way (the barrier
+  // below publishes it), so that the steps' row lookups are not global loads.
   int last_filled = -1;
   for (int s = static_cast<int>(threadIdx.x); s < d.budget; s += kThreads) {
-    if (slot_list[s] >= 0) last_filled = s;
+    const int entry = global_slot_list[s];
+    if (list_in_shared) shared_slots[s] = entry;
+    if (entry >= 0) last_filled = s;
   }
+  const int* slot_list = list_in_shared ? shared_slots : global_slot_list;
   last_filled = __reduce_max_sync(0xFFFFFFFFU, last_filled);
   if (lane == 0) warp_last_filled[warp] = last_filled;
   __syncthreads();

@@ -1,6 +1,6 @@
-// Kernel 2 of the chunk selection: radix keys of the merged scores, top-k and cache update for one (b, h) (see
-// chunk_selection.cu, step 2). The block-wide steps live in their own headers: the radix select and compaction
-// (radix_select.cuh) and the cache policy (cache_policy.cuh).
+// Kernel 2 of the chunk selection: the group's scores, their radix keys, top-k and cache update for one (b, h) (see
+// chunk_selection.cu, step 2). The block-wide steps live in their own headers: the score rule (group_scores.cuh), the
+// radix select and compaction (radix_select.cuh) and the cache policy (cache_policy.cuh).
 #include "selection/select_kernel.cuh"
 
 #include <cstddef>
@@ -11,6 +11,7 @@
 #include "cuda_check.hpp"
 #include "shadowkv/errors.hpp"
 #include "selection/cache_policy.cuh"
+#include "selection/group_scores.cuh"
 #include "selection/radix_select.cuh"
 
 namespace shadowkv::cuda::selection {
@@ -19,7 +20,7 @@ namespace {
 constexpr int kSelectThreads = 1024;  // one CTA per (b, h): at B=1 only Hkv CTAs run, so make each wide
 constexpr int kSelectWarps = kSelectThreads / 32;
 static_assert(kSelectThreads == kOrderedPassThreads, "ordered_pass (ordered_compaction.cuh) needs 1024 threads");
-constexpr int kScoreBatch = 8;  // chunks per thread whose logits are loaded together
+constexpr int kScoreBatch = 4;  // chunks per thread whose logits are loaded together, two query heads at a time
 
 /// select_kernel's static shared arrays, in the order it declares them.
 constexpr std::size_t kSelectStaticShared = sizeof(radix_digit_scan<kSelectThreads>::TempStorage) +
@@ -34,7 +35,9 @@ static_assert(kSelectStaticShared + 256 <= kSharedMargin,
 template <bool kLru>
 __global__ void __launch_bounds__(kSelectThreads, 1) select_kernel(const dims d, const layer_view* views,
                                                                    const int* batch_slots, const int layer,
-                                                                   const step_workspace ws, const select_geometry geo) {
+                                                                   const step_workspace ws, const select_geometry geo,
+                                                                   const score_input input, const int tile_rows,
+                                                                   const int tiles) {
   __shared__ typename radix_digit_scan<kSelectThreads>::TempStorage scan_storage;
   __shared__ unsigned histogram[1 << kRadixFirstBits];
   __shared__ unsigned pass_scratch[2 * kSelectWarps];
@@ -55,43 +58,75 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_kernel(const dims d,
 
   // Plain (not restrict) pointers: several of these rows are written and re-read within the kernel.
   float* scores_row = ws.scores + head_row * mc;
-  // The score merge (kernel 1b) left score(c) in the group's first logits row: >= 0, or -1 for non-candidates.
-  const float* merged = ws.logits + (static_cast<long long>(b) * d.q_heads + static_cast<long long>(h) * group) * mc;
+  // The group's G logits rows (or summed probabilities), scored here (group_scores.cuh).
+  const float* logits_group = ws.logits + (static_cast<long long>(b) * d.q_heads + static_cast<long long>(h) * group) * mc;
   const int capacity = kLru ? d.cache_slots : k;  // K: slots per head (K == k: exactly the last selection)
   int* cache = view->cache_chunks + static_cast<long long>(h) * capacity;
   int* slot_of = view->slot_of_chunk + static_cast<long long>(h) * mc;
   int* selected = ws.selected + head_row * k;
   int* miss_slots = ws.miss_slots + head_row * k;
-  unsigned* radix_keys = geo.radix_keys_in_shared ? reinterpret_cast<unsigned*>(select_shared)
-                                                  : ws.radix_keys + head_row * mc;
+  float* offsets = reinterpret_cast<float*>(select_shared);  // [G] at byte 0 (plan_select)
+  unsigned* radix_keys = geo.radix_keys_in_shared
+                             ? reinterpret_cast<unsigned*>(select_shared + geo.radix_keys_offset)
+                             : ws.radix_keys + head_row * mc;
+  const group_score_rule scoring{input == score_input::summed_probabilities, d.group_mean != 0, group, offsets};
 
   // --- A. scores; radix key = float bits + 1 for candidates (scores are >= 0), 0 for the others ------------------
-  // kScoreBatch chunks' loads are in flight together. The radix select's first histogram (top 12 bits of every
-  // radix key) is counted here, saving a pass over them.
+  // The per-query-head normalisers first (decode); then each chunk's score from its G logits, kScoreBatch chunks a
+  // thread with two heads' loads in flight (8 loads: more spills registers under the 64 that 1024 threads allow), into
+  // scores_row; then a pass over the thread's own scores writes the radix keys and counts the radix select's first
+  // histogram (top 12 bits of every radix key), saving a pass of its own.
+  if (!scoring.probabilities) {
+    group_offsets<kSelectWarps>(ws.selection_partials + head_row * 2LL * group * tiles, group, tiles,
+                                (n + tile_rows - 1) / tile_rows, offsets);
+  }
   for (int i = tid; i < (1 << kRadixFirstBits); i += kSelectThreads) histogram[i] = 0;
   if (tid == 0) candidate_count = 0;
   __syncthreads();
   int my_candidates = 0;
   for (int base = 0; base < n; base += kSelectThreads * kScoreBatch) {
-    float x[kScoreBatch];
+    const int remaining = n - base - tid;  // chunk base + i * kSelectThreads + tid < n iff i * kSelectThreads < remaining
+    float value[kScoreBatch];
+    unsigned candidate_bits = 0;  // bit i: chunk base + i * kSelectThreads + tid is a candidate
 #pragma unroll
-    for (int i = 0; i < kScoreBatch; ++i) {
-      const int c = base + i * kSelectThreads + tid;
-      x[i] = c < n ? merged[c] : -1.0F;
-    }
+    for (int i = 0; i < kScoreBatch; ++i) value[i] = start_value(scoring);
+#pragma unroll 1
+    for (int g = 0; g < group; g += 2) {
+      const bool second = g + 1 < group;
+      const float* row = logits_group + static_cast<long long>(g) * mc + base + tid;
+      const float* next_row = row + (second ? mc : 0);
+      float x[kScoreBatch];
+      float y[kScoreBatch];
 #pragma unroll
-    for (int i = 0; i < kScoreBatch; ++i) {
-      const int c = base + i * kSelectThreads + tid;
-      if (c < n) {
-        const bool candidate = x[i] >= 0.0F;
-        const float score = candidate ? fmaxf(0.0F, x[i]) : 0.0F;
-        my_candidates += candidate ? 1 : 0;
-        scores_row[c] = score;
-        const unsigned radix_key = candidate ? __float_as_uint(score) + 1U : 0U;
-        radix_keys[c] = radix_key;
-        atomicAdd(&histogram[radix_key >> (32 - kRadixFirstBits)], 1U);
+      for (int i = 0; i < kScoreBatch; ++i) {
+        x[i] = i * kSelectThreads < remaining ? row[i * kSelectThreads] : 0.0F;
+        y[i] = i * kSelectThreads < remaining ? next_row[i * kSelectThreads] : 0.0F;
+      }
+#pragma unroll
+      for (int i = 0; i < kScoreBatch; ++i) {
+        if (g == 0 && is_candidate(scoring, x[i])) candidate_bits |= 1U << i;
+        value[i] = add_head(scoring, value[i], g, x[i]);
+        if (second) value[i] = add_head(scoring, value[i], g + 1, y[i]);
       }
     }
+#pragma unroll
+    for (int i = 0; i < kScoreBatch; ++i) {
+      // The merged score (>= 0, or -1 for a non-candidate) until the pass below makes it the row's score.
+      if (i * kSelectThreads < remaining) {
+        scores_row[base + i * kSelectThreads + tid] = finish(scoring, value[i], ((candidate_bits >> i) & 1U) != 0U);
+      }
+    }
+  }
+  // Each thread rereads only what it wrote above (same chunks, same thread: no barrier).
+  for (int c = tid; c < n; c += kSelectThreads) {
+    const float merged = scores_row[c];
+    const bool candidate = merged >= 0.0F;
+    const float score = candidate ? fmaxf(0.0F, merged) : 0.0F;
+    my_candidates += candidate ? 1 : 0;
+    scores_row[c] = score;
+    const unsigned radix_key = candidate ? __float_as_uint(score) + 1U : 0U;
+    radix_keys[c] = radix_key;
+    atomicAdd(&histogram[radix_key >> (32 - kRadixFirstBits)], 1U);
   }
   // Not cub::BlockReduce: its sum lands in thread 0 and needs a second barrier to reach the block; an atomic a warp
   // needs the one barrier below.
@@ -133,15 +168,20 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_kernel(const dims d,
 }  // namespace
 
 void launch_select_kernel(const dims& d, const layer_view* views, const int* batch_slots, int layer, int batch,
-                          const step_workspace& ws, const select_geometry& geo, cudaStream_t stream) {
+                          const step_workspace& ws, const select_geometry& geo, score_input input,
+                          const logit_geometry& logit_geo, cudaStream_t stream) {
+  SHADOWKV_EXPECTS(input == score_input::summed_probabilities || d.max_chunks == 0 ||
+                       ws.selection_partials != nullptr,
+                   "chunk selection: step_workspace::selection_partials is null (size it with "
+                   "chunk_selection_workspace)");
   SHADOWKV_EXPECTS(geo.radix_keys_in_shared != 0 || ws.radix_keys != nullptr,
                    "chunk selection: max_chunks ", d.max_chunks, " needs the radix-key workspace "
                    "(step_workspace::radix_keys; size it with chunk_selection_workspace)");
   auto kernel = d.cache_slots > d.budget ? select_kernel<true> : select_kernel<false>;
   allow_shared(kernel, geo.shared_bytes);
   const dim3 grid(static_cast<unsigned>(d.kv_heads), static_cast<unsigned>(batch));
-  kernel<<<grid, kSelectThreads, static_cast<size_t>(geo.shared_bytes), stream>>>(d, views, batch_slots, layer, ws,
-                                                                                 geo);
+  kernel<<<grid, kSelectThreads, static_cast<size_t>(geo.shared_bytes), stream>>>(
+      d, views, batch_slots, layer, ws, geo, input, logit_geo.tile_rows, logit_geo.tiles);
   SHADOWKV_CUDA_CHECK_LAUNCH();
 }
 

@@ -1,17 +1,21 @@
-// Kernel 2 of the chunk selection, one CTA of 1024 threads per (sequence, KV head): the scores that kernels 1 and 1b
-// left, the top-k chunks, and the temporal-cache update (see chunk_selection.cu).
+// Kernel 2 of the chunk selection, one CTA of 1024 threads per (sequence, KV head): the group's chunk scores from the
+// logits that kernel 1 left, the top-k chunks, and the temporal-cache update (see chunk_selection.cu).
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include "device_layout.cuh"
+#include "selection/group_scores.cuh"
 #include "selection/selection_plan.cuh"
 
 namespace shadowkv::cuda::selection {
 
-/// Grid (Hkv, batch), geo.shared_bytes of dynamic shared memory (plan_select). Throws invalid_argument when the radix
-/// keys need ws.radix_keys and it is null, cuda_error on a launch failure.
+/// Grid (Hkv, batch), geo.shared_bytes of dynamic shared memory (plan_select). `input` says what the logits rows
+/// hold; with logits, the tile partials of `logit_geo` in ws.selection_partials give the normalisers. Throws
+/// invalid_argument when the radix keys need ws.radix_keys, or the logits need ws.selection_partials, and it is null;
+/// cuda_error on a launch failure.
 void launch_select_kernel(const dims& d, const layer_view* views, const int* batch_slots, int layer, int batch,
-                          const step_workspace& ws, const select_geometry& geo, cudaStream_t stream);
+                          const step_workspace& ws, const select_geometry& geo, score_input input,
+                          const logit_geometry& logit_geo, cudaStream_t stream);
 
 }  // namespace shadowkv::cuda::selection

@@ -22,7 +22,7 @@ struct device_limits {
   int multiprocessors;
 };
 
-/// Tiles of the landmark logits kernel (landmark_scoring.cu); the score merge and the select kernel read the softmax
+/// Tiles of the landmark logits kernel (landmark_scoring.cu); the select kernel reads the softmax
 /// partials it leaves per tile.
 struct logit_geometry {
   int tile_rows;   ///< chunks per tile (power of two, 8..128)
@@ -37,20 +37,22 @@ __host__ __device__ inline long long partial_row_floats(const dims& d, const log
   return 2LL * d.group * geo.tiles;
 }
 
-/// The select kernel's dynamic shared memory: the per-chunk radix keys when they fit (else they live in
-/// step_workspace::radix_keys).
+/// The select kernel's dynamic shared memory: the group's G score offsets (group_scores.cuh) at byte 0, then the
+/// per-chunk radix keys when they fit (else they live in step_workspace::radix_keys).
 struct select_geometry {
-  int radix_keys_in_shared;  ///< 1: per-chunk radix keys in dynamic shared memory at byte 0; 0: in ws.radix_keys
-  long long shared_bytes;    ///< dynamic shared memory of the launch
+  int radix_keys_in_shared;    ///< 1: per-chunk radix keys in dynamic shared memory; 0: in ws.radix_keys
+  long long radix_keys_offset;  ///< their byte offset there: the offsets' bytes rounded up to 16
+  long long shared_bytes;      ///< dynamic shared memory of the launch
 };
 
 /// Where the select kernel keeps its radix keys on a device with `limits`: one decision for the workspace query and
 /// the launch.
 inline select_geometry plan_select(const dims& d, const device_limits& limits) {
   select_geometry geo{};
+  geo.radix_keys_offset = (4LL * d.group + 15) / 16 * 16;
   const long long keys = 4LL * d.max_chunks;
-  geo.radix_keys_in_shared = keys <= limits.optin_shared - kSharedMargin ? 1 : 0;
-  geo.shared_bytes = geo.radix_keys_in_shared ? keys : 0;
+  geo.radix_keys_in_shared = geo.radix_keys_offset + keys <= limits.optin_shared - kSharedMargin ? 1 : 0;
+  geo.shared_bytes = geo.radix_keys_offset + (geo.radix_keys_in_shared ? keys : 0);
   return geo;
 }
 
