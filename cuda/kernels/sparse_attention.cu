@@ -47,6 +47,7 @@
 #include "common/float_constants.cuh"
 #include "cuda_check.hpp"
 #include "shadowkv/errors.hpp"
+#include "shadowkv/generated_region.hpp"
 #include "shape_support.hpp"
 
 namespace shadowkv::cuda {
@@ -117,6 +118,131 @@ struct cta_layout {
                                       kSharedSlotEntries * static_cast<int>(sizeof(int));
 };
 
+/// The virtual row list of one (sequence, KV head), [outlier rows | local rows | generated ring rows | cache rows],
+/// and one split's contiguous share [row_begin, row_end) of it (see the file comment, 1.). Made by begin_row_walk.
+template <typename T, int D, bool kListed>
+struct row_walk {
+  const layer_view* view;
+  const int* slot_list;  ///< the cache part's list (shared memory when it fits)
+  int h;
+  int kv_heads;
+  int chunk;
+  int chunk_shift;  ///< log2(chunk), or -1 when chunk is not a power of two
+  int local_capacity;
+  int window;
+  int cache_slots;
+  int outlier_rows;
+  int local_rows;
+  int generated_rows;
+  int row_begin;
+  int row_end;
+  const T* outlier_keys;
+  const T* outlier_values;
+  const T* exact_keys;
+  const T* exact_values;
+  const T* cache_keys;
+  const T* cache_values;
+
+  __device__ __forceinline__ int entry_of(int cache_row) const {
+    return chunk_shift >= 0 ? cache_row >> chunk_shift : cache_row / chunk;
+  }
+
+  /// Whether row i is a token (false past the split's range and in empty cache slots).
+  __device__ __forceinline__ bool valid(int i) const {
+    if (i >= row_end) return false;
+    const int cache_row = i - (outlier_rows + local_rows + generated_rows);
+    if (cache_row < 0) return true;
+    return slot_list[entry_of(cache_row)] >= 0;
+  }
+
+  /// Row i -> its key and value rows.
+  __device__ __forceinline__ void locate(int i, const T*& key, const T*& value) const {
+    if (i < outlier_rows) {
+      key = outlier_keys + static_cast<long long>(i) * D;
+      value = outlier_values + static_cast<long long>(i) * D;
+      return;
+    }
+    i -= outlier_rows;
+    if (i < local_rows + generated_rows) {
+      const int row = i < local_rows ? i : local_capacity + rules::ring_row(view->ring_head, i - local_rows, window);
+      key = exact_keys + static_cast<long long>(row) * D;
+      value = exact_values + static_cast<long long>(row) * D;
+      return;
+    }
+    i -= local_rows + generated_rows;  // a cache row of list entry e = i / C: buffer slot e (K == k) or slot_list[e]
+    if constexpr (kListed) {
+      const int entry = entry_of(i);
+      i += (slot_list[entry] - entry) * chunk;
+    }
+    key = cache_keys + static_cast<long long>(i) * D;
+    if (view->values_in_place != 0) {
+      // The value store's run of (chunk, head h), [max_chunks, Hkv, C, D], for buffer slot i / C's chunk.
+      const int slot = entry_of(i);
+      const int token = i - slot * chunk;
+      const long long chunk_id = view->cache_chunks[static_cast<long long>(h) * cache_slots + slot];
+      value = static_cast<const T*>(view->value_store) + ((chunk_id * kv_heads + h) * chunk + token) * D;
+    } else {
+      value = cache_values + static_cast<long long>(i) * D;
+    }
+  }
+};
+
+/// The row walk of KV head h of `view` for split `split` of `splits`; called by every thread of a block of
+/// kBlockThreads threads (it ends with a barrier). The cache part is a list of k entries, each C rows or an empty
+/// (masked) entry. K == k: entry s is buffer slot s (cache_chunks, -1 where empty), so every filled slot is read.
+/// K > k: the slots hold chunks that are not selected now, so entry e is slot selected_slots[e] (the selection's
+/// slots, ascending; -1 padding at the end). The cache part ends after the last filled entry. The list is copied to
+/// `shared_slots` (kSharedSlotEntries ints) on the way when it fits, so that the steps' row lookups are not global
+/// loads; `warp_last_filled`: kBlockThreads / 32 ints of shared memory.
+template <typename T, int D, bool kListed, int kBlockThreads>
+__device__ __forceinline__ row_walk<T, D, kListed> begin_row_walk(const dims& d, const layer_view& view, int h,
+                                                                 int split, int splits, int* shared_slots,
+                                                                 int* warp_last_filled) {
+  const int* global_slot_list =
+      (kListed ? view.selected_slots : view.cache_chunks) + static_cast<long long>(h) * d.budget;
+  const bool list_in_shared = d.budget <= kSharedSlotEntries;
+  int last_filled = -1;
+  for (int s = static_cast<int>(threadIdx.x); s < d.budget; s += kBlockThreads) {
+    const int entry = global_slot_list[s];
+    if (list_in_shared) shared_slots[s] = entry;
+    if (entry >= 0) last_filled = s;
+  }
+  last_filled = __reduce_max_sync(0xFFFFFFFFU, last_filled);
+  if (threadIdx.x % 32 == 0) warp_last_filled[threadIdx.x / 32] = last_filled;
+  __syncthreads();
+#pragma unroll
+  for (int w = 0; w < kBlockThreads / 32; ++w) last_filled = max(last_filled, warp_last_filled[w]);
+
+  row_walk<T, D, kListed> walk{};
+  walk.view = &view;
+  walk.slot_list = list_in_shared ? shared_slots : global_slot_list;
+  walk.h = h;
+  walk.kv_heads = d.kv_heads;
+  walk.chunk = d.chunk;
+  walk.chunk_shift = (d.chunk & (d.chunk - 1)) == 0 ? __ffs(d.chunk) - 1 : -1;  // C is normally a power of two
+  walk.local_capacity = d.local_capacity;
+  walk.window = d.window;
+  walk.cache_slots = d.cache_slots;
+  walk.outlier_rows = view.outlier_chunks * d.chunk;
+  walk.local_rows = view.local_len;
+  walk.generated_rows = view.generated_exact_len;
+  const int total_rows = walk.outlier_rows + walk.local_rows + walk.generated_rows + (last_filled + 1) * d.chunk;
+  const int span = (total_rows + splits - 1) / splits;
+  walk.row_begin = min(total_rows, split * span);
+  walk.row_end = min(total_rows, walk.row_begin + span);
+  // Head h's arrays (elements): outliers [O*C, D], exact rows [local_capacity + W, D], cache rows [K*C, D].
+  const long long outlier_offset = static_cast<long long>(h) * d.max_outliers * d.chunk * D;
+  const long long exact_offset = static_cast<long long>(h) * (d.local_capacity + d.window) * D;
+  const long long cache_offset = static_cast<long long>(h) * (kListed ? d.cache_slots : d.budget) * d.chunk * D;
+  walk.outlier_keys = static_cast<const T*>(view.outlier_keys) + outlier_offset;
+  walk.outlier_values = static_cast<const T*>(view.outlier_values) + outlier_offset;
+  walk.exact_keys = static_cast<const T*>(view.exact_keys) + exact_offset;
+  walk.exact_values = static_cast<const T*>(view.exact_values) + exact_offset;
+  walk.cache_keys = static_cast<const T*>(view.cache_keys) + cache_offset;
+  walk.cache_values = static_cast<const T*>(view.cache_values) + cache_offset;
+  return walk;
+}
+
 /// exp2(x - m) for a merge weight; 0 when m is -inf (then x is -inf too: nothing was seen).
 __device__ __forceinline__ float merge_weight(float x, float m) { return m == -INFINITY ? 0.0F : exp2f(x - m); }
 
@@ -167,87 +293,11 @@ __global__ void __launch_bounds__(kThreads, 3)
   const int segment = lane % kLanes;    // which vectors of a row
 
   const layer_view& view = views[static_cast<long long>(batch_slots[b]) * d.num_layers + layer];
-  const int chunk = d.chunk;
-  // The cache part is a list of k entries, each C rows or an empty (masked) entry. K == k: entry s is buffer slot s
-  // (cache_chunks, -1 where empty), so every filled slot is read. K > k: the slots hold chunks that are not selected
-  // now, so entry e is slot selected_slots[e] (the selection's slots, ascending; -1 padding at the end).
-  const int* global_slot_list =
-      (kListed ? view.selected_slots : view.cache_chunks) + static_cast<long long>(h) * d.budget;
-  const bool list_in_shared = d.budget <= kSharedSlotEntries;
+  const row_walk<T, D, kListed> walk =
+      begin_row_walk<T, D, kListed, kThreads>(d, view, h, split, splits, shared_slots, warp_last_filled);
+  const int row_begin = walk.row_begin;
+  const int steps = (walk.row_end - row_begin + kStepRows - 1) / kStepRows;
 
-  // The cache part ends after the last filled entry. The list is copied to shared memory on the way (the barrier
-  // below publishes it), so that the steps' row lookups are not global loads.
-  int last_filled = -1;
-  for (int s = static_cast<int>(threadIdx.x); s < d.budget; s += kThreads) {
-    const int entry = global_slot_list[s];
-    if (list_in_shared) shared_slots[s] = entry;
-    if (entry >= 0) last_filled = s;
-  }
-  const int* slot_list = list_in_shared ? shared_slots : global_slot_list;
-  last_filled = __reduce_max_sync(0xFFFFFFFFU, last_filled);
-  if (lane == 0) warp_last_filled[warp] = last_filled;
-  __syncthreads();
-#pragma unroll
-  for (int w = 0; w < kWarps; ++w) last_filled = max(last_filled, warp_last_filled[w]);
-
-  const int outlier_rows = view.outlier_chunks * chunk;
-  const int local_rows = view.local_len;
-  const int generated_rows = view.generated_exact_len;
-  const int total_rows = outlier_rows + local_rows + generated_rows + (last_filled + 1) * chunk;
-  const int span = (total_rows + splits - 1) / splits;
-  const int row_begin = min(total_rows, split * span);
-  const int row_end = min(total_rows, row_begin + span);
-  const int steps = (row_end - row_begin + kStepRows - 1) / kStepRows;
-
-  // Head h's arrays (elements): outliers [O*C, D], exact rows [local_capacity + W, D], cache rows [K*C, D].
-  const long long outlier_offset = static_cast<long long>(h) * d.max_outliers * chunk * D;
-  const long long exact_offset = static_cast<long long>(h) * (d.local_capacity + d.window) * D;
-  const long long cache_offset = static_cast<long long>(h) * (kListed ? d.cache_slots : d.budget) * chunk * D;
-  const T* outlier_keys = static_cast<const T*>(view.outlier_keys) + outlier_offset;
-  const T* outlier_values = static_cast<const T*>(view.outlier_values) + outlier_offset;
-  const T* exact_keys = static_cast<const T*>(view.exact_keys) + exact_offset;
-  const T* exact_values = static_cast<const T*>(view.exact_values) + exact_offset;
-  const T* cache_keys = static_cast<const T*>(view.cache_keys) + cache_offset;
-  const T* cache_values = static_cast<const T*>(view.cache_values) + cache_offset;
-
-  // Whether row i of the CTA's range is a token (false past the range and in empty cache slots).
-  const int chunk_shift = (chunk & (chunk - 1)) == 0 ? __ffs(chunk) - 1 : -1;  // C is normally a power of two
-  auto row_valid = [&](int i) {
-    if (i >= row_end) return false;
-    const int cache_row = i - (outlier_rows + local_rows + generated_rows);
-    if (cache_row < 0) return true;
-    return slot_list[chunk_shift >= 0 ? cache_row >> chunk_shift : cache_row / chunk] >= 0;
-  };
-  // Row i of the virtual list -> its key and value rows.
-  auto locate = [&](int i, const T*& key, const T*& value) {
-    if (i < outlier_rows) {
-      key = outlier_keys + static_cast<long long>(i) * D;
-      value = outlier_values + static_cast<long long>(i) * D;
-      return;
-    }
-    i -= outlier_rows;
-    if (i < local_rows + generated_rows) {
-      const int row = i < local_rows ? i : generated_row(view, d, i - local_rows);
-      key = exact_keys + static_cast<long long>(row) * D;
-      value = exact_values + static_cast<long long>(row) * D;
-      return;
-    }
-    i -= local_rows + generated_rows;  // a cache row of list entry e = i / C: buffer slot e (K == k) or slot_list[e]
-    if constexpr (kListed) {
-      const int entry = chunk_shift >= 0 ? i >> chunk_shift : i / chunk;
-      i += (slot_list[entry] - entry) * chunk;
-    }
-    key = cache_keys + static_cast<long long>(i) * D;
-    if (view.values_in_place != 0) {
-      // The value store's run of (chunk, head h), [max_chunks, Hkv, C, D], for buffer slot i / C's chunk.
-      const int slot = chunk_shift >= 0 ? i >> chunk_shift : i / chunk;
-      const int token = i - slot * chunk;
-      const long long chunk_id = view.cache_chunks[static_cast<long long>(h) * d.cache_slots + slot];
-      value = static_cast<const T*>(view.value_store) + ((chunk_id * d.kv_heads + h) * chunk + token) * D;
-    } else {
-      value = cache_values + static_cast<long long>(i) * D;
-    }
-  };
   // Starts the copies of step `step` into its stage (rows spread over all row slots) and commits them as one group
   // (an empty group past the last step keeps the group count uniform).
   auto issue_step = [&](int step) {
@@ -255,12 +305,12 @@ __global__ void __launch_bounds__(kThreads, 3)
       const int stage = step % kStages;
       const int base = row_begin + step * kStepRows;
       for (int r = row_slot; r < kStepRows; r += layout::slots) {
-        const bool token = row_valid(base + r);
+        const bool token = walk.valid(base + r);
         if (segment == 0) row_is_token[stage][r] = token ? 1 : 0;
         if (!token) continue;
         const T* key = nullptr;
         const T* value = nullptr;
-        locate(base + r, key, value);
+        walk.locate(base + r, key, value);
 #pragma unroll
         for (int v = 0; v < kPerLane; ++v) {
           const int vector = segment + v * kLanes;
