@@ -43,6 +43,8 @@ struct dims {
                        ///< holds exactly the last selection, K > k: slots keep their chunk until evicted (LRU)
   int chunk_centroids;  ///< 1: chunks are scored by two centroids (config::chunk_score two_centroids,
                         ///< shadowkv/chunk_centroids.hpp) held in layer_view::centroid_*, not by landmarks
+  int attention_fma;    ///< 1: sparse attention always on its FMA kernel (SHADOWKV_ATTENTION=fma), 0: on tensor
+                        ///< cores where that kernel serves the shape (bf16, D <= 128; sparse_attention.cu)
 };
 
 /// Everything of one (slot, layer) on the device. Row-major, head-major where a kernel reads one head at a time.

@@ -62,6 +62,16 @@ bool tapered_pipeline_split() {
   return true;
 }
 
+// Which kernel runs the sparse attention where both can: "mma" (the default: the tensor-core kernel for bf16 keys
+// and values with head_dim <= 128) or "fma" (the CUDA-core kernel for every shape). SHADOWKV_ATTENTION picks one (a
+// measurement knob for bench/step_benchmark.py's +fma; bench/NOTES.md).
+bool attention_on_fma() {
+  const char* text = std::getenv("SHADOWKV_ATTENTION");
+  if (text == nullptr || *text == '\0' || std::strcmp(text, "mma") == 0) return false;
+  SHADOWKV_EXPECTS(std::strcmp(text, "fma") == 0, "SHADOWKV_ATTENTION must be 'mma' or 'fma', got '", text, "'");
+  return true;
+}
+
 // First entry of part p of `count` parts of `batch` entries: weights 1 each ("even"), or 1, 2, ..., 2, 1 ("tapered",
 // three parts or more); a tapered split that would leave a part empty falls back to the even one.
 int part_start(int p, int count, int batch, bool tapered) {
@@ -201,6 +211,7 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   dims_.value_fp8 = cfg.values_as == value_format::fp8_e4m3 ? 1 : 0;
   dims_.factor_bf16 = cfg.factor_dtype() == dtype::bfloat16 ? 1 : 0;
   dims_.group_mean = cfg.group_score == group_combine::mean ? 1 : 0;
+  dims_.attention_fma = attention_on_fma() ? 1 : 0;
 
   own_stream_ = make_stream();
   copy_stream_ = make_stream();

@@ -25,6 +25,8 @@
 //    query head j, the partial (max in log2 units, sum, unnormalised acc[D]) to partial[b, j, split, 0 .. D+2).
 //    The CTA loops over query tiles when G > 8 (each tile re-reads the CTA's rows, mostly from L2). A CTA whose
 //    range is empty writes the neutral partial (-inf, 0, 0...).
+//    For bf16 keys and values with D <= 128 the tensor-core split kernel (sparse_attention_mma_kernel, below) takes
+//    its place: same grid, row walk and partials, Q K^T and P V on mma.sync (dims::attention_fma keeps the FMA one).
 // 2. combine kernel, grid (query head, entry): weights 2^(max_s - max) per split, out = sum_s w_s acc_s / sum_s w_s l_s
 //    written in out.type with out.stride (0 when no row at all exists).
 //
@@ -47,6 +49,7 @@
 #include "common/float_constants.cuh"
 #include "cuda_check.hpp"
 #include "shadowkv/errors.hpp"
+#include "shadowkv/generated_region.hpp"
 #include "shape_support.hpp"
 
 namespace shadowkv::cuda {
@@ -117,6 +120,131 @@ struct cta_layout {
                                       kSharedSlotEntries * static_cast<int>(sizeof(int));
 };
 
+/// The virtual row list of one (sequence, KV head), [outlier rows | local rows | generated ring rows | cache rows],
+/// and one split's contiguous share [row_begin, row_end) of it (see the file comment, 1.). Made by begin_row_walk.
+template <typename T, int D, bool kListed>
+struct row_walk {
+  const layer_view* view;
+  const int* slot_list;  ///< the cache part's list (shared memory when it fits)
+  int h;
+  int kv_heads;
+  int chunk;
+  int chunk_shift;  ///< log2(chunk), or -1 when chunk is not a power of two
+  int local_capacity;
+  int window;
+  int cache_slots;
+  int outlier_rows;
+  int local_rows;
+  int generated_rows;
+  int row_begin;
+  int row_end;
+  const T* outlier_keys;
+  const T* outlier_values;
+  const T* exact_keys;
+  const T* exact_values;
+  const T* cache_keys;
+  const T* cache_values;
+
+  __device__ __forceinline__ int entry_of(int cache_row) const {
+    return chunk_shift >= 0 ? cache_row >> chunk_shift : cache_row / chunk;
+  }
+
+  /// Whether row i is a token (false past the split's range and in empty cache slots).
+  __device__ __forceinline__ bool valid(int i) const {
+    if (i >= row_end) return false;
+    const int cache_row = i - (outlier_rows + local_rows + generated_rows);
+    if (cache_row < 0) return true;
+    return slot_list[entry_of(cache_row)] >= 0;
+  }
+
+  /// Row i -> its key and value rows.
+  __device__ __forceinline__ void locate(int i, const T*& key, const T*& value) const {
+    if (i < outlier_rows) {
+      key = outlier_keys + static_cast<long long>(i) * D;
+      value = outlier_values + static_cast<long long>(i) * D;
+      return;
+    }
+    i -= outlier_rows;
+    if (i < local_rows + generated_rows) {
+      const int row = i < local_rows ? i : local_capacity + rules::ring_row(view->ring_head, i - local_rows, window);
+      key = exact_keys + static_cast<long long>(row) * D;
+      value = exact_values + static_cast<long long>(row) * D;
+      return;
+    }
+    i -= local_rows + generated_rows;  // a cache row of list entry e = i / C: buffer slot e (K == k) or slot_list[e]
+    if constexpr (kListed) {
+      const int entry = entry_of(i);
+      i += (slot_list[entry] - entry) * chunk;
+    }
+    key = cache_keys + static_cast<long long>(i) * D;
+    if (view->values_in_place != 0) {
+      // The value store's run of (chunk, head h), [max_chunks, Hkv, C, D], for buffer slot i / C's chunk.
+      const int slot = entry_of(i);
+      const int token = i - slot * chunk;
+      const long long chunk_id = view->cache_chunks[static_cast<long long>(h) * cache_slots + slot];
+      value = static_cast<const T*>(view->value_store) + ((chunk_id * kv_heads + h) * chunk + token) * D;
+    } else {
+      value = cache_values + static_cast<long long>(i) * D;
+    }
+  }
+};
+
+/// The row walk of KV head h of `view` for split `split` of `splits`; called by every thread of a block of
+/// kBlockThreads threads (it ends with a barrier). The cache part is a list of k entries, each C rows or an empty
+/// (masked) entry. K == k: entry s is buffer slot s (cache_chunks, -1 where empty), so every filled slot is read.
+/// K > k: the slots hold chunks that are not selected now, so entry e is slot selected_slots[e] (the selection's
+/// slots, ascending; -1 padding at the end). The cache part ends after the last filled entry. The list is copied to
+/// `shared_slots` (kSharedSlotEntries ints) on the way when it fits, so that the steps' row lookups are not global
+/// loads; `warp_last_filled`: kBlockThreads / 32 ints of shared memory.
+template <typename T, int D, bool kListed, int kBlockThreads>
+__device__ __forceinline__ row_walk<T, D, kListed> begin_row_walk(const dims& d, const layer_view& view, int h,
+                                                                 int split, int splits, int* shared_slots,
+                                                                 int* warp_last_filled) {
+  const int* global_slot_list =
+      (kListed ? view.selected_slots : view.cache_chunks) + static_cast<long long>(h) * d.budget;
+  const bool list_in_shared = d.budget <= kSharedSlotEntries;
+  int last_filled = -1;
+  for (int s = static_cast<int>(threadIdx.x); s < d.budget; s += kBlockThreads) {
+    const int entry = global_slot_list[s];
+    if (list_in_shared) shared_slots[s] = entry;
+    if (entry >= 0) last_filled = s;
+  }
+  last_filled = __reduce_max_sync(0xFFFFFFFFU, last_filled);
+  if (threadIdx.x % 32 == 0) warp_last_filled[threadIdx.x / 32] = last_filled;
+  __syncthreads();
+#pragma unroll
+  for (int w = 0; w < kBlockThreads / 32; ++w) last_filled = max(last_filled, warp_last_filled[w]);
+
+  row_walk<T, D, kListed> walk{};
+  walk.view = &view;
+  walk.slot_list = list_in_shared ? shared_slots : global_slot_list;
+  walk.h = h;
+  walk.kv_heads = d.kv_heads;
+  walk.chunk = d.chunk;
+  walk.chunk_shift = (d.chunk & (d.chunk - 1)) == 0 ? __ffs(d.chunk) - 1 : -1;  // C is normally a power of two
+  walk.local_capacity = d.local_capacity;
+  walk.window = d.window;
+  walk.cache_slots = d.cache_slots;
+  walk.outlier_rows = view.outlier_chunks * d.chunk;
+  walk.local_rows = view.local_len;
+  walk.generated_rows = view.generated_exact_len;
+  const int total_rows = walk.outlier_rows + walk.local_rows + walk.generated_rows + (last_filled + 1) * d.chunk;
+  const int span = (total_rows + splits - 1) / splits;
+  walk.row_begin = min(total_rows, split * span);
+  walk.row_end = min(total_rows, walk.row_begin + span);
+  // Head h's arrays (elements): outliers [O*C, D], exact rows [local_capacity + W, D], cache rows [K*C, D].
+  const long long outlier_offset = static_cast<long long>(h) * d.max_outliers * d.chunk * D;
+  const long long exact_offset = static_cast<long long>(h) * (d.local_capacity + d.window) * D;
+  const long long cache_offset = static_cast<long long>(h) * (kListed ? d.cache_slots : d.budget) * d.chunk * D;
+  walk.outlier_keys = static_cast<const T*>(view.outlier_keys) + outlier_offset;
+  walk.outlier_values = static_cast<const T*>(view.outlier_values) + outlier_offset;
+  walk.exact_keys = static_cast<const T*>(view.exact_keys) + exact_offset;
+  walk.exact_values = static_cast<const T*>(view.exact_values) + exact_offset;
+  walk.cache_keys = static_cast<const T*>(view.cache_keys) + cache_offset;
+  walk.cache_values = static_cast<const T*>(view.cache_values) + cache_offset;
+  return walk;
+}
+
 /// exp2(x - m) for a merge weight; 0 when m is -inf (then x is -inf too: nothing was seen).
 __device__ __forceinline__ float merge_weight(float x, float m) { return m == -INFINITY ? 0.0F : exp2f(x - m); }
 
@@ -167,87 +295,11 @@ __global__ void __launch_bounds__(kThreads, 3)
   const int segment = lane % kLanes;    // which vectors of a row
 
   const layer_view& view = views[static_cast<long long>(batch_slots[b]) * d.num_layers + layer];
-  const int chunk = d.chunk;
-  // The cache part is a list of k entries, each C rows or an empty (masked) entry. K == k: entry s is buffer slot s
-  // (cache_chunks, -1 where empty), so every filled slot is read. K > k: the slots hold chunks that are not selected
-  // now, so entry e is slot selected_slots[e] (the selection's slots, ascending; -1 padding at the end).
-  const int* global_slot_list =
-      (kListed ? view.selected_slots : view.cache_chunks) + static_cast<long long>(h) * d.budget;
-  const bool list_in_shared = d.budget <= kSharedSlotEntries;
+  const row_walk<T, D, kListed> walk =
+      begin_row_walk<T, D, kListed, kThreads>(d, view, h, split, splits, shared_slots, warp_last_filled);
+  const int row_begin = walk.row_begin;
+  const int steps = (walk.row_end - row_begin + kStepRows - 1) / kStepRows;
 
-  // The cache part ends after the last filled entry. The list is copied to shared memory on the way (the barrier
-  // below publishes it), so that the steps' row lookups are not global loads.
-  int last_filled = -1;
-  for (int s = static_cast<int>(threadIdx.x); s < d.budget; s += kThreads) {
-    const int entry = global_slot_list[s];
-    if (list_in_shared) shared_slots[s] = entry;
-    if (entry >= 0) last_filled = s;
-  }
-  const int* slot_list = list_in_shared ? shared_slots : global_slot_list;
-  last_filled = __reduce_max_sync(0xFFFFFFFFU, last_filled);
-  if (lane == 0) warp_last_filled[warp] = last_filled;
-  __syncthreads();
-#pragma unroll
-  for (int w = 0; w < kWarps; ++w) last_filled = max(last_filled, warp_last_filled[w]);
-
-  const int outlier_rows = view.outlier_chunks * chunk;
-  const int local_rows = view.local_len;
-  const int generated_rows = view.generated_exact_len;
-  const int total_rows = outlier_rows + local_rows + generated_rows + (last_filled + 1) * chunk;
-  const int span = (total_rows + splits - 1) / splits;
-  const int row_begin = min(total_rows, split * span);
-  const int row_end = min(total_rows, row_begin + span);
-  const int steps = (row_end - row_begin + kStepRows - 1) / kStepRows;
-
-  // Head h's arrays (elements): outliers [O*C, D], exact rows [local_capacity + W, D], cache rows [K*C, D].
-  const long long outlier_offset = static_cast<long long>(h) * d.max_outliers * chunk * D;
-  const long long exact_offset = static_cast<long long>(h) * (d.local_capacity + d.window) * D;
-  const long long cache_offset = static_cast<long long>(h) * (kListed ? d.cache_slots : d.budget) * chunk * D;
-  const T* outlier_keys = static_cast<const T*>(view.outlier_keys) + outlier_offset;
-  const T* outlier_values = static_cast<const T*>(view.outlier_values) + outlier_offset;
-  const T* exact_keys = static_cast<const T*>(view.exact_keys) + exact_offset;
-  const T* exact_values = static_cast<const T*>(view.exact_values) + exact_offset;
-  const T* cache_keys = static_cast<const T*>(view.cache_keys) + cache_offset;
-  const T* cache_values = static_cast<const T*>(view.cache_values) + cache_offset;
-
-  // Whether row i of the CTA's range is a token (false past the range and in empty cache slots).
-  const int chunk_shift = (chunk & (chunk - 1)) == 0 ? __ffs(chunk) - 1 : -1;  // C is normally a power of two
-  auto row_valid = [&](int i) {
-    if (i >= row_end) return false;
-    const int cache_row = i - (outlier_rows + local_rows + generated_rows);
-    if (cache_row < 0) return true;
-    return slot_list[chunk_shift >= 0 ? cache_row >> chunk_shift : cache_row / chunk] >= 0;
-  };
-  // Row i of the virtual list -> its key and value rows.
-  auto locate = [&](int i, const T*& key, const T*& value) {
-    if (i < outlier_rows) {
-      key = outlier_keys + static_cast<long long>(i) * D;
-      value = outlier_values + static_cast<long long>(i) * D;
-      return;
-    }
-    i -= outlier_rows;
-    if (i < local_rows + generated_rows) {
-      const int row = i < local_rows ? i : generated_row(view, d, i - local_rows);
-      key = exact_keys + static_cast<long long>(row) * D;
-      value = exact_values + static_cast<long long>(row) * D;
-      return;
-    }
-    i -= local_rows + generated_rows;  // a cache row of list entry e = i / C: buffer slot e (K == k) or slot_list[e]
-    if constexpr (kListed) {
-      const int entry = chunk_shift >= 0 ? i >> chunk_shift : i / chunk;
-      i += (slot_list[entry] - entry) * chunk;
-    }
-    key = cache_keys + static_cast<long long>(i) * D;
-    if (view.values_in_place != 0) {
-      // The value store's run of (chunk, head h), [max_chunks, Hkv, C, D], for buffer slot i / C's chunk.
-      const int slot = chunk_shift >= 0 ? i >> chunk_shift : i / chunk;
-      const int token = i - slot * chunk;
-      const long long chunk_id = view.cache_chunks[static_cast<long long>(h) * d.cache_slots + slot];
-      value = static_cast<const T*>(view.value_store) + ((chunk_id * d.kv_heads + h) * chunk + token) * D;
-    } else {
-      value = cache_values + static_cast<long long>(i) * D;
-    }
-  };
   // Starts the copies of step `step` into its stage (rows spread over all row slots) and commits them as one group
   // (an empty group past the last step keeps the group count uniform).
   auto issue_step = [&](int step) {
@@ -255,12 +307,12 @@ __global__ void __launch_bounds__(kThreads, 3)
       const int stage = step % kStages;
       const int base = row_begin + step * kStepRows;
       for (int r = row_slot; r < kStepRows; r += layout::slots) {
-        const bool token = row_valid(base + r);
+        const bool token = walk.valid(base + r);
         if (segment == 0) row_is_token[stage][r] = token ? 1 : 0;
         if (!token) continue;
         const T* key = nullptr;
         const T* value = nullptr;
-        locate(base + r, key, value);
+        walk.locate(base + r, key, value);
 #pragma unroll
         for (int v = 0; v < kPerLane; ++v) {
           const int vector = segment + v * kLanes;
@@ -460,6 +512,328 @@ __global__ void __launch_bounds__(kThreads, 3)
   }
 }
 
+// ---- The tensor-core split kernel (bf16 keys and values, D <= 128) -----------------------------------------------
+//
+// Same grid, row walk and partial output as sparse_attention_split_kernel; the arithmetic on tensor cores. A CTA of 4
+// warps takes steps of kMmaStepRows = 64 rows (K and V rows in shared memory, rows padded by 16 bytes so that
+// ldmatrix reads are free of bank conflicts; 2 stages of cp.async); warp w takes rows 16w .. 16w + 15 of a step. For
+// a tile of up to 16 query heads (the MMA's M; heads past the group are zero rows):
+//   S[16 heads x 16 rows] = Q K^T   with mma.sync m16n8k16 (bf16 in, fp32 accumulate), Q split into three bf16 terms
+//                                   (hi + mid + lo = the fp32 query exactly), K exact in bf16;
+//   online softmax over the rows in log2 units, as the FMA kernel (rows that are not tokens: -inf, and their K and V
+//   rows zero-filled in shared memory, so that 0 x stale bytes cannot make a NaN);
+//   O[16 heads x D] += P V          P split into three bf16 terms the same way, V exact.
+// So every product is exact and only the fp32 accumulation order differs from the FMA kernel. The warps' states merge
+// through shared memory at the end, as in the FMA kernel. ~100 tensor-core and ~150 other instructions a warp per 16
+// rows, where the FMA kernel issues ~1400 (bench/NOTES.md, session 10).
+constexpr int kMmaWarps = 4;
+constexpr int kMmaThreads = kMmaWarps * 32;
+constexpr int kMmaStepRows = 16 * kMmaWarps;
+constexpr int kMmaStages = 2;
+constexpr int kMmaHeads = 16;  ///< query heads of a tile: the MMA's M
+constexpr int kMmaTerms = 3;   ///< bf16 terms of a float32 operand (8 + 8 + 8 significand bits)
+/// CTAs the split count aims for with the tensor-core kernel: one wave at 2 CTAs per SM of an H200.
+constexpr int kMmaTargetCtas = 132 * 2;
+
+template <int D>
+struct mma_layout {
+  static constexpr int row_elements = D + 8;  ///< a shared row: D bf16 and 16 bytes of padding
+  static constexpr int row_bytes = row_elements * 2;
+  static constexpr int stage_bytes = 2 * kMmaStepRows * row_bytes;             ///< K and V rows of one step
+  static constexpr int query_bytes = kMmaTerms * kMmaHeads * row_bytes;        ///< Q's three terms
+  static constexpr int reduction_bytes = kMmaWarps * kMmaHeads * (D + 2) * 4;  ///< the warps' states, float32
+  static constexpr int pipeline_bytes = kMmaStages * stage_bytes;
+  static constexpr int query_offset = std::max(pipeline_bytes, reduction_bytes);
+  static constexpr int shared_bytes = query_offset + query_bytes;  ///< dynamic
+  static constexpr int vectors = D * 2 / 16;                       ///< 16-byte vectors of a row
+  static constexpr int lanes = next_power_of_two(vectors) < 32 ? next_power_of_two(vectors) : 32;  ///< per row
+  static constexpr int row_slots = kMmaThreads / lanes;
+  static_assert(D % 16 == 0 && D <= 128, "the tensor-core kernel takes D <= 128, a multiple of 16");
+  static_assert(vectors <= lanes, "one 16-byte vector a lane");
+};
+
+__device__ __forceinline__ unsigned shared_address(const void* pointer) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(pointer));
+}
+
+__device__ __forceinline__ void load_matrix_x4(unsigned (&r)[4], const void* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(shared_address(row)));
+}
+
+__device__ __forceinline__ void load_matrix_x4_transposed(unsigned (&r)[4], const void* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(shared_address(row)));
+}
+
+/// d += a b: m16n8k16, bf16 inputs, float32 accumulators (PTX ISA fragment layouts).
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+/// Two floats as three packed bf16x2 terms (hi + mid + lo == x exactly for finite x with no subnormal parts): term t
+/// holds the x0 part in its low half and the x1 part in its high half.
+__device__ __forceinline__ void split_bf16x2(float x0, float x1, unsigned (&terms)[kMmaTerms]) {
+#pragma unroll
+  for (int t = 0; t < kMmaTerms; ++t) {
+    const __nv_bfloat162 part = __floats2bfloat162_rn(x0, x1);
+    terms[t] = *reinterpret_cast<const unsigned*>(&part);
+    x0 -= __low2float(part);
+    x1 -= __high2float(part);
+  }
+}
+
+template <int D, bool kListed>
+__global__ void __launch_bounds__(kMmaThreads, 2)
+    sparse_attention_mma_kernel(dims d, const layer_view* views, const int* batch_slots, int layer, strided_tensor q,
+                                float* partial, int splits, int max_splits) {
+  using T = __nv_bfloat16;
+  using layout = mma_layout<D>;
+  constexpr int kRow = layout::row_elements;
+  constexpr int kLanes = layout::lanes;
+  extern __shared__ __align__(16) unsigned char storage[];
+  __shared__ int warp_last_filled[kMmaWarps];
+  __shared__ int shared_slots[kSharedSlotEntries];
+  __shared__ unsigned char row_is_token[kMmaStages][kMmaStepRows];
+  T* const stage_rows = reinterpret_cast<T*>(storage);
+  auto stage_row = [&](int stage, int which, int row) {
+    return stage_rows + ((stage * 2 + which) * kMmaStepRows + row) * kRow;
+  };
+  T* const query_rows = reinterpret_cast<T*>(storage + layout::query_offset);
+  float (*const unit_acc)[kMmaHeads][D] = reinterpret_cast<float (*)[kMmaHeads][D]>(storage);
+  float (*const unit_max)[kMmaHeads] =
+      reinterpret_cast<float (*)[kMmaHeads]>(storage + kMmaWarps * kMmaHeads * D * sizeof(float));
+  float (*const unit_sum)[kMmaHeads] =
+      reinterpret_cast<float (*)[kMmaHeads]>(storage + kMmaWarps * kMmaHeads * (D + 1) * sizeof(float));
+
+  const int split = static_cast<int>(blockIdx.x);
+  const int h = static_cast<int>(blockIdx.y);
+  const int b = static_cast<int>(blockIdx.z);
+  const int tid = static_cast<int>(threadIdx.x);
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const int row_slot = tid / kLanes;
+  const int segment = tid % kLanes;
+
+  const layer_view& view = views[static_cast<long long>(batch_slots[b]) * d.num_layers + layer];
+  const row_walk<T, D, kListed> walk =
+      begin_row_walk<T, D, kListed, kMmaThreads>(d, view, h, split, splits, shared_slots, warp_last_filled);
+  const int row_begin = walk.row_begin;
+  const int steps = (walk.row_end - row_begin + kMmaStepRows - 1) / kMmaStepRows;
+
+  // Copies of step `step` into its stage, one 16-byte vector of K and one of V a lane; rows that are not tokens are
+  // zero-filled. Committed as one group (an empty group past the last step keeps the group count uniform).
+  auto issue_step = [&](int step) {
+    if (step < steps) {
+      const int stage = step % kMmaStages;
+      const int base = row_begin + step * kMmaStepRows;
+      for (int r = row_slot; r < kMmaStepRows; r += layout::row_slots) {
+        const bool token = walk.valid(base + r);
+        if (segment == 0) row_is_token[stage][r] = token ? 1 : 0;
+        if (segment >= layout::vectors) continue;
+        T* key_row = stage_row(stage, 0, r) + segment * 8;
+        T* value_row = stage_row(stage, 1, r) + segment * 8;
+        if (token) {
+          const T* key = nullptr;
+          const T* value = nullptr;
+          walk.locate(base + r, key, value);
+          copy_async<16>(key_row, key + segment * 8);
+          copy_async<16>(value_row, value + segment * 8);
+        } else {
+          *reinterpret_cast<uint4*>(key_row) = make_uint4(0, 0, 0, 0);
+          *reinterpret_cast<uint4*>(value_row) = make_uint4(0, 0, 0, 0);
+        }
+      }
+    }
+    commit_async_copies();
+  };
+
+  const float q_scale = d.softmax_scale * kLog2e;
+  const int group_row = lane / 4;       // the C fragment's row (query head) of this lane, and that + 8
+  const int pair_col = 2 * (lane % 4);  // the C fragment's first column of this lane
+  const int tiles = (d.group + kMmaHeads - 1) / kMmaHeads;
+  for (int tile = 0; tile < tiles; ++tile) {
+    // Q's three bf16 terms, [term][head][kRow], scaled so that scores are in log2 units; heads past the group: 0.
+    for (int index = tid; index < kMmaHeads * D / 2; index += kMmaThreads) {
+      const int head = index / (D / 2);
+      const int dim = 2 * (index % (D / 2));
+      const int local_head = tile * kMmaHeads + head;
+      float x[2] = {0.0F, 0.0F};
+      if (local_head < d.group) {
+        const long long head_offset = static_cast<long long>(b) * q.stride[0] +
+                                      static_cast<long long>(h * d.group + local_head) * q.stride[1];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          x[e] = q_scale * load_any(q.data, q.type, head_offset + static_cast<long long>(dim + e) * q.stride[2]);
+        }
+      }
+      unsigned terms[kMmaTerms];
+      split_bf16x2(x[0], x[1], terms);
+#pragma unroll
+      for (int t = 0; t < kMmaTerms; ++t) {
+        *reinterpret_cast<unsigned*>(query_rows + (t * kMmaHeads + head) * kRow + dim) = terms[t];
+      }
+    }
+#pragma unroll
+    for (int s = 0; s < kMmaStages - 1; ++s) issue_step(s);
+
+    float running_max[2] = {-INFINITY, -INFINITY};  // heads group_row and group_row + 8
+    float running_sum[2] = {0.0F, 0.0F};             // this lane's columns only; summed over the quad at the end
+    float acc[D / 8][4];
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[n][e] = 0.0F;
+    }
+
+    for (int step = 0; step < steps; ++step) {
+      wait_async_copies<kMmaStages - 2>();
+      __syncthreads();  // everyone's copies have landed (and Q is written), nobody still reads the stage refilled next
+      issue_step(step + kMmaStages - 1);
+      const int stage = step % kMmaStages;
+      const int first_row = warp * 16;
+      const int matrix = lane / 8;  // which 8x8 matrix of an ldmatrix.x4 this lane gives the row address of
+
+      // S = Q K^T over this warp's 16 rows: two n-tiles of 8 rows.
+      float score[2][4] = {{0.0F, 0.0F, 0.0F, 0.0F}, {0.0F, 0.0F, 0.0F, 0.0F}};
+#pragma unroll
+      for (int k0 = 0; k0 < D; k0 += 16) {
+        unsigned key_frag[4];  // n-tile 0: [0], [1]; n-tile 1: [2], [3]
+        load_matrix_x4(key_frag, stage_row(stage, 0, first_row + (matrix >> 1) * 8 + lane % 8) + k0 + (matrix & 1) * 8);
+#pragma unroll
+        for (int t = 0; t < kMmaTerms; ++t) {
+          unsigned query_frag[4];
+          load_matrix_x4(query_frag,
+                         query_rows + (t * kMmaHeads + (matrix & 1) * 8 + lane % 8) * kRow + k0 + (matrix >> 1) * 8);
+          mma_bf16(score[0], query_frag, key_frag[0], key_frag[1]);
+          mma_bf16(score[1], query_frag, key_frag[2], key_frag[3]);
+        }
+      }
+
+      // Online softmax of heads group_row (elements 0, 1) and group_row + 8 (elements 2, 3); the four lanes of a quad
+      // hold the 16 rows' columns of the same heads.
+      bool valid[2][2];
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) valid[n][e] = row_is_token[stage][first_row + 8 * n + pair_col + e] != 0;
+      }
+      float rescale[2];
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float step_max = -INFINITY;
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) step_max = valid[n][e] ? fmaxf(step_max, score[n][2 * half + e]) : step_max;
+        }
+        step_max = fmaxf(step_max, __shfl_xor_sync(0xFFFFFFFFU, step_max, 1));
+        step_max = fmaxf(step_max, __shfl_xor_sync(0xFFFFFFFFU, step_max, 2));
+        const float new_max = fmaxf(running_max[half], step_max);
+        rescale[half] = new_max == -INFINITY ? 1.0F : exp2f(running_max[half] - new_max);
+        float step_sum = 0.0F;
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float& p = score[n][2 * half + e];
+            p = valid[n][e] ? exp2f(p - new_max) : 0.0F;  // now the probability
+            step_sum += p;
+          }
+        }
+        running_sum[half] = running_sum[half] * rescale[half] + step_sum;
+        running_max[half] = new_max;
+      }
+      if (rescale[0] != 1.0F || rescale[1] != 1.0F) {  // x 1 is exact: skipping it changes no bit
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+          acc[n][0] *= rescale[0];
+          acc[n][1] *= rescale[0];
+          acc[n][2] *= rescale[1];
+          acc[n][3] *= rescale[1];
+        }
+      }
+
+      // O += P V: P as the A operand (16 heads x 16 rows) straight from the score fragments, in three bf16 terms.
+      unsigned p_frag[kMmaTerms][4];
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        unsigned terms[kMmaTerms];
+        split_bf16x2(score[r >> 1][2 * (r & 1)], score[r >> 1][2 * (r & 1) + 1], terms);
+#pragma unroll
+        for (int t = 0; t < kMmaTerms; ++t) p_frag[t][r] = terms[t];
+      }
+#pragma unroll
+      for (int n = 0; n < D / 8; n += 2) {
+        unsigned value_frag[4];  // d n-tile n: [0], [1]; n + 1: [2], [3]
+        load_matrix_x4_transposed(value_frag,
+                                  stage_row(stage, 1, first_row + (matrix & 1) * 8 + lane % 8) + (n + (matrix >> 1)) * 8);
+#pragma unroll
+        for (int t = 0; t < kMmaTerms; ++t) {
+          mma_bf16(acc[n], p_frag[t], value_frag[0], value_frag[1]);
+          mma_bf16(acc[n + 1], p_frag[t], value_frag[2], value_frag[3]);
+        }
+      }
+    }
+    wait_async_copies<0>();  // only empty groups can be left; the stages become the reduction buffer
+    __syncthreads();
+
+    // The quad's column sums, then each warp's state to shared memory, then the CTA's merge.
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      running_sum[half] += __shfl_xor_sync(0xFFFFFFFFU, running_sum[half], 1);
+      running_sum[half] += __shfl_xor_sync(0xFFFFFFFFU, running_sum[half], 2);
+    }
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        unit_acc[warp][group_row][8 * n + pair_col + e] = acc[n][e];
+        unit_acc[warp][group_row + 8][8 * n + pair_col + e] = acc[n][2 + e];
+      }
+    }
+    if (lane % 4 == 0) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        unit_max[warp][group_row + 8 * half] = running_max[half];
+        unit_sum[warp][group_row + 8 * half] = running_sum[half];
+      }
+    }
+    __syncthreads();
+    for (int index = tid; index < kMmaHeads * D; index += kMmaThreads) {
+      const int tile_head = index / D;
+      const int dim = index % D;
+      const int local_head = tile * kMmaHeads + tile_head;
+      if (local_head >= d.group) continue;
+      float cta_max = -INFINITY;
+#pragma unroll
+      for (int w = 0; w < kMmaWarps; ++w) cta_max = fmaxf(cta_max, unit_max[w][tile_head]);
+      float sum = 0.0F;
+      float value = 0.0F;
+#pragma unroll
+      for (int w = 0; w < kMmaWarps; ++w) {
+        const float weight = merge_weight(unit_max[w][tile_head], cta_max);
+        sum += weight * unit_sum[w][tile_head];
+        value += weight * unit_acc[w][tile_head][dim];
+      }
+      const long long j = static_cast<long long>(h) * d.group + local_head;
+      float* out = partial + ((static_cast<long long>(b) * d.q_heads + j) * max_splits + split) * (D + 2);
+      out[2 + dim] = value;
+      if (dim == 0) {
+        out[0] = cta_max;
+        out[1] = sum;
+      }
+    }
+    __syncthreads();  // the next tile refills the stages and Q
+  }
+}
+
 __global__ void __launch_bounds__(kCombineThreads)
     sparse_attention_combine_kernel(int head_dim, int q_heads, const float* partial, int splits, int max_splits,
                                     strided_tensor out) {
@@ -520,10 +894,10 @@ __global__ void __launch_bounds__(kCombineThreads)
 
 bool valid_element_type(int type) { return type == element_f32 || type == element_f16 || type == element_bf16; }
 
-int choose_splits(const dims& d, int batch, int max_splits) {
+int choose_splits(const dims& d, int batch, int max_splits, int target_ctas) {
   // Rounded down: the grid stays within one wave rather than spilling a partial second one.
   const long long heads = static_cast<long long>(batch) * d.kv_heads;
-  const long long wanted = kTargetCtas / heads;
+  const long long wanted = target_ctas / heads;
   const long long limit = std::min(sparse_attention_max_splits(d), max_splits);
   return static_cast<int>(std::max(1LL, std::min(wanted, limit)));
 }
@@ -541,6 +915,23 @@ struct split_launch {
   int max_splits;
   cudaStream_t stream;
 };
+
+template <int D, bool kListed>
+void launch_mma_split(const split_launch& a) {
+  using layout = mma_layout<D>;
+  static std::atomic<std::uint64_t> allowed_on_devices{0};  // above 48 KiB: the opt-in limit, once per device
+  shadowkv_allow_large_shared_memory(sparse_attention_mma_kernel<D, kListed>, allowed_on_devices);
+  const dim3 grid(static_cast<unsigned>(a.splits), static_cast<unsigned>(a.d.kv_heads), static_cast<unsigned>(a.batch));
+  sparse_attention_mma_kernel<D, kListed><<<grid, kMmaThreads, layout::shared_bytes, a.stream>>>(
+      a.d, a.views, a.batch_slots, a.layer, a.q, a.partial, a.splits, a.max_splits);
+  SHADOWKV_CUDA_CHECK_LAUNCH();
+}
+
+/// Whether the tensor-core kernel serves these dims and element type: bf16 keys and values, D <= 128 (its float32
+/// accumulators of 16 heads x D stay in registers), and dims::attention_fma not set.
+bool mma_kernel_serves(const dims& d, int kv_type) {
+  return d.attention_fma == 0 && kv_type == element_bf16 && d.head_dim <= 128 && d.head_dim % 16 == 0;
+}
 
 template <typename T, int D, int HeadTile, bool kListed>
 void launch_split(const split_launch& a) {
@@ -591,14 +982,25 @@ void launch_sparse_attention(const dims& d, int kv_type, const layer_view* views
                        out.data != nullptr,
                    "sparse attention: null views, batch_slots, partial, q or out");
 
-  const int splits = choose_splits(d, batch, max_splits);
+  const bool tensor_cores = mma_kernel_serves(d, kv_type);
+  const int splits = choose_splits(d, batch, max_splits, tensor_cores ? kMmaTargetCtas : kTargetCtas);
   const split_launch launch{d, views, batch_slots, layer, batch, q, partial, splits, max_splits, stream};
   shadowkv_dispatch_element(kv_type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     shadowkv_dispatch_head_dim(d.head_dim, "sparse attention", [&](auto head_dim) {
+      constexpr int kD = decltype(head_dim)::value;
+      if constexpr (std::is_same_v<T, __nv_bfloat16> && kD <= 128) {
+        if (tensor_cores) {
+          if (d.cache_slots > d.budget) {
+            launch_mma_split<kD, true>(launch);
+          } else {
+            launch_mma_split<kD, false>(launch);
+          }
+          return;
+        }
+      }
       // Query-head tile: larger groups loop over tiles.
       shadowkv_dispatch_head_tile(d.group, [&](auto head_tile) {
-        constexpr int kD = decltype(head_dim)::value;
         constexpr int kTile = decltype(head_tile)::value;
         if (d.cache_slots > d.budget) {
           launch_split<T, kD, kTile, true>(launch);

@@ -186,6 +186,7 @@ struct attention_case {
   int q_layout = 0;
   int out_layout = 0;
   int max_splits = 0;  // 0: sparse_attention_max_splits(d)
+  int fma = 0;         // dims::attention_fma: 1 keeps bf16 shapes off the tensor-core kernel
 
   [[nodiscard]] std::string describe() const {
     std::ostringstream s;
@@ -194,7 +195,7 @@ struct attention_case {
       << " C=" << chunk << " k=" << budget << " K=" << (cache_slots > 0 ? cache_slots : budget)
       << " O=" << max_outliers << " Lc=" << local_chunks << " W=" << window
       << " layer=" << layer << "/" << num_layers << " q_layout=" << q_layout << " out_layout=" << out_layout
-      << " max_splits=" << max_splits;
+      << " max_splits=" << max_splits << " fma=" << fma;
     return s.str();
   }
 };
@@ -237,6 +238,7 @@ dims make_dims(const attention_case& c) {
   d.chunk = c.chunk;
   d.budget = c.budget;
   d.cache_slots = c.cache_slots > 0 ? c.cache_slots : c.budget;
+  d.attention_fma = c.fma;
   d.max_outliers = c.max_outliers;
   d.rank = 1;
   d.window = c.window;
@@ -574,10 +576,47 @@ dims valid_dims() {
   return make_dims(c);
 }
 
+// Each random case on both kernels: bf16 shapes with D <= 128 go to the tensor-core kernel unless fma is set.
 TEST(SparseAttention, MatchesFloat64ReferenceOnRandomConfigurations) {
   SKIP_WITHOUT_DEVICE();
   for (std::uint64_t seed = 1; seed <= 60; ++seed) {
-    run_and_check(random_case(seed));
+    for (int fma = 0; fma <= 1; ++fma) {
+      attention_case c = random_case(seed);
+      c.fma = fma;
+      run_and_check(c);
+      if (HasFatalFailure()) return;
+    }
+  }
+}
+
+// The tensor-core kernel at float32 output precision (1e-5 of the head's largest output): Llama-3's group of 4 and
+// D = 128, a group of 20 (two tiles of 16 heads), D = 80 and 64, the listed cache (K > k), many steps a split.
+TEST(SparseAttention, TensorCoreKernelKeepsFloat32Accuracy) {
+  SKIP_WITHOUT_DEVICE();
+  std::vector<attention_case> cases;
+  for (const int head_dim : {128, 80, 64}) {
+    for (const int group : {4, 20}) {
+      attention_case c;
+      c.seed = 2000 + head_dim + group;
+      c.batch = 3;
+      c.kv_heads = 2;
+      c.group = group;
+      c.head_dim = head_dim;
+      c.kv_type = element_bf16;
+      c.q_type = c.out_type = element_f32;
+      c.budget = 40;
+      c.max_outliers = 6;
+      c.local_chunks = 2;
+      c.window = 24;
+      cases.push_back(c);
+    }
+  }
+  attention_case listed = cases.front();
+  listed.seed = 2999;
+  listed.cache_slots = 2 * listed.budget;
+  cases.push_back(listed);
+  for (const attention_case& c : cases) {
+    run_and_check(c);
     if (HasFatalFailure()) return;
   }
 }

@@ -359,6 +359,30 @@ def test_cuda_pipelined_decode_equals_unpipelined(monkeypatch):
         KVStore(**_twin_kw(None, decode_pipeline_parts=3))
 
 
+def test_cuda_attention_kernels_agree(monkeypatch):
+    """Sparse attention runs on tensor cores for bf16 keys and values with head_dim <= 128 (three bf16 terms of each
+    float32 operand: every product exact) and on the CUDA-core kernel with SHADOWKV_ATTENTION=fma, read when the
+    store is built: selections and statistics are identical, the outputs equal to a few float32 ulps before the output
+    rounding, with bf16 and fp8 host values and the batch in three parts; a value that is neither is refused."""
+    g = H.generator(41)
+
+    def close(a, b, where):
+        err = H.rel_err(b.float(), a.float())
+        assert err < 2e-3, f"{where}: the two attention kernels differ by {err:.2e}"
+
+    for value_dtype, parts in ((None, 1), ("float8_e4m3", 1), (None, 3)):
+        kw = _twin_kw(value_dtype, decode_pipeline_parts=parts)
+        monkeypatch.delenv("SHADOWKV_ATTENTION", raising=False)
+        stores = {"tensor cores": KVStore(**kw)}
+        monkeypatch.setenv("SHADOWKV_ATTENTION", "fma")
+        stores["CUDA cores"] = KVStore(**kw)
+        monkeypatch.delenv("SHADOWKV_ATTENTION")
+        _run_twins(stores, g, 10, close, f"values {value_dtype}, {parts} parts")
+    monkeypatch.setenv("SHADOWKV_ATTENTION", "wmma")
+    with pytest.raises(ValueError, match="SHADOWKV_ATTENTION"):
+        KVStore(**_twin_kw(None))
+
+
 def test_cuda_fetch_grid_changes_nothing_but_speed(monkeypatch):
     """The value fetch is a persistent grid whose size the backend picks (cuda_backend.cpp, fetch_ctas_for_host_values;
     SHADOWKV_FETCH_CTAS overrides it when the store is constructed). One CTA (8 warps for 7 x 2 x 16 items, so every
