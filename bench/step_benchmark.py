@@ -27,6 +27,7 @@ and the ratios ours/full and ours/floor. The hit rate is steered by correlating 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -79,6 +80,25 @@ def _time(fn, device: str, reps: int) -> float:
     return (time.perf_counter() - started) / reps
 
 
+@contextlib.contextmanager
+def _environment(variables):
+    """Sets each name of `variables` to its value (None: removes it) for the duration, then restores the caller's."""
+    saved = {name: os.environ.get(name) for name in variables}
+    try:
+        for name, value in variables.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def run_case(args, device, batch, seq_len, budget, value_store, target_hit, bandwidths):
     dtype = torch.bfloat16
     hq, hkv, dim, chunk = args.q_heads, args.kv_heads, args.head_dim, 8
@@ -92,36 +112,19 @@ def run_case(args, device, batch, seq_len, budget, value_store, target_hit, band
     fetch_ctas = next((o[1:] for o in options if o.startswith("c")), None)
     cache_multiple = next((int(o[1:]) for o in options if o.startswith("k")), 0)
     cache_tokens = cache_multiple * budget  # 0: the default cache of exactly the budget
-    saved_fetch_ctas = os.environ.pop("SHADOWKV_FETCH_CTAS", None)
-    if fetch_ctas is not None:
-        os.environ["SHADOWKV_FETCH_CTAS"] = fetch_ctas  # read once, when the CUDA backend is constructed
-    saved_device_values = os.environ.pop("SHADOWKV_DEVICE_VALUES", None)
-    if "ip" in options:
-        os.environ["SHADOWKV_DEVICE_VALUES"] = "in_place"  # read once too
-    saved_split = os.environ.pop("SHADOWKV_PIPELINE_SPLIT", None)
-    if "tp" in options:
-        os.environ["SHADOWKV_PIPELINE_SPLIT"] = "tapered"  # read once too
-    saved_attention = os.environ.pop("SHADOWKV_ATTENTION", None)
-    if "fma" in options:
-        os.environ["SHADOWKV_ATTENTION"] = "fma"  # read once too
-    store = KVStore(1, hq, hkv, dim, max_batch=batch, max_seq_len=capacity, rank=args.rank, chunk_size=chunk,
-                    budget=budget, outlier_chunks=48, local_chunks=4, generation_window=256, dtype="bfloat16",
-                    device=device, rope_theta=500000.0, value_store=place,
-                    value_dtype="float8_e4m3" if fp8 else None, factor_dtype="float32" if "f32" in options else None,
-                    decode_pipeline_parts=parts, group_score="max" if "max" in options else "mean",
-                    cache_tokens=cache_tokens, chunk_score="two_centroids" if "tc" in options else "landmark")
-    os.environ.pop("SHADOWKV_FETCH_CTAS", None)
-    if saved_fetch_ctas is not None:
-        os.environ["SHADOWKV_FETCH_CTAS"] = saved_fetch_ctas
-    os.environ.pop("SHADOWKV_DEVICE_VALUES", None)
-    if saved_device_values is not None:
-        os.environ["SHADOWKV_DEVICE_VALUES"] = saved_device_values
-    os.environ.pop("SHADOWKV_PIPELINE_SPLIT", None)
-    if saved_split is not None:
-        os.environ["SHADOWKV_PIPELINE_SPLIT"] = saved_split
-    os.environ.pop("SHADOWKV_ATTENTION", None)
-    if saved_attention is not None:
-        os.environ["SHADOWKV_ATTENTION"] = saved_attention
+    # The CUDA backend's measurement knobs, read once when it is constructed: each is set for this row, or removed
+    # (its default) when the row does not name it, whatever the caller's environment says.
+    knobs = {"SHADOWKV_FETCH_CTAS": fetch_ctas, "SHADOWKV_DEVICE_VALUES": "in_place" if "ip" in options else None,
+             "SHADOWKV_PIPELINE_SPLIT": "tapered" if "tp" in options else None,
+             "SHADOWKV_ATTENTION": "fma" if "fma" in options else None}
+    with _environment(knobs):
+        store = KVStore(1, hq, hkv, dim, max_batch=batch, max_seq_len=capacity, rank=args.rank, chunk_size=chunk,
+                        budget=budget, outlier_chunks=48, local_chunks=4, generation_window=256, dtype="bfloat16",
+                        device=device, rope_theta=500000.0, value_store=place,
+                        value_dtype="float8_e4m3" if fp8 else None,
+                        factor_dtype="float32" if "f32" in options else None, decode_pipeline_parts=parts,
+                        group_score="max" if "max" in options else "mean", cache_tokens=cache_tokens,
+                        chunk_score="two_centroids" if "tc" in options else "landmark")
     slots = store.add_sequences(batch)
     keys_full, values_full = [], []
     for b in range(batch):  # one sequence at a time bounds host memory for the random data
@@ -190,8 +193,7 @@ def run_case(args, device, batch, seq_len, budget, value_store, target_hit, band
     floor = landmark_bytes / memory_bw + missed_bytes / (memory_bw if value_store.startswith("device") else link_bw)
     row = {"batch": batch, "seq_len": seq_len, "budget": budget, "value_store": values_on,
            "cache_tokens": cache_tokens, "decode_pipeline_parts": parts,
-           "fetch_ctas": int(fetch_ctas) if fetch_ctas is not None else (
-               int(saved_fetch_ctas) if saved_fetch_ctas else None),
+           "fetch_ctas": int(fetch_ctas) if fetch_ctas is not None else None,  # None: the backend's choice
            "factor_dtype": store.config["factor_dtype"], "group_score": store.config["group_score"],
            "chunk_score": store.config["chunk_score"],
            "device_values": "in_place" if "ip" in options else "gather",
