@@ -442,69 +442,68 @@ void cuda_backend::upload_batch(std::span<const batch_entry> entries) {
   uploaded_slots_ = slots;
 }
 
-void cuda_backend::factorize(const float* keys_pre, int rows, float* basis, int* info,
-                             const device_resources::library_lease& libraries) {
+void cuda_backend::gram_matrix(const float* keys_pre, int rows, double* gram,
+                               const device_resources::library_lease& libraries) {
+  // Gram matrix KᵀK in float64, as the CPU backend's. It is split-K (prompt_kernels.cuh, gram_split): one batched
+  // SGEMM computes the lower block triangle of each row slice's partial KᵀK in float32, a kernel adds the partials in
+  // float64. One SYRK over all rows left a 1024 x 1024 output of a few dozen tiles to 132 SMs for 6 ms; the split
+  // fills the GPU, skips the upper blocks, and sums fewer float32 terms per element than one SYRK (more accurate, not
+  // less). (Row-major K[rows, n] is the column-major matrix Kᵀ[n, rows]; block (i, j) of a slice is Kᵀ_i · Kᵀ_jᵀ.)
   const int n = static_cast<int>(config_.kv_width());
-  const int rank = config_.rank;
-  if (factorizes_by_gram(config_, rows)) {
-    // Gram matrix KᵀK, leading eigenvectors in float64 (cuSOLVER), as the CPU backend. The Gram matrix is split-K
-    // (prompt_kernels.cuh, gram_split): one batched SGEMM computes the lower block triangle of each row slice's
-    // partial KᵀK in float32, a kernel adds the partials in float64. One SYRK over all rows left a 1024 x 1024 output
-    // of a few dozen tiles to 132 SMs for 6 ms; the split fills the GPU, skips the upper blocks, and sums fewer
-    // float32 terms per element than one SYRK (more accurate, not less).
-    // (Row-major K[rows, n] is the column-major matrix Kᵀ[n, rows]; block (i, j) of a slice is Kᵀ_i · Kᵀ_jᵀ.)
-    // All workspace first, so that a failed allocation leaves nothing enqueued.
-    const gram_split split = plan_gram_split(n, rows, resources_->multiprocessors());
-    const std::size_t entries = static_cast<std::size_t>(split.entries());
-    device_buffer partials(std::max<std::size_t>(1, gram_partial_bytes(split, n)), stream_, resources_->device_memory());
-    device_buffer pointers(std::max<std::size_t>(1, 3 * entries * sizeof(void*)), stream_, resources_->device_memory());
-    device_buffer gram64(static_cast<std::size_t>(n) * n * sizeof(double), stream_, resources_->device_memory());
-    device_buffer eigenvalues(static_cast<std::size_t>(n) * sizeof(double), stream_, resources_->device_memory());
-    int found = 0;
-    int lwork = 0;
-    SHADOWKV_CUSOLVER_TRY(cusolverDnDsyevdx_bufferSize(
-        libraries.cusolver(), CUSOLVER_EIG_MODE_VECTOR, CUSOLVER_EIG_RANGE_I, CUBLAS_FILL_MODE_LOWER, n,
-        static_cast<double*>(gram64.data()), n, 0.0, 0.0, n - rank + 1, n, &found,
-        static_cast<double*>(eigenvalues.data()), &lwork));
-    device_buffer work(static_cast<std::size_t>(lwork) * sizeof(double), stream_, resources_->device_memory());
-
-    auto** a_blocks = static_cast<const float**>(pointers.data());
-    const float** b_blocks = a_blocks + entries;
-    auto** c_blocks = static_cast<float**>(static_cast<void*>(b_blocks + entries));
-    if (entries > 0) {
-      launch_gram_block_pointers(keys_pre, n, split, static_cast<float*>(partials.data()), a_blocks, b_blocks,
-                                 c_blocks, stream_);
-      const float one = 1.0F;
-      const float zero = 0.0F;
-      SHADOWKV_CUBLAS_TRY(cublasSgemmBatched(libraries.cublas(), CUBLAS_OP_N, CUBLAS_OP_T, split.block, split.block,
-                                             split.slice_rows, &one, a_blocks, n, b_blocks, n, &zero, c_blocks, n,
-                                             static_cast<int>(entries)));
-    }
-    // The sum writes the lower block triangle only (FILL_MODE_LOWER is all syevdx should read); the upper blocks are
-    // zeroed so that no byte of the matrix is undefined: compute-sanitizer's initcheck reported one uninitialised
-    // 8-byte read inside syevdx's tridiagonal reduction (sytrd4_gpu) at 4e838fb. 8 MB at n = 1024: a few µs.
-    SHADOWKV_CUDA_TRY(cudaMemsetAsync(gram64.data(), 0, static_cast<std::size_t>(n) * n * sizeof(double), stream_));
-    launch_sum_gram_partials(static_cast<const float*>(partials.data()), keys_pre, rows, n, split,
-                             static_cast<double*>(gram64.data()), stream_);
-    SHADOWKV_CUSOLVER_TRY(cusolverDnDsyevdx(libraries.cusolver(), CUSOLVER_EIG_MODE_VECTOR, CUSOLVER_EIG_RANGE_I,
-                                            CUBLAS_FILL_MODE_LOWER, n, static_cast<double*>(gram64.data()), n, 0.0,
-                                            0.0, n - rank + 1, n, &found, static_cast<double*>(eigenvalues.data()),
-                                            static_cast<double*>(work.data()), lwork, info));
-    // No wait for info here: it stays on the device, and the call reads every sequence's at once, after the last
-    // factorisation (check_factorizations). `found` (h_meig) is a host output, set when the call returns; with
-    // CUSOLVER_EIG_RANGE_I it is the size of the index range asked for (iu - il + 1 = rank), so it is checked here.
-    // Note that cusolverDnDsyevdx itself returns only once the stream has drained, its own work included (as do
-    // syevd, Xsyevdx, syevj and gesvd; measured on the H200, bench/NOTES.md): the host still waits inside each
-    // factorisation, and no ordering of our own calls removes that wait.
-    if (found != rank) {
-      throw cuda_error(shadowkv::detail::format_message("cusolverDnDsyevdx found ", found, " of ", rank,
-                                                        " eigenvectors of the ", n, "x", n, " Gram matrix"));
-    }
-    // Eigenvalues ascend: the leading vectors are the last columns.
-    launch_basis_from_vectors(static_cast<const double*>(gram64.data()), n, rank, true, false, basis, stream_);
-    return;
+  const gram_split split = plan_gram_split(n, rows, resources_->multiprocessors());
+  const std::size_t entries = static_cast<std::size_t>(split.entries());
+  device_buffer partials(std::max<std::size_t>(1, gram_partial_bytes(split, n)), stream_, resources_->device_memory());
+  device_buffer pointers(std::max<std::size_t>(1, 3 * entries * sizeof(void*)), stream_, resources_->device_memory());
+  auto** a_blocks = static_cast<const float**>(pointers.data());
+  const float** b_blocks = a_blocks + entries;
+  auto** c_blocks = static_cast<float**>(static_cast<void*>(b_blocks + entries));
+  if (entries > 0) {
+    launch_gram_block_pointers(keys_pre, n, split, static_cast<float*>(partials.data()), a_blocks, b_blocks, c_blocks,
+                               stream_);
+    const float one = 1.0F;
+    const float zero = 0.0F;
+    SHADOWKV_CUBLAS_TRY(cublasSgemmBatched(libraries.cublas(), CUBLAS_OP_N, CUBLAS_OP_T, split.block, split.block,
+                                           split.slice_rows, &one, a_blocks, n, b_blocks, n, &zero, c_blocks, n,
+                                           static_cast<int>(entries)));
   }
+  // The sum writes the lower block triangle only (FILL_MODE_LOWER is all the eigensolver reads); the upper blocks are
+  // zeroed so that no byte of the matrix is undefined: compute-sanitizer's initcheck reported one uninitialised
+  // 8-byte read inside cuSOLVER's tridiagonal reduction (sytrd4_gpu) at 4e838fb. 8 MB at n = 1024: a few µs.
+  SHADOWKV_CUDA_TRY(cudaMemsetAsync(gram, 0, static_cast<std::size_t>(n) * n * sizeof(double), stream_));
+  launch_sum_gram_partials(static_cast<const float*>(partials.data()), keys_pre, rows, n, split, gram, stream_);
+  partials.release(stream_);
+  pointers.release(stream_);
+}
+
+void cuda_backend::solve_gram_matrices(double* grams, int count, int* infos,
+                                       const device_resources::library_lease& libraries) {
+  // All eigenpairs of each matrix (cuSOLVER's batched solver has no index range); the basis takes the last `rank`
+  // columns. Measured on the H200 (bench/NOTES.md, session 10): ~9.7 ms a 1024 x 1024 matrix, as Dsyevdx's top 160.
+  const std::int64_t n = config_.kv_width();
+  device_buffer eigenvalues(static_cast<std::size_t>(n) * count * sizeof(double), stream_, resources_->device_memory());
+  std::size_t device_bytes = 0;
+  std::size_t host_bytes = 0;
+  SHADOWKV_CUSOLVER_TRY(cusolverDnXsyevBatched_bufferSize(
+      libraries.cusolver(), libraries.cusolver_params(), CUSOLVER_EIG_MODE_VECTOR, CUBLAS_FILL_MODE_LOWER, n,
+      CUDA_R_64F, grams, n, CUDA_R_64F, eigenvalues.data(), CUDA_R_64F, &device_bytes, &host_bytes, count));
+  device_buffer device_work(std::max<std::size_t>(1, device_bytes), stream_, resources_->device_memory());
+  std::vector<std::byte> host_work(std::max<std::size_t>(1, host_bytes));
+  SHADOWKV_CUSOLVER_TRY(cusolverDnXsyevBatched(libraries.cusolver(), libraries.cusolver_params(),
+                                               CUSOLVER_EIG_MODE_VECTOR, CUBLAS_FILL_MODE_LOWER, n, CUDA_R_64F, grams,
+                                               n, CUDA_R_64F, eigenvalues.data(), CUDA_R_64F, device_work.data(),
+                                               device_bytes, host_work.data(), host_bytes, infos, count));
+  // The infos stay on the device: the call reads every sequence's at once, after the last factorisation
+  // (check_factorizations). Note that cuSOLVER's dense eigensolvers return only once the stream has drained, their
+  // own work included (XsyevBatched, syevdx, syevd, syevj, gesvd; measured on the H200, bench/NOTES.md): the host
+  // waits here once a group of sequences, and no ordering of our own calls removes that wait.
+  eigenvalues.release(stream_);
+  device_work.release(stream_);
+}
+
+void cuda_backend::svd_basis(const float* keys_pre, int rows, float* basis, int* info,
+                             const device_resources::library_lease& libraries) {
   // Exact SVD of K (rows >= n): column-major float64 copy, cuSOLVER gesvd, B = the leading rows of Vᵀ.
+  const int n = static_cast<int>(config_.kv_width());
   device_buffer matrix(static_cast<std::size_t>(rows) * n * sizeof(double), stream_, resources_->device_memory());
   device_buffer singular(static_cast<std::size_t>(n) * sizeof(double), stream_, resources_->device_memory());
   device_buffer vt(static_cast<std::size_t>(n) * n * sizeof(double), stream_, resources_->device_memory());
@@ -517,11 +516,73 @@ void cuda_backend::factorize(const float* keys_pre, int rows, float* basis, int*
                                          static_cast<double*>(vt.data()), n, static_cast<double*>(work.data()), lwork,
                                          nullptr, info));
   // Vᵀ is column-major [n, n]: the i-th right singular vector is row i of Vᵀ.
-  launch_basis_from_vectors(static_cast<const double*>(vt.data()), n, rank, false, true, basis, stream_);
+  launch_basis_from_vectors(static_cast<const double*>(vt.data()), n, config_.rank, false, true, basis, stream_);
+}
+
+cuda_backend::prompt_keys cuda_backend::prepare_keys(const batch_entry& entry, std::size_t index,
+                                                     const prefill_inputs& inputs) {
+  const int len = static_cast<int>(entry.state->prompt_len);
+  const std::size_t width = static_cast<std::size_t>(config_.kv_width());
+  prompt_keys keys{
+      device_buffer(len * width * sizeof(float), stream_, resources_->device_memory()),
+      device_buffer(len * width * dtype_size(config_.kv_dtype), stream_, resources_->device_memory()),
+      device_buffer(static_cast<std::size_t>(len) * sizeof(long long), stream_, resources_->device_memory())};
+  launch_prepare_prompt_keys(dims_, kv_type_, as_strided(inputs.keys),
+                             inputs.positions.empty() ? strided_tensor{nullptr, 0, {0, 0, 0, 0}}
+                                                      : strided_tensor{inputs.positions.data, 0,
+                                                                       {inputs.positions.strides[0],
+                                                                        inputs.positions.strides[1], 0, 0}},
+                             inputs.positions.empty() ? 64 : index_bits(inputs.positions), static_cast<int>(entry.row),
+                             len, inputs.keys_post_rope, static_cast<const float*>(inv_freq_.data()),
+                             static_cast<float*>(keys.pre_rope.data()), keys.post_rope.data(),
+                             static_cast<long long*>(keys.positions.data()), stats_of(index), stream_);
+  // Keys whose largest magnitude the float32 Gram matrix cannot square: scaled by a power of two, as on the CPU
+  // backend (A is scaled back in prefill_one); nothing happens, but a launch that reads one word, for all other keys.
+  launch_scale_keys_for_gram(static_cast<float*>(keys.pre_rope.data()), static_cast<long long>(len) * config_.kv_width(),
+                             stats_of(index), stream_);
+  return keys;
+}
+
+void cuda_backend::prefill_gram_group(int layer, std::span<const batch_entry> entries, std::size_t first,
+                                      std::size_t end, const prefill_inputs& inputs,
+                                      const device_resources::library_lease& libraries) {
+  const std::size_t n = static_cast<std::size_t>(config_.kv_width());
+  const std::size_t matrix = n * n;
+  device_buffer grams(matrix * (end - first) * sizeof(double), stream_, resources_->device_memory());
+  auto* gram = static_cast<double*>(grams.data());
+  // Each sequence's keys are prepared twice: here for its Gram matrix, and again in prefill_one for A = K·Bᵀ, the
+  // landmarks and the scatter (a pass at HBM speed, ~0.3 ms at 122K tokens), so that no group holds every prompt's
+  // float32 keys (500 MB a sequence at 122K) across its eigensolve.
+  for (std::size_t b = first; b < end; ++b) {
+    prompt_keys keys = prepare_keys(entries[b], b, inputs);
+    gram_matrix(static_cast<const float*>(keys.pre_rope.data()), static_cast<int>(entries[b].state->prompt_len),
+                gram + matrix * (b - first), libraries);
+    keys.release(stream_);
+  }
+  try {
+    solve_gram_matrices(gram, static_cast<int>(end - first), static_cast<int*>(solver_infos_.data()) + first,
+                        libraries);
+  } catch (const cuda_error&) {
+    // Keys that overflowed under RoPE make a Gram matrix of infinities, on which cuSOLVER may fail outright: the
+    // caller's error is the keys, as on the CPU backend.
+    reject_overflowed_keys(entries, first, end);
+    throw;
+  }
+  // After the call's last factorisation every info is final and the stream has drained (cuSOLVER returns only then):
+  // reading them here costs a copy, where a read at the end of the call would also wait for the last group's
+  // A = K·Bᵀ, landmarks and scatter, which otherwise run on while the caller queues its next work.
+  if (end == entries.size()) check_factorizations(entries);
+  // Eigenvalues ascend: the leading `rank` vectors are the last columns of each matrix.
+  const std::size_t leading = (n - static_cast<std::size_t>(config_.rank)) * n;
+  for (std::size_t b = first; b < end; ++b) {
+    prefill_one(layer, entries, b, inputs, libraries, gram + matrix * (b - first) + leading);
+  }
+  grams.release(stream_);
 }
 
 void cuda_backend::prefill_one(int layer, std::span<const batch_entry> entries, std::size_t index,
-                               const prefill_inputs& inputs, const device_resources::library_lease& libraries) {
+                               const prefill_inputs& inputs, const device_resources::library_lease& libraries,
+                               const double* eigenvectors) {
   const batch_entry& entry = entries[index];
   const layer_state& state = *entry.state;
   const int len = static_cast<int>(state.prompt_len);
@@ -531,10 +592,12 @@ void cuda_backend::prefill_one(int layer, std::span<const batch_entry> entries, 
   const std::size_t element = dtype_size(config_.kv_dtype);
   const layer_view& view = host_view(entry.slot, layer);
 
-  // All workspace first: an allocation failure leaves the layer untouched.
-  device_buffer keys_pre(len * width * sizeof(float), stream_, resources_->device_memory());
-  device_buffer keys_post(len * width * element, stream_, resources_->device_memory());
-  device_buffer positions(static_cast<std::size_t>(len) * sizeof(long long), stream_, resources_->device_memory());
+  // All workspace first (the key preparation writes only its own buffers and key_stats): an allocation failure
+  // leaves the layer untouched.
+  prompt_keys keys = prepare_keys(entry, index, inputs);
+  device_buffer& keys_pre = keys.pre_rope;
+  device_buffer& keys_post = keys.post_rope;
+  device_buffer& positions = keys.positions;
   device_buffer min_cosine(std::max<std::size_t>(1, static_cast<std::size_t>(config_.num_kv_heads) * chunks) * sizeof(float),
                            stream_, resources_->device_memory());
   device_buffer outlier_ids(std::max<std::size_t>(1, static_cast<std::size_t>(config_.num_kv_heads) * config_.outlier_chunks) *
@@ -581,32 +644,21 @@ void cuda_backend::prefill_one(int layer, std::span<const batch_entry> entries, 
                                           : reinterpret_cast<float*>(static_cast<std::uint8_t*>(fp8_staging.data()) +
                                                                      value_codes_bytes_);
 
-  launch_prepare_prompt_keys(dims_, kv_type_, as_strided(inputs.keys),
-                             inputs.positions.empty() ? strided_tensor{nullptr, 0, {0, 0, 0, 0}}
-                                                      : strided_tensor{inputs.positions.data, 0,
-                                                                       {inputs.positions.strides[0],
-                                                                        inputs.positions.strides[1], 0, 0}},
-                             inputs.positions.empty() ? 64 : index_bits(inputs.positions), static_cast<int>(entry.row),
-                             len, inputs.keys_post_rope, static_cast<const float*>(inv_freq_.data()),
-                             static_cast<float*>(keys_pre.data()), keys_post.data(),
-                             static_cast<long long*>(positions.data()), stats_of(index), stream_);
-  // Keys whose largest magnitude the float32 Gram matrix cannot square: scaled by a power of two, as on the CPU
-  // backend (A is scaled back below); nothing happens, but a launch that reads one word, for all other keys.
-  launch_scale_keys_for_gram(static_cast<float*>(keys_pre.data()), static_cast<long long>(len) * config_.kv_width(),
-                             stats_of(index), stream_);
-  try {
-    factorize(static_cast<const float*>(keys_pre.data()), len, basis, static_cast<int*>(solver_infos_.data()) + index,
-              libraries);
-  } catch (const cuda_error&) {
-    // Keys that overflowed under RoPE make a Gram matrix of infinities, on which cuSOLVER may fail outright: the
-    // caller's error is the keys, as on the CPU backend.
-    reject_overflowed_keys(entries, index, index + 1);
-    throw;
+  if (eigenvectors != nullptr) {
+    // Gram path (prefill_gram_group): the group's eigensolve has run and the call's infos are checked.
+    launch_basis_from_vectors(eigenvectors, static_cast<int>(width), config_.rank, true, false, basis, stream_);
+  } else {
+    try {
+      svd_basis(static_cast<const float*>(keys_pre.data()), len, basis,
+                static_cast<int*>(solver_infos_.data()) + index, libraries);
+    } catch (const cuda_error&) {
+      reject_overflowed_keys(entries, index, index + 1);  // as in prefill_gram_group
+      throw;
+    }
+    // After the call's last factorisation every info is final and the stream has drained (cuSOLVER returns only
+    // then); see prefill_gram_group.
+    if (index + 1 == entries.size()) check_factorizations(entries);
   }
-  // After the last factorisation every info is final and the stream has drained (cuSOLVER returns only then; see
-  // factorize): reading them here costs a copy, where a read at the end of the call would also wait for this
-  // sequence's A = K·Bᵀ, landmarks and scatter, which otherwise run on while the caller queues its next work.
-  if (index + 1 == entries.size()) check_factorizations(entries);
   if (bf16_factors) {
     launch_factors_to_bf16(basis, static_cast<long long>(basis_elements), view.basis, true, stream_);
   }
@@ -702,11 +754,25 @@ void cuda_backend::prefill(int layer, std::span<const batch_entry> entries, cons
   // device waits for them; device_resources.hpp).
   const device_resources::library_lease libraries = resources_->libraries(stream_);
   // No sequence waits for its own factorisation: each leaves its cuSOLVER info in its own int of solver_infos_, and
-  // the host reads them all once, after the last factorisation (prefill_one). So the layers are written whatever the
-  // infos say: until the store commits them (after this returns) nothing reads a layer's device arrays, and a later
-  // prefill of it rewrites them all. A failed call puts the counters back as well (forget_prefill).
+  // the host reads them all once, after the call's last factorisation. So the layers are written whatever the infos
+  // say: until the store commits them (after this returns) nothing reads a layer's device arrays, and a later prefill
+  // of it rewrites them all. A failed call puts the counters back as well (forget_prefill). Consecutive sequences
+  // factorised by their Gram matrices share one batched eigensolve (kEigensolveGroup at most): cuSOLVER's host wait
+  // comes once a group, not once a sequence.
   try {
-    for (std::size_t b = 0; b < entries.size(); ++b) prefill_one(layer, entries, b, inputs, libraries);
+    std::size_t first = 0;
+    while (first < entries.size()) {
+      const auto by_gram = [&](std::size_t b) { return factorizes_by_gram(config_, entries[b].state->prompt_len); };
+      if (!by_gram(first)) {
+        prefill_one(layer, entries, first, inputs, libraries, nullptr);
+        ++first;
+        continue;
+      }
+      std::size_t end = first + 1;
+      while (end < entries.size() && end - first < kEigensolveGroup && by_gram(end)) ++end;
+      prefill_gram_group(layer, entries, first, end, inputs, libraries);
+      first = end;
+    }
   } catch (...) {
     forget_prefill(layer, entries);
     throw;
@@ -741,7 +807,7 @@ void cuda_backend::check_factorizations(std::span<const batch_entry> entries) {
     const std::int64_t rows = entry.state->prompt_len;
     const std::int64_t n = config_.kv_width();
     throw cuda_error(factorizes_by_gram(config_, rows)
-                         ? shadowkv::detail::format_message("cusolverDnDsyevdx failed on the ", n, "x", n,
+                         ? shadowkv::detail::format_message("cusolverDnXsyevBatched failed on the ", n, "x", n,
                                                             " Gram matrix of slot ", entry.slot, " (row ", entry.row,
                                                             " of the batch; info=", infos[b], ")")
                          : shadowkv::detail::format_message("cusolverDnDgesvd failed on a ", rows, "x", n,

@@ -80,12 +80,40 @@ class cuda_backend final : public backend {
  private:
   struct layer_sizes;  // bytes of each array of one (slot, layer)
   void upload_batch(std::span<const batch_entry> entries);
-  /// Queues the prefill of entries[index] on stream_; its factorisation's info goes to solver_infos_[index]. After
-  /// the last entry's factorisation it checks them all (check_factorizations).
+  /// A prompt's keys as the prefill reads them (launch_prepare_prompt_keys): float32 before RoPE (scaled for the
+  /// Gram matrix), the store's type after RoPE, and the positions.
+  struct prompt_keys {
+    device_buffer pre_rope;
+    device_buffer post_rope;
+    device_buffer positions;
+    void release(cudaStream_t stream) noexcept {
+      pre_rope.release(stream);
+      post_rope.release(stream);
+      positions.release(stream);
+    }
+  };
+  /// Sequences whose Gram matrices share one batched eigensolve: one host wait inside cuSOLVER a group instead of one
+  /// a sequence, for the group's Gram matrices (8 MB each at n = 1024) and the solver's workspace (~35 MB a matrix).
+  static constexpr std::size_t kEigensolveGroup = 8;
+  /// Queues the key preparation of entries[index] (its key_stats: stats_of(index)) on stream_.
+  prompt_keys prepare_keys(const batch_entry& entry, std::size_t index, const prefill_inputs& inputs);
+  /// Queues the prefill of entries [first, end), all factorised by their Gram matrices: each Gram matrix, one batched
+  /// eigensolve (infos to solver_infos_[first, end)), then prefill_one of each with its eigenvectors. Checks every
+  /// info of the call when `end` is the last entry (check_factorizations).
+  void prefill_gram_group(int layer, std::span<const batch_entry> entries, std::size_t first, std::size_t end,
+                          const prefill_inputs& inputs, const device_resources::library_lease& libraries);
+  /// Queues the prefill of entries[index] on stream_. `eigenvectors`: its leading eigenvectors (column-major
+  /// [n, rank], ascending), from prefill_gram_group; null: factorised here by an exact SVD (info to
+  /// solver_infos_[index]; after the call's last factorisation it checks them all).
   void prefill_one(int layer, std::span<const batch_entry> entries, std::size_t index, const prefill_inputs& inputs,
-                   const device_resources::library_lease& libraries);
-  /// Queues the basis of `rows` keys on stream_; cuSOLVER's info goes to `info` (device), read by the caller.
-  void factorize(const float* keys_pre, int rows, float* basis, int* info,
+                   const device_resources::library_lease& libraries, const double* eigenvectors);
+  /// Queues KᵀK of `rows` keys (row-major [rows, n] float32) into `gram` (column-major n x n float64) on stream_.
+  void gram_matrix(const float* keys_pre, int rows, double* gram, const device_resources::library_lease& libraries);
+  /// Every eigenpair of `count` consecutive Gram matrices, in place (eigenvectors in the columns, ascending);
+  /// cuSOLVER's infos to `infos` (device), read by the caller.
+  void solve_gram_matrices(double* grams, int count, int* infos, const device_resources::library_lease& libraries);
+  /// Queues the basis of `rows` keys by an exact SVD on stream_; cuSOLVER's info goes to `info` (device).
+  void svd_basis(const float* keys_pre, int rows, float* basis, int* info,
                  const device_resources::library_lease& libraries);
   /// Copies the entries' cuSOLVER infos to pinned memory and waits for them (the prefill's one wait of its own);
   /// throws cuda_error naming the slot and batch row of the first that is not zero.

@@ -28,4 +28,10 @@ cusolver_handle make_cusolver() {
   return cusolver_handle(handle);
 }
 
+cusolver_params_handle make_cusolver_params() {
+  cusolverDnParams_t params = nullptr;
+  SHADOWKV_CUSOLVER_TRY(cusolverDnCreateParams(&params));
+  return cusolver_params_handle(params);
+}
+
 }  // namespace shadowkv::cuda

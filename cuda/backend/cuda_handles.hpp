@@ -41,11 +41,14 @@ using stream_handle = unique_handle<cudaStream_t, cudaStreamDestroy>;
 using event_handle = unique_handle<cudaEvent_t, cudaEventDestroy>;
 using cublas_handle = unique_handle<cublasHandle_t, cublasDestroy>;
 using cusolver_handle = unique_handle<cusolverDnHandle_t, cusolverDnDestroy>;
+/// The options of cuSOLVER's 64-bit API (cusolverDnX*); the defaults are all the backend uses.
+using cusolver_params_handle = unique_handle<cusolverDnParams_t, cusolverDnDestroyParams>;
 
 /// A non-blocking stream, an event without timing, and library handles; each throws cuda_error on failure.
 stream_handle make_stream();
 event_handle make_event();
 cublas_handle make_cublas();
 cusolver_handle make_cusolver();
+cusolver_params_handle make_cusolver_params();
 
 }  // namespace shadowkv::cuda

@@ -25,6 +25,7 @@ device_resources::device_resources(int device) : device_(device), device_memory_
     SHADOWKV_CUDA_TRY(cudaDeviceGetAttribute(&multiprocessors_, cudaDevAttrMultiProcessorCount, device));
     cublas_ = make_cublas();
     cusolver_ = make_cusolver();
+    cusolver_params_ = make_cusolver_params();
   } catch (...) {
     (void)cudaSetDevice(previous);
     throw;

@@ -38,6 +38,8 @@ class device_resources {
    public:
     [[nodiscard]] cublasHandle_t cublas() const noexcept { return owner_->cublas_; }
     [[nodiscard]] cusolverDnHandle_t cusolver() const noexcept { return owner_->cusolver_; }
+    /// Default options for cuSOLVER's 64-bit calls (the batched eigensolver of prefill).
+    [[nodiscard]] cusolverDnParams_t cusolver_params() const noexcept { return owner_->cusolver_params_; }
 
    private:
     friend class device_resources;
@@ -54,6 +56,7 @@ class device_resources {
   std::mutex library_mutex_;
   cublas_handle cublas_;
   cusolver_handle cusolver_;
+  cusolver_params_handle cusolver_params_;
   device_memory_resource device_memory_;
   pinned_host_resource host_memory_;
 };

@@ -195,6 +195,55 @@ def test_cuda_errors_leave_store_usable():
         KVStore(1, 4, 2, 64, max_batch=1 << 15, max_seq_len=1 << 22, rank=32, device="cuda:0")
 
 
+@pytest.mark.parametrize("factorization", ["gram", "svd"])
+def test_cuda_prefill_of_more_sequences_than_one_eigensolve_matches_cpu(factorization):
+    """One prefill call of 11 sequences. The CUDA backend factorises consecutive Gram-path sequences together, 8 at
+    most a batched eigensolve (cuda_backend.hpp, kEigensolveGroup); with factorization="svd" the prompts shorter than
+    Hkv * D take the Gram path and the others the exact SVD, so the two alternate and break the groups. Keys that
+    overflow under RoPE in the 10th sequence (the second group) are rejected on both backends, naming its slot, and
+    change nothing; then the sound prompts give the CPU backend's outliers, selections and outputs."""
+    g = H.generator(77)
+    hq, hkv, d = 4, 1, 64
+    lengths = [40, 200, 56, 130, 300, 48, 90, 63, 64, 150, 100]  # Hkv * D = 64: 40, 56, 48, 63 are short
+    batch, longest = len(lengths), max(lengths)
+    kw = dict(num_layers=1, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, max_batch=batch, max_seq_len=512,
+              rope_theta=10000.0, rank=16, chunk_size=8, budget=64, outlier_chunks=2, local_chunks=2,
+              generation_window=16, dtype="float32", factorization=factorization)
+    stores = {dev: _make(kw, dev) for dev in ("cpu", "cuda:0")}
+    slots = {dev: s.add_sequences(batch) for dev, s in stores.items()}
+    keys = torch.zeros(batch, longest, hkv, d)
+    values = torch.zeros(batch, longest, hkv, d)
+    for b, n in enumerate(lengths):
+        keys[b, :n] = H.structured_keys(g, n, hkv, d)
+        values[b, :n] = H.randn(g, n, hkv, d)
+    overflowing = keys.clone()
+    sign = torch.where(torch.arange(lengths[9] * hkv * d) % 2 == 0, 1.0, -1.0).reshape(lengths[9], hkv, d)
+    overflowing[9, :lengths[9]] = 3.0e38 * sign  # finite; x cos -+ y sin overflows
+    for dev, store in stores.items():
+        before = [store.sequence_info(0, s) for s in slots[dev]]
+        with pytest.raises(ValueError, match=rf"(?i)slot {slots[dev][9]}\b.*too large"):
+            store.prefill(0, slots[dev], overflowing.to(dev), values.to(dev), lengths=lengths)
+        assert [store.sequence_info(0, s) for s in slots[dev]] == before, dev
+    for dev, store in stores.items():
+        store.prefill(0, slots[dev], keys.to(dev), values.to(dev), lengths=lengths)
+    for b in range(batch):
+        assert (stores["cpu"].outlier_chunks(0, slots["cpu"][b]) ==
+                stores["cuda:0"].outlier_chunks(0, slots["cuda:0"][b])), f"outliers differ (row {b}, {factorization})"
+    for step in range(6):
+        q = H.randn(g, batch, hq, d, scale=2.0)
+        k_new = H.randn(g, batch, hkv, d)
+        v_new = H.randn(g, batch, hkv, d)
+        outs = {dev: s.decode(0, slots[dev], q.to(dev), k_new.to(dev), v_new.to(dev)).float().cpu()
+                for dev, s in stores.items()}
+        H.assert_nontrivial(outs["cuda:0"], "cuda output", 77)
+        for b in range(batch):
+            cpu_sel = stores["cpu"].selected_chunks(0, slots["cpu"][b])[0]
+            gpu_sel = stores["cuda:0"].selected_chunks(0, slots["cuda:0"][b])[0]
+            assert len(set(cpu_sel) & set(gpu_sel)) >= len(cpu_sel) - 1, (step, b, cpu_sel, gpu_sel)
+        err = H.rel_err(outs["cuda:0"], outs["cpu"])
+        assert err < 2e-4, f"output differs by {err:.2e} (step {step}, {factorization})"
+
+
 @pytest.mark.parametrize("cache_tokens", [0, 512], ids=["default-cache", "cache-4x-budget"])
 def test_cuda_graph_replay_matches_eager(cache_tokens):
     """One decode step captured in a CUDA graph and replayed equals eager decode step by step (folds included), and
