@@ -45,6 +45,9 @@ struct dims {
                         ///< shadowkv/chunk_centroids.hpp) held in layer_view::centroid_*, not by landmarks
   int attention_fma;    ///< 1: sparse attention always on its FMA kernel (SHADOWKV_ATTENTION=fma), 0: on tensor
                         ///< cores where that kernel serves the shape (bf16, D <= 128; sparse_attention.cu)
+  int select_cluster;   ///< CTAs a (sequence, KV head) of the select kernel: 0 = the planner's choice
+                        ///< (selection_plan.cuh, plan_select_cluster), 1 = one CTA, 2/4/8 = a cluster of that many
+                        ///< where the batch allows clusters (SHADOWKV_SELECT_CLUSTER; tests)
 };
 
 /// Everything of one (slot, layer) on the device. Row-major, head-major where a kernel reads one head at a time.

@@ -3,7 +3,12 @@ end-to-end benchmark measured ~35 ms a layer inside store.prefill at S=122880 (9
 <= 3%. Times the whole call (CUDA events and wall clock) for a few lengths, then lists the kernels of one call at the
 longest length with torch.profiler (cuSOLVER and cuBLAS kernels included).
 
-    python bench/probes/prefill_probe.py [--lengths 32768 122880] [--factor-dtype bfloat16]
+    python bench/probes/prefill_probe.py [--lengths 32768 122880] [--factor-dtype bfloat16] [--batch 8]
+
+--batch B (B > 1) also times B sequences of the shortest length prefilled in one call against the same B in B calls
+of one sequence: when each call returns to the host, and when the GPU is done. The CUDA backend gives up to 8
+consecutive sequences one batched eigensolve, inside which the host waits for the GPU to drain; so one call should
+wait once, the B calls B times.
 """
 
 import argparse
@@ -17,12 +22,13 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--lengths", type=int, nargs="+", default=[32768, 65536, 122880])
 parser.add_argument("--factor-dtype", default=None)
 parser.add_argument("--reps", type=int, default=3)
+parser.add_argument("--batch", type=int, default=1)
 args = parser.parse_args()
 
 HQ, HKV, D = 32, 8, 128
 longest = max(args.lengths)
 extra = {} if args.factor_dtype is None else {"factor_dtype": args.factor_dtype}
-store = KVStore(1, HQ, HKV, D, max_batch=1, max_seq_len=longest + 512, rank=160, budget=2048, chunk_size=8,
+store = KVStore(1, HQ, HKV, D, max_batch=max(1, args.batch), max_seq_len=longest + 512, rank=160, budget=2048, chunk_size=8,
                 outlier_chunks=48, local_chunks=4, dtype="bfloat16", device="cuda:0", value_store="host", **extra)
 gen = torch.Generator(device="cuda").manual_seed(0)
 # Keys with a decaying spectrum (a low-rank part plus noise), like real pre-RoPE keys.
@@ -53,6 +59,37 @@ for n in args.lengths:
     wall = min(r[0] for r in runs)
     events = min(r[1] for r in runs)
     print(f"S={n:7d}: store.prefill one layer {wall:7.2f} ms wall, {events:7.2f} ms between events", flush=True)
+
+
+
+def batched(n, together):
+    """B sequences of n tokens in one prefill call (together) or in B calls: ms until the last call returned, ms
+    until the GPU was done."""
+    slots = store.add_sequences(args.batch)
+    rows = keys[:, :n].expand(args.batch, n, HKV, D)
+    vals = values[:, :n].expand(args.batch, n, HKV, D)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    if together:
+        store.prefill(0, slots, rows, vals, q_last=q_last.expand(args.batch, HQ, D))
+    else:
+        for b, slot in enumerate(slots):
+            store.prefill(0, [slot], rows[b:b + 1], vals[b:b + 1], q_last=q_last)
+    returned = time.perf_counter() - t
+    torch.cuda.synchronize()
+    done = time.perf_counter() - t
+    store.release(slots)
+    return returned * 1e3, done * 1e3
+
+
+if args.batch > 1:
+    n = min(args.lengths)
+    for together in (True, False, True, False):
+        runs = [batched(n, together) for _ in range(args.reps)]
+        returned, done = min(r[0] for r in runs), min(r[1] for r in runs)
+        how = "one call" if together else f"{args.batch} calls"
+        print(f"B={args.batch} S={n}: {how:9s}: returned after {returned:8.2f} ms, GPU done after {done:8.2f} ms",
+              flush=True)
 
 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                         torch.profiler.ProfilerActivity.CUDA]) as prof:

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 
 #include "chunk_rebuild.cuh"
 #include "chunk_selection.cuh"
@@ -70,6 +71,20 @@ bool attention_on_fma() {
   if (text == nullptr || *text == '\0' || std::strcmp(text, "mma") == 0) return false;
   SHADOWKV_EXPECTS(std::strcmp(text, "fma") == 0, "SHADOWKV_ATTENTION must be 'mma' or 'fma', got '", text, "'");
   return true;
+}
+
+// CTAs per (sequence, KV head) of the select kernel: "auto" (the default: the planner's choice, clusters of up to 8 when
+// the batch leaves multiprocessors idle; selection_plan.cuh) or 1, 2, 4, 8 (forced where clusters may run).
+// SHADOWKV_SELECT_CLUSTER picks one (a measurement knob for bench/step_benchmark.py's +sc1; bench/NOTES.md). Returns
+// dims::select_cluster.
+int select_cluster_setting() {
+  const char* text = std::getenv("SHADOWKV_SELECT_CLUSTER");
+  if (text == nullptr || *text == '\0' || std::strcmp(text, "auto") == 0) return 0;
+  for (const int ctas : {1, 2, 4, 8}) {
+    if (std::strcmp(text, std::to_string(ctas).c_str()) == 0) return ctas;
+  }
+  SHADOWKV_EXPECTS(false, "SHADOWKV_SELECT_CLUSTER must be 'auto', '1', '2', '4' or '8', got '", text, "'");
+  return 0;
 }
 
 // First entry of part p of `count` parts of `batch` entries: weights 1 each ("even"), or 1, 2, ..., 2, 1 ("tapered",
@@ -212,6 +227,7 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   dims_.factor_bf16 = cfg.factor_dtype() == dtype::bfloat16 ? 1 : 0;
   dims_.group_mean = cfg.group_score == group_combine::mean ? 1 : 0;
   dims_.attention_fma = attention_on_fma() ? 1 : 0;
+  dims_.select_cluster = select_cluster_setting();
 
   own_stream_ = make_stream();
   copy_stream_ = make_stream();

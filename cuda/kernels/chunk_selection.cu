@@ -30,6 +30,11 @@
 //      the (at most k) victims exactly by their 64-bit stamps (selection/cache_policy.cuh, update_lru_cache). The
 //      radix keys live in shared memory when max_chunks fits (4 B per chunk, up to about 54K chunks on an H200);
 //      else in workspace.radix_keys (plan_select decides, for the workspace query and the launch alike).
+//      When the batch leaves multiprocessors idle (B = 1: one CTA a head on 8 of 132 SMs), a cluster of 2, 4 or 8
+//      CTAs takes each (b, h) instead (select_cluster_kernel, plan_select_cluster): CTA r ranks the r-th slice of
+//      the chunks, the radix select's histograms are summed over the cluster through distributed shared memory, the
+//      compaction offsets each CTA's ids by the counts of the CTAs before it, and the first CTA updates the cache;
+//      the radix keys live in workspace.radix_keys there (rows for such small launches are always reserved).
 //
 // Several query tokens (prefill's q_last) need one softmax per token before the sum over tokens, i.e. a normaliser
 // per (b, j, t) that only a full pass can give, and the logits buffer has room for one token. So, per token t in
@@ -90,6 +95,7 @@ void plan_and_launch(const dims& d, int kv_type, int element_bytes, const layer_
     }
   }
   selection::launch_select_kernel(d, views, batch_slots, layer, batch, ws, selection::plan_select(d, limits),
+                                  selection::plan_select_cluster(d, batch, limits, ws.radix_keys != nullptr),
                                   tokens > 1 ? selection::score_input::summed_probabilities
                                              : selection::score_input::logits_and_partials,
                                   logit_geo, stream);
@@ -133,9 +139,13 @@ selection_workspace_bytes chunk_selection_workspace(const dims& d, int kv_type, 
   const logit_geometry logit_geo = selection::plan_logits(d, element_bytes_of(d, kv_type));
   selection_workspace_bytes bytes{};
   bytes.partials = static_cast<std::size_t>(rows * selection::partial_row_floats(d, logit_geo)) * sizeof(float);
-  if (selection::plan_select(d, current_device_limits()).radix_keys_in_shared == 0) {
-    bytes.radix_keys = static_cast<std::size_t>(rows * d.max_chunks) * sizeof(unsigned);
-  }
+  // One row per (sequence, KV head) of a launch when the keys do not fit in shared memory; else rows for the
+  // launches small enough to run in clusters, which keep their radix keys here (plan_select_cluster).
+  const device_limits limits = current_device_limits();
+  const long long radix_rows = selection::plan_select(d, limits).radix_keys_in_shared == 0
+                                   ? rows
+                                   : std::min(rows, selection::select_cluster_rows(limits));
+  bytes.radix_keys = static_cast<std::size_t>(radix_rows * d.max_chunks) * sizeof(unsigned);
   return bytes;
 }
 

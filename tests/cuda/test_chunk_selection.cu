@@ -72,6 +72,7 @@ struct case_config {
   bool fresh_second = false;     ///< second step's queries unrelated to the first's (else a small perturbation)
   bool graph = false;            ///< capture the launch once in a CUDA graph and replay it for both steps
   bool two_centroids = false;    ///< chunks scored by two e4m3 centroids (dims::chunk_centroids), not landmarks
+  int select_cluster = 0;        ///< dims::select_cluster: 0 the planner's choice, 1 one CTA, 2/4/8 a cluster
 
   [[nodiscard]] std::string describe() const {
     std::ostringstream s;
@@ -81,7 +82,7 @@ struct case_config {
       << " q=" << type_name(q_type) << " max_context=" << max_context << " outliers<=" << max_outliers
       << " qscale=" << query_scale << " ties=" << tie_fraction << (equal_landmarks ? " equal_landmarks" : "")
       << (warm_cache ? " warm" : "") << (fresh_second ? " fresh_second" : "") << (graph ? " graph" : "")
-      << (two_centroids ? " two_centroids" : "");
+      << (two_centroids ? " two_centroids" : "") << " select_cluster=" << select_cluster;
     return s.str();
   }
 };
@@ -349,6 +350,7 @@ void run_case(const case_config& cfg) {
   d.attention_scaling = 1.0F;
   d.softmax_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
   d.chunk_centroids = cfg.two_centroids ? 1 : 0;
+  d.select_cluster = cfg.select_cluster;
 
   // Entries on a shuffled subset of the slots (exercises slot * num_layers + layer indexing).
   std::vector<int> slot_order(static_cast<std::size_t>(slots));
@@ -807,6 +809,7 @@ case_config random_case(std::uint64_t seed) {
   cfg.tie_fraction = pick({0, 1, 3}) * 0.1;
   cfg.warm_cache = pick({0, 1}) != 0;
   cfg.fresh_second = pick({0, 0, 1}) != 0;
+  cfg.select_cluster = pick({0, 1, 2, 4, 8});
   return cfg;
 }
 
@@ -847,6 +850,38 @@ TEST_F(ChunkSelection, LargerCacheRandomConfigurations) {
   for (std::uint64_t i = 0; i < 24; ++i) {
     run_case(random_lru_case(0x17a0ULL + 7919ULL * i));
     if (HasFatalFailure()) return;
+  }
+}
+
+TEST_F(ChunkSelection, ClustersOfEverySizeRankLikeOneCta) {
+  // The select kernel on one CTA and on clusters of 2, 4 and 8 that split the chunks (select_cluster_kernel), the
+  // planner's choice too: contexts of a few thousand chunks (slices of several passes of 1024 threads; a cluster of 8
+  // leaves the last CTAs an empty slice at the shortest contexts), planted ties at the threshold, one and three query
+  // tokens, the default cache and one of 3 x the budget (run by the cluster's first CTA), a graph replay.
+  for (const int cluster : {0, 1, 2, 4, 8}) {
+    for (const int tokens : {1, 3}) {
+      case_config cfg;
+      cfg.seed = 0xc105ULL + static_cast<std::uint64_t>(cluster * 10 + tokens);
+      cfg.batch = 2;
+      cfg.kv_heads = 3;
+      cfg.group = 4;
+      cfg.head_dim = 128;
+      cfg.max_chunks = 6000;
+      cfg.max_context = 5500;
+      cfg.budget = 300;
+      cfg.max_outliers = 48;
+      cfg.tokens = tokens;
+      cfg.tie_fraction = 0.3;
+      cfg.warm_cache = tokens == 1;
+      cfg.select_cluster = cluster;
+      run_case(cfg);
+      if (HasFatalFailure()) return;
+      cfg.cache_slots = 3 * cfg.budget;
+      cfg.steps = 6;
+      cfg.graph = tokens == 1;
+      run_case(cfg);
+      if (HasFatalFailure()) return;
+    }
   }
 }
 

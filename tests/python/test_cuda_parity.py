@@ -432,24 +432,50 @@ def test_cuda_attention_kernels_agree(monkeypatch):
         KVStore(**_twin_kw(None))
 
 
+def _stores_by_knob(monkeypatch, knob, settings, kw):
+    """One CUDA store per setting of the environment knob `knob` (read when a store is built; None: unset), same
+    arguments: name -> KVStore."""
+    stores = {}
+    for setting in settings:
+        if setting is None:
+            monkeypatch.delenv(knob, raising=False)
+        else:
+            monkeypatch.setenv(knob, setting)
+        stores[f"{knob}={setting}"] = KVStore(**kw)
+    monkeypatch.delenv(knob, raising=False)
+    return stores
+
+
+def _equal(a, b, where):
+    assert torch.equal(a, b), f"{where}: output differs"
+
+
 def test_cuda_fetch_grid_changes_nothing_but_speed(monkeypatch):
     """The value fetch is a persistent grid whose size the backend picks (cuda_backend.cpp, fetch_ctas_for_host_values;
     SHADOWKV_FETCH_CTAS overrides it when the store is constructed). One CTA (8 warps for 7 x 2 x 16 items, so every
     warp takes many items and skips past the pairs' hits) gives bit-identical outputs, selections and statistics to
     the default, with bf16 and fp8 host values and with the batch cut in parts; a value that is not a count is refused."""
     g = H.generator(37)
-
-    def equal(a, b, where):
-        assert torch.equal(a, b), f"{where}: output differs"
-
     for value_dtype, parts in ((None, 1), ("float8_e4m3", 1), (None, 3)):
         kw = _twin_kw(value_dtype, decode_pipeline_parts=parts)
-        monkeypatch.delenv("SHADOWKV_FETCH_CTAS", raising=False)
-        stores = {"default": KVStore(**kw)}
-        monkeypatch.setenv("SHADOWKV_FETCH_CTAS", "1")
-        stores["one CTA"] = KVStore(**kw)
-        monkeypatch.delenv("SHADOWKV_FETCH_CTAS")
-        _run_twins(stores, g, 10, equal, f"values {value_dtype}, {parts} parts")
+        stores = _stores_by_knob(monkeypatch, "SHADOWKV_FETCH_CTAS", (None, "1"), kw)
+        _run_twins(stores, g, 10, _equal, f"values {value_dtype}, {parts} parts")
     monkeypatch.setenv("SHADOWKV_FETCH_CTAS", "0")
     with pytest.raises(ValueError, match="SHADOWKV_FETCH_CTAS"):
         KVStore(**kw)
+
+
+def test_cuda_select_clusters_change_nothing_but_speed(monkeypatch):
+    """The select kernel ranks each (sequence, KV head) on one CTA or on a cluster of 2, 4 or 8 that split its chunks
+    (select_kernel.cu; the planner's choice, or SHADOWKV_SELECT_CLUSTER when the store is built): the same scores, so
+    bit-identical selections, outputs and statistics, with the default cache and with a cache of 4 x the budget (the
+    LRU rule, run by the cluster's first CTA), the batch whole and in three parts; a size that is none of these is
+    refused."""
+    g = H.generator(43)
+    for cache_tokens, parts in ((0, 1), (512, 1), (0, 3)):
+        kw = _twin_kw(None, decode_pipeline_parts=parts, cache_tokens=cache_tokens)
+        stores = _stores_by_knob(monkeypatch, "SHADOWKV_SELECT_CLUSTER", ("1", "2", "4", "8", None), kw)
+        _run_twins(stores, g, 10, _equal, f"cache_tokens {cache_tokens}, {parts} parts")
+    monkeypatch.setenv("SHADOWKV_SELECT_CLUSTER", "3")
+    with pytest.raises(ValueError, match="SHADOWKV_SELECT_CLUSTER"):
+        KVStore(**_twin_kw(None))

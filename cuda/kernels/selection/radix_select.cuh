@@ -28,17 +28,32 @@ struct radix_threshold {
   unsigned need_ties;
 };
 
-/// The rule that takes the k largest of radix_keys[0, n), of which `candidates` are nonzero. Called by every thread
-/// of a block of kThreads threads. On entry `histogram` (1 << kRadixFirstBits unsigned, shared) holds the counts of
-/// the top kRadixFirstBits of every key; it is reused for the later digits. `radix_found`: 3 unsigned, shared.
-template <int kThreads>
-__device__ __forceinline__ radix_threshold find_radix_threshold(
-    const unsigned* radix_keys, int n, int candidates, int k, unsigned* histogram,
-    typename radix_digit_scan<kThreads>::TempStorage& scan_storage, unsigned* radix_found) {
+/// One digit of the MSB-first radix select: digits of 12, 11 and 9 bits. 12 bits first (exponent and 3 mantissa
+/// bits) spread probabilities over many bins, so plain shared atomics rarely collide; after it only a few dozen keys
+/// still match the prefix.
+struct radix_digit {
+  int bits;
+  int shift;
+  [[nodiscard]] __device__ int bins() const { return 1 << bits; }
+  [[nodiscard]] __device__ unsigned of(unsigned key) const { return (key >> shift) & static_cast<unsigned>(bins() - 1); }
+};
+
+__device__ __forceinline__ radix_digit radix_digit_of_pass(int pass) {
+  return pass == 0 ? radix_digit{kRadixFirstBits, 32 - kRadixFirstBits} : (pass == 1 ? radix_digit{11, 9} : radix_digit{9, 0});
+}
+
+/// The rule that takes the k largest of a set of radix keys, of which `candidates` are nonzero. The histograms come
+/// from the caller: histogram_of(pass, digit, prefix, mask) returns a shared array of digit.bins() counts of the keys
+/// whose (key & mask) == prefix, ready to read by every thread (pass 0: prefix and mask are 0, the whole set). A
+/// block counts its own keys (find_radix_threshold); a cluster merges the counts of its blocks (select_cluster_kernel).
+/// The bin is found with one block scan; every thread of the block of kThreads threads calls this alike, with
+/// `radix_found` (3 unsigned, shared).
+template <int kThreads, typename HistogramOf>
+__device__ __forceinline__ radix_threshold radix_threshold_from(int candidates, int k, HistogramOf&& histogram_of,
+                                                               typename radix_digit_scan<kThreads>::TempStorage& scan_storage,
+                                                               unsigned* radix_found) {
   static_assert(4 * kThreads >= (1 << kRadixFirstBits), "a thread owns 4 bins of the largest digit");
   const int tid = threadIdx.x;
-  // MSB-first, digits of 12, 11 and 9 bits. 12 bits first (exponent and 3 mantissa bits) spread probabilities over
-  // many bins, so plain shared atomics rarely collide; after it only a few dozen keys still match the prefix.
   unsigned prefix = 0;
   unsigned mask = 0xffffffffU;
   unsigned need_ties = 0;
@@ -46,19 +61,9 @@ __device__ __forceinline__ radix_threshold find_radix_threshold(
     mask = 0;
     unsigned remaining = static_cast<unsigned>(k);
     for (int pass = 0; pass < 3; ++pass) {
-      const int bits = pass == 0 ? kRadixFirstBits : (pass == 1 ? 11 : 9);
-      const int shift = pass == 0 ? 32 - kRadixFirstBits : (pass == 1 ? 9 : 0);
-      const int bins = 1 << bits;
-      const unsigned digit_mask = static_cast<unsigned>(bins - 1);
-      if (pass > 0) {  // the first histogram was counted with the radix keys
-        for (int i = tid; i < bins; i += kThreads) histogram[i] = 0;
-        __syncthreads();
-        for (int c = tid; c < n; c += kThreads) {
-          const unsigned radix_key = radix_keys[c];
-          if ((radix_key & mask) == prefix) atomicAdd(&histogram[(radix_key >> shift) & digit_mask], 1U);
-        }
-        __syncthreads();
-      }
+      const radix_digit digit = radix_digit_of_pass(pass);
+      const int bins = digit.bins();
+      const unsigned* histogram = histogram_of(pass, digit, prefix, mask);
       // Thread t owns bins bins-1-4t-i (descending); a block scan finds where the count from the top reaches
       // `remaining`.
       unsigned count[4];
@@ -82,8 +87,8 @@ __device__ __forceinline__ radix_threshold find_radix_threshold(
         before += count[i];
       }
       __syncthreads();
-      prefix |= radix_found[0] << shift;
-      mask |= digit_mask << shift;
+      prefix |= radix_found[0] << digit.shift;
+      mask |= static_cast<unsigned>(bins - 1) << digit.shift;
       remaining -= radix_found[1];
       if (radix_found[2] == remaining) break;  // the whole bin is taken: no tie to break below this digit
     }
@@ -92,14 +97,42 @@ __device__ __forceinline__ radix_threshold find_radix_threshold(
   return radix_threshold{prefix, mask, need_ties};
 }
 
-/// Writes the ids the rule takes to selected[0, take) ascending (ordered_pass: every chunk strictly above the
-/// threshold and the first ties in ascending id) and pads selected[take, k) with -1. radix_keys[c] becomes the
-/// "selected" flag of chunk c (1 or 0). Called by every thread of a block of kOrderedPassThreads threads;
-/// `pass_scratch`: ordered_pass's shared scratch.
-__device__ __forceinline__ void compact_top_k(unsigned* radix_keys, int n, int take, int k,
-                                              const radix_threshold& rule, unsigned* pass_scratch, int* selected) {
-  ordered_pass(
-      n, pass_scratch,
+/// The rule that takes the k largest of radix_keys[0, n), of which `candidates` are nonzero, by one block. Called by
+/// every thread of a block of kThreads threads. On entry `histogram` (1 << kRadixFirstBits unsigned, shared) holds the
+/// counts of the top kRadixFirstBits of every key; it is reused for the later digits.
+template <int kThreads>
+__device__ __forceinline__ radix_threshold find_radix_threshold(
+    const unsigned* radix_keys, int n, int candidates, int k, unsigned* histogram,
+    typename radix_digit_scan<kThreads>::TempStorage& scan_storage, unsigned* radix_found) {
+  const int tid = threadIdx.x;
+  return radix_threshold_from<kThreads>(
+      candidates, k,
+      [&](int pass, radix_digit digit, unsigned prefix, unsigned mask) -> const unsigned* {
+        if (pass > 0) {  // the first histogram was counted with the radix keys
+          for (int i = tid; i < digit.bins(); i += kThreads) histogram[i] = 0;
+          __syncthreads();
+          for (int c = tid; c < n; c += kThreads) {
+            const unsigned radix_key = radix_keys[c];
+            if ((radix_key & mask) == prefix) atomicAdd(&histogram[digit.of(radix_key)], 1U);
+          }
+          __syncthreads();
+        }
+        return histogram;
+      },
+      scan_storage, radix_found);
+}
+
+/// Writes the ids the rule takes among [first, end) to their places in selected[0, take), ascending (ordered_pass_range:
+/// every chunk strictly above the threshold and the first ties in ascending id; `base` gives the counts of the items
+/// before `first`, for blocks of a cluster that compact consecutive ranges), and pads selected[take, k) with -1.
+/// radix_keys[c] becomes the "selected" flag of chunk c (1 or 0). Called by every thread of a block of
+/// kOrderedPassThreads threads; `pass_scratch`: ordered_pass's shared scratch.
+template <typename Base>
+__device__ __forceinline__ void compact_top_k_range(unsigned* radix_keys, int first, int end, int take, int k,
+                                                    const radix_threshold& rule, unsigned* pass_scratch, int* selected,
+                                                    Base&& base) {
+  ordered_pass_range(
+      first, end, pass_scratch,
       [&](int c) -> unsigned {
         const unsigned masked = radix_keys[c] & rule.mask;
         return (masked > rule.prefix ? 1U : 0U) | (masked == rule.prefix ? 2U : 0U);
@@ -108,9 +141,16 @@ __device__ __forceinline__ void compact_top_k(unsigned* radix_keys, int n, int t
         const bool taken = (f & 1U) != 0 || ((f & 2U) != 0 && ties_before < rule.need_ties);
         if (taken) selected[above_before + min(ties_before, rule.need_ties)] = c;
         radix_keys[c] = taken ? 1U : 0U;
-      });
+      },
+      static_cast<Base&&>(base));
   for (int i = take + static_cast<int>(threadIdx.x); i < k; i += kOrderedPassThreads) selected[i] = -1;
   __syncthreads();
+}
+
+/// compact_top_k_range over radix_keys[0, n) by a block alone.
+__device__ __forceinline__ void compact_top_k(unsigned* radix_keys, int n, int take, int k,
+                                              const radix_threshold& rule, unsigned* pass_scratch, int* selected) {
+  compact_top_k_range(radix_keys, 0, n, take, k, rule, pass_scratch, selected, block_alone{});
 }
 
 }  // namespace shadowkv::cuda::selection

@@ -1,7 +1,10 @@
 // Kernel 2 of the chunk selection: the group's scores, their radix keys, top-k and cache update for one (b, h) (see
-// chunk_selection.cu, step 2). The block-wide steps live in their own headers: the score rule (group_scores.cuh), the
-// radix select and compaction (radix_select.cuh) and the cache policy (cache_policy.cuh).
+// chunk_selection.cu, step 2), by one CTA (select_kernel) or by a cluster of CTAs that each rank a slice of the chunks
+// (select_cluster_kernel, for small batches). The block-wide steps live in their own headers: the score rule
+// (group_scores.cuh), the radix select and compaction (radix_select.cuh) and the cache policy (cache_policy.cuh).
 #include "selection/select_kernel.cuh"
+
+#include <cooperative_groups.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -17,6 +20,8 @@
 namespace shadowkv::cuda::selection {
 namespace {
 
+namespace cg = cooperative_groups;
+
 constexpr int kSelectThreads = 1024;  // one CTA per (b, h): at B=1 only Hkv CTAs run, so make each wide
 constexpr int kSelectWarps = kSelectThreads / 32;
 static_assert(kSelectThreads == kOrderedPassThreads, "ordered_pass (ordered_compaction.cuh) needs 1024 threads");
@@ -29,6 +34,151 @@ constexpr std::size_t kSelectStaticShared = sizeof(radix_digit_scan<kSelectThrea
 static_assert(kSelectStaticShared + 256 <= kSharedMargin,
               "kSharedMargin must cover select_kernel's static shared memory");
 
+/// What both select kernels know of their (b, h) row; the row's workspace pointers are computed where they are used
+/// (held across the kernel, they cost registers under the 64 that 1024 threads allow).
+struct select_row {
+  const layer_view* view;
+  int n;               ///< context chunks
+  long long head_row;  ///< b * Hkv + h
+  [[nodiscard]] __device__ float* scores(const dims& d, const step_workspace& ws) const {
+    return ws.scores + head_row * d.max_chunks;  // plain, not restrict: written and re-read within the kernel
+  }
+  /// The group's G logits rows (or summed probabilities): rows h * G .. h * G + G - 1 of sequence b.
+  [[nodiscard]] __device__ const float* logits_group(const dims& d, const step_workspace& ws) const {
+    return ws.logits + head_row * d.group * d.max_chunks;
+  }
+  [[nodiscard]] __device__ int* selected(const dims& d, const step_workspace& ws) const {
+    return ws.selected + head_row * d.budget;
+  }
+  [[nodiscard]] __device__ int* miss_slots(const dims& d, const step_workspace& ws) const {
+    return ws.miss_slots + head_row * d.budget;
+  }
+};
+
+__device__ __forceinline__ select_row row_of(const dims& d, const layer_view* views, const int* batch_slots, int layer,
+                                             int b, int h) {
+  select_row row{};
+  row.view = views + static_cast<long long>(batch_slots[b]) * d.num_layers + layer;
+  row.n = context_chunks_of(row.view, d);
+  row.head_row = static_cast<long long>(b) * d.kv_heads + h;
+  return row;
+}
+
+/// Step A of both kernels for chunks [first, end): each chunk's score from its G logits, kScoreBatch chunks a thread
+/// with two heads' loads in flight (8 loads: more spills registers under the 64 that 1024 threads allow), into
+/// row.scores; then a pass over the thread's own scores writes the radix keys (float bits + 1 for candidates, whose
+/// scores are >= 0; 0 for the others) and counts the radix select's first histogram (top 12 bits of every radix
+/// key), saving a pass of its own. Returns the thread's candidates. The caller has written `scoring`'s offsets and
+/// zeroed `histogram`, and synchronised.
+__device__ __forceinline__ int score_chunks(const group_score_rule& scoring, const dims& d, const step_workspace& ws,
+                                            const select_row& row, int first, int end, unsigned* radix_keys,
+                                            unsigned* histogram) {
+  const int tid = threadIdx.x;
+  const int mc = d.max_chunks;
+  float* scores = row.scores(d, ws);
+  const float* logits_group = row.logits_group(d, ws);
+  for (int base = first; base < end; base += kSelectThreads * kScoreBatch) {
+    const int remaining = end - base - tid;  // chunk base + i * kSelectThreads + tid < end iff i * kSelectThreads < remaining
+    float value[kScoreBatch];
+    unsigned candidate_bits = 0;  // bit i: chunk base + i * kSelectThreads + tid is a candidate
+#pragma unroll
+    for (int i = 0; i < kScoreBatch; ++i) value[i] = start_value(scoring);
+#pragma unroll 1
+    for (int g = 0; g < scoring.group; g += 2) {
+      const bool second = g + 1 < scoring.group;
+      const float* logits = logits_group + static_cast<long long>(g) * mc + base + tid;
+      const float* next_logits = logits + (second ? mc : 0);
+      float x[kScoreBatch];
+      float y[kScoreBatch];
+#pragma unroll
+      for (int i = 0; i < kScoreBatch; ++i) {
+        x[i] = i * kSelectThreads < remaining ? logits[i * kSelectThreads] : 0.0F;
+        y[i] = i * kSelectThreads < remaining ? next_logits[i * kSelectThreads] : 0.0F;
+      }
+#pragma unroll
+      for (int i = 0; i < kScoreBatch; ++i) {
+        if (g == 0 && is_candidate(scoring, x[i])) candidate_bits |= 1U << i;
+        value[i] = add_head(scoring, value[i], g, x[i]);
+        if (second) value[i] = add_head(scoring, value[i], g + 1, y[i]);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kScoreBatch; ++i) {
+      // The merged score (>= 0, or -1 for a non-candidate) until the pass below makes it the row's score.
+      if (i * kSelectThreads < remaining) {
+        scores[base + i * kSelectThreads + tid] = finish(scoring, value[i], ((candidate_bits >> i) & 1U) != 0U);
+      }
+    }
+  }
+  // Each thread rereads only what it wrote above (same chunks, same thread: no barrier).
+  int candidates = 0;
+  for (int c = first + tid; c < end; c += kSelectThreads) {
+    const float merged = scores[c];
+    const bool candidate = merged >= 0.0F;
+    const float score = candidate ? fmaxf(0.0F, merged) : 0.0F;
+    candidates += candidate ? 1 : 0;
+    scores[c] = score;
+    const unsigned radix_key = candidate ? __float_as_uint(score) + 1U : 0U;
+    radix_keys[c] = radix_key;
+    atomicAdd(&histogram[radix_key >> (32 - kRadixFirstBits)], 1U);
+  }
+  return candidates;
+}
+
+/// Step A's preamble in both kernels: the per-query-head normalisers (decode) into `offsets`, and the first histogram
+/// and the candidate count zeroed. Ends with a barrier.
+__device__ __forceinline__ void start_scoring(const group_score_rule& scoring, const step_workspace& ws,
+                                              const select_row& row, int tile_rows, int tiles, unsigned* histogram,
+                                              int* candidate_count) {
+  if (!scoring.probabilities) {
+    group_offsets<kSelectWarps>(ws.selection_partials + row.head_row * 2LL * scoring.group * tiles, scoring.group, tiles,
+                                (row.n + tile_rows - 1) / tile_rows, const_cast<float*>(scoring.offsets));
+  }
+  for (int i = threadIdx.x; i < (1 << kRadixFirstBits); i += kSelectThreads) histogram[i] = 0;
+  if (threadIdx.x == 0) *candidate_count = 0;
+  __syncthreads();
+}
+
+/// Adds the block's candidates to *candidate_count. Not cub::BlockReduce: its sum lands in thread 0 and needs a second
+/// barrier to reach the block; an atomic a warp needs the one barrier the caller has next.
+__device__ __forceinline__ void count_candidates(int mine, int* candidate_count) {
+  mine = __reduce_add_sync(0xffffffffU, mine);
+  if ((threadIdx.x & 31) == 0 && mine > 0) atomicAdd(candidate_count, mine);
+}
+
+/// Step D of both kernels (by one CTA): the temporal cache (cache_policy.cuh) and the step's counters.
+template <bool kLru>
+__device__ __forceinline__ void update_cache(const dims& d, const step_workspace& ws, const select_row& row, int h,
+                                             int take, unsigned* radix_keys, unsigned* histogram,
+                                             typename radix_digit_scan<kSelectThreads>::TempStorage& scan_storage,
+                                             unsigned* radix_found, unsigned* pass_scratch) {
+  const int k = d.budget;
+  const int capacity = kLru ? d.cache_slots : k;  // K: slots per head (K == k: exactly the last selection)
+  const layer_view* view = row.view;
+  int* cache = view->cache_chunks + static_cast<long long>(h) * capacity;
+  int* slot_of = view->slot_of_chunk + static_cast<long long>(h) * d.max_chunks;
+  int filled;
+  if constexpr (kLru) {
+    // This selection's number: one more than the head's count. Every thread reads it here; thread 0 writes it back
+    // below, after update_lru_cache's barriers.
+    long long* clock = view->selection_clock + h;
+    const long long now = *clock + 1;
+    filled = update_lru_cache<kSelectThreads>(
+        row.n, d.max_chunks, k, capacity, take, now, radix_keys, row.selected(d, ws), cache, slot_of,
+        view->cache_last_used + static_cast<long long>(h) * capacity, row.miss_slots(d, ws),
+        view->selected_slots + static_cast<long long>(h) * k, histogram, scan_storage, radix_found, pass_scratch);
+    if (threadIdx.x == 0) *clock = now;
+  } else {
+    filled = update_temporal_cache(row.n, d.max_chunks, k, take, radix_keys, row.selected(d, ws), cache, slot_of,
+                                   row.miss_slots(d, ws), pass_scratch);
+  }
+  if (threadIdx.x == 0) {
+    ws.miss_counts[row.head_row] = filled;
+    atomicAdd(ws.counters + 0, static_cast<unsigned long long>(take - filled));
+    atomicAdd(ws.counters + 1, static_cast<unsigned long long>(filled));
+    if (h == 0) atomicAdd(ws.counters + 2, 1ULL);
+  }
+}
 
 // kLru: a cache larger than the budget (K > k, update_lru_cache); a template parameter, so that the default cache
 // (K == k) compiles to the code it had before larger caches existed.
@@ -46,138 +196,161 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_kernel(const dims d,
   extern __shared__ __align__(16) unsigned char select_shared[];
 
   const int h = blockIdx.x;
-  const int b = blockIdx.y;
-  const int tid = threadIdx.x;
-  const int lane = tid & 31;
-  const int group = d.group;
-  const int mc = d.max_chunks;
-  const int k = d.budget;
-  const layer_view* view = views + static_cast<long long>(batch_slots[b]) * d.num_layers + layer;
-  const int n = context_chunks_of(view, d);
-  const long long head_row = static_cast<long long>(b) * d.kv_heads + h;
-
-  // Plain (not restrict) pointers: several of these rows are written and re-read within the kernel.
-  float* scores_row = ws.scores + head_row * mc;
-  // The group's G logits rows (or summed probabilities), scored here (group_scores.cuh).
-  const float* logits_group = ws.logits + (static_cast<long long>(b) * d.q_heads + static_cast<long long>(h) * group) * mc;
-  const int capacity = kLru ? d.cache_slots : k;  // K: slots per head (K == k: exactly the last selection)
-  int* cache = view->cache_chunks + static_cast<long long>(h) * capacity;
-  int* slot_of = view->slot_of_chunk + static_cast<long long>(h) * mc;
-  int* selected = ws.selected + head_row * k;
-  int* miss_slots = ws.miss_slots + head_row * k;
+  const select_row row = row_of(d, views, batch_slots, layer, blockIdx.y, h);
   float* offsets = reinterpret_cast<float*>(select_shared);  // [G] at byte 0 (plan_select)
   unsigned* radix_keys = geo.radix_keys_in_shared
                              ? reinterpret_cast<unsigned*>(select_shared + geo.radix_keys_offset)
-                             : ws.radix_keys + head_row * mc;
-  const group_score_rule scoring{input == score_input::summed_probabilities, d.group_mean != 0, group, offsets};
+                             : ws.radix_keys + row.head_row * d.max_chunks;
+  const group_score_rule scoring{input == score_input::summed_probabilities, d.group_mean != 0, d.group, offsets};
 
-  // --- A. scores; radix key = float bits + 1 for candidates (scores are >= 0), 0 for the others ------------------
-  // The per-query-head normalisers first (decode); then each chunk's score from its G logits, kScoreBatch chunks a
-  // thread with two heads' loads in flight (8 loads: more spills registers under the 64 that 1024 threads allow), into
-  // scores_row; then a pass over the thread's own scores writes the radix keys and counts the radix select's first
-  // histogram (top 12 bits of every radix key), saving a pass of its own.
-  if (!scoring.probabilities) {
-    group_offsets<kSelectWarps>(ws.selection_partials + head_row * 2LL * group * tiles, group, tiles,
-                                (n + tile_rows - 1) / tile_rows, offsets);
-  }
-  for (int i = tid; i < (1 << kRadixFirstBits); i += kSelectThreads) histogram[i] = 0;
-  if (tid == 0) candidate_count = 0;
-  __syncthreads();
-  int my_candidates = 0;
-  for (int base = 0; base < n; base += kSelectThreads * kScoreBatch) {
-    const int remaining = n - base - tid;  // chunk base + i * kSelectThreads + tid < n iff i * kSelectThreads < remaining
-    float value[kScoreBatch];
-    unsigned candidate_bits = 0;  // bit i: chunk base + i * kSelectThreads + tid is a candidate
-#pragma unroll
-    for (int i = 0; i < kScoreBatch; ++i) value[i] = start_value(scoring);
-#pragma unroll 1
-    for (int g = 0; g < group; g += 2) {
-      const bool second = g + 1 < group;
-      const float* row = logits_group + static_cast<long long>(g) * mc + base + tid;
-      const float* next_row = row + (second ? mc : 0);
-      float x[kScoreBatch];
-      float y[kScoreBatch];
-#pragma unroll
-      for (int i = 0; i < kScoreBatch; ++i) {
-        x[i] = i * kSelectThreads < remaining ? row[i * kSelectThreads] : 0.0F;
-        y[i] = i * kSelectThreads < remaining ? next_row[i * kSelectThreads] : 0.0F;
-      }
-#pragma unroll
-      for (int i = 0; i < kScoreBatch; ++i) {
-        if (g == 0 && is_candidate(scoring, x[i])) candidate_bits |= 1U << i;
-        value[i] = add_head(scoring, value[i], g, x[i]);
-        if (second) value[i] = add_head(scoring, value[i], g + 1, y[i]);
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < kScoreBatch; ++i) {
-      // The merged score (>= 0, or -1 for a non-candidate) until the pass below makes it the row's score.
-      if (i * kSelectThreads < remaining) {
-        scores_row[base + i * kSelectThreads + tid] = finish(scoring, value[i], ((candidate_bits >> i) & 1U) != 0U);
-      }
-    }
-  }
-  // Each thread rereads only what it wrote above (same chunks, same thread: no barrier).
-  for (int c = tid; c < n; c += kSelectThreads) {
-    const float merged = scores_row[c];
-    const bool candidate = merged >= 0.0F;
-    const float score = candidate ? fmaxf(0.0F, merged) : 0.0F;
-    my_candidates += candidate ? 1 : 0;
-    scores_row[c] = score;
-    const unsigned radix_key = candidate ? __float_as_uint(score) + 1U : 0U;
-    radix_keys[c] = radix_key;
-    atomicAdd(&histogram[radix_key >> (32 - kRadixFirstBits)], 1U);
-  }
-  // Not cub::BlockReduce: its sum lands in thread 0 and needs a second barrier to reach the block; an atomic a warp
-  // needs the one barrier below.
-  my_candidates = __reduce_add_sync(0xffffffffU, my_candidates);
-  if (lane == 0 && my_candidates > 0) atomicAdd(&candidate_count, my_candidates);
+  // --- A. scores, radix keys and the first histogram (score_chunks) --------------------------------------------
+  start_scoring(scoring, ws, row, tile_rows, tiles, histogram, &candidate_count);
+  count_candidates(score_chunks(scoring, d, ws, row, 0, row.n, radix_keys, histogram), &candidate_count);
   __syncthreads();
   const int candidates = candidate_count;
-  const int take = min(k, candidates);
+  const int take = min(d.budget, candidates);
 
   // --- B. the take-th largest radix key: MSB-first radix select (radix_select.cuh) ------------------------------
-  const radix_threshold rule =
-      find_radix_threshold<kSelectThreads>(radix_keys, n, candidates, k, histogram, scan_storage, radix_found);
+  const radix_threshold rule = find_radix_threshold<kSelectThreads>(radix_keys, row.n, candidates, d.budget, histogram,
+                                                                    scan_storage, radix_found);
 
   // --- C. ascending compaction of the selection; radix_keys[c] becomes the "selected" flag ----------------------
-  compact_top_k(radix_keys, n, take, k, rule, pass_scratch, selected);
+  compact_top_k(radix_keys, row.n, take, d.budget, rule, pass_scratch, row.selected(d, ws));
 
   // --- D. temporal cache (cache_policy.cuh) ----------------------------------------------------------------------
-  int filled;
-  if constexpr (kLru) {
-    // This selection's number: one more than the head's count. Every thread reads it here; thread 0 writes it back
-    // below, after update_lru_cache's barriers.
-    long long* clock = view->selection_clock + h;
-    const long long now = *clock + 1;
-    filled = update_lru_cache<kSelectThreads>(
-        n, mc, k, capacity, take, now, radix_keys, selected, cache, slot_of,
-        view->cache_last_used + static_cast<long long>(h) * capacity, miss_slots,
-        view->selected_slots + static_cast<long long>(h) * k, histogram, scan_storage, radix_found, pass_scratch);
-    if (tid == 0) *clock = now;
-  } else {
-    filled = update_temporal_cache(n, mc, k, take, radix_keys, selected, cache, slot_of, miss_slots, pass_scratch);
-  }
-  if (tid == 0) {
-    ws.miss_counts[head_row] = filled;
-    atomicAdd(ws.counters + 0, static_cast<unsigned long long>(take - filled));
-    atomicAdd(ws.counters + 1, static_cast<unsigned long long>(filled));
-    if (h == 0) atomicAdd(ws.counters + 2, 1ULL);
-  }
+  update_cache<kLru>(d, ws, row, h, take, radix_keys, histogram, scan_storage, radix_found, pass_scratch);
+}
+
+// The same four steps by a cluster of CTAs per (b, h) (grid (Hkv * cluster, B)): CTA r of the cluster scores and
+// ranks the r-th slice of the chunks (radix keys in ws.radix_keys); the radix select's histograms are the sums of the
+// CTAs' own, read from each other's shared memory, so that every CTA finds the same threshold; the compaction starts
+// each CTA's ids after the counts of the CTAs before it; and the first CTA updates the cache alone. Between the
+// steps, cluster barriers (release/acquire at cluster scope: they order the global writes of the ids and flags too).
+template <bool kLru>
+__global__ void __launch_bounds__(kSelectThreads, 1) select_cluster_kernel(const dims d, const layer_view* views,
+                                                                           const int* batch_slots, const int layer,
+                                                                           const step_workspace ws,
+                                                                           const score_input input,
+                                                                           const int tile_rows, const int tiles) {
+  __shared__ typename radix_digit_scan<kSelectThreads>::TempStorage scan_storage;
+  __shared__ unsigned own_histogram[1 << kRadixFirstBits];  // this CTA's counts of digits 0 and 2 (read by the cluster)
+  __shared__ unsigned own_second[1 << 11];                  // of digit 1: a second array, see below
+  __shared__ unsigned merged[1 << kRadixFirstBits];         // the cluster's counts of the digit
+  __shared__ unsigned pass_scratch[2 * kSelectWarps];
+  __shared__ unsigned radix_found[3];
+  __shared__ int candidate_count;  // this CTA's (read by the cluster)
+  __shared__ uint2 block_totals;   // this CTA's compaction counts (read by the CTAs after it)
+  extern __shared__ __align__(16) unsigned char select_shared[];
+
+  const cg::cluster_group cluster = cg::this_cluster();
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int ctas = static_cast<int>(cluster.num_blocks());
+  const int tid = threadIdx.x;
+  const int h = blockIdx.x / ctas;
+  const select_row row = row_of(d, views, batch_slots, layer, blockIdx.y, h);
+  unsigned* radix_keys = ws.radix_keys + row.head_row * d.max_chunks;
+  const int slice = ((row.n + ctas - 1) / ctas + 31) / 32 * 32;  // whole warps' worth a CTA
+  const int first = min(row.n, rank * slice);
+  const int end = min(row.n, first + slice);
+  float* offsets = reinterpret_cast<float*>(select_shared);  // [G]
+  const group_score_rule scoring{input == score_input::summed_probabilities, d.group_mean != 0, d.group, offsets};
+
+  // --- A. this CTA's slice --------------------------------------------------------------------------------------
+  start_scoring(scoring, ws, row, tile_rows, tiles, own_histogram, &candidate_count);
+  count_candidates(score_chunks(scoring, d, ws, row, first, end, radix_keys, own_histogram), &candidate_count);
+  cluster.sync();
+  int candidates = 0;
+  for (int r = 0; r < ctas; ++r) candidates += *cluster.map_shared_rank(&candidate_count, r);
+  const int take = min(d.budget, candidates);
+
+  // --- B. the threshold from the cluster's histograms ------------------------------------------------------------
+  // Digit 1 is counted into own_second, digit 2 into own_histogram again: a CTA clears own_histogram for digit 2 only
+  // after the cluster barrier that follows digit 1's counting, which every CTA reaches after its merge of digit 0.
+  const radix_threshold rule = radix_threshold_from<kSelectThreads>(
+      candidates, d.budget,
+      [&](int pass, radix_digit digit, unsigned prefix, unsigned mask) -> const unsigned* {
+        unsigned* own = pass == 1 ? own_second : own_histogram;
+        if (pass > 0) {  // the first histogram was counted in step A
+          for (int i = tid; i < digit.bins(); i += kSelectThreads) own[i] = 0;
+          __syncthreads();
+          for (int c = first + tid; c < end; c += kSelectThreads) {
+            const unsigned radix_key = radix_keys[c];
+            if ((radix_key & mask) == prefix) atomicAdd(&own[digit.of(radix_key)], 1U);
+          }
+          cluster.sync();
+        }
+        for (int i = tid; i < digit.bins(); i += kSelectThreads) {
+          unsigned sum = 0;
+          for (int r = 0; r < ctas; ++r) sum += cluster.map_shared_rank(own, r)[i];
+          merged[i] = sum;
+        }
+        __syncthreads();
+        return merged;
+      },
+      scan_storage, radix_found);
+
+  // --- C. compaction: this CTA's ids go after those of the CTAs before it ----------------------------------------
+  compact_top_k_range(radix_keys, first, end, take, d.budget, rule, pass_scratch, row.selected(d, ws), [&](uint2 totals) {
+    if (tid == 0) block_totals = totals;
+    cluster.sync();
+    uint2 before = make_uint2(0U, 0U);
+    for (int r = 0; r < rank; ++r) {
+      const uint2 other = *cluster.map_shared_rank(&block_totals, r);
+      before.x += other.x;
+      before.y += other.y;
+    }
+    return before;
+  });
+  // Every CTA's ids and flags written, and no CTA reads another's shared memory after this barrier.
+  cluster.sync();
+  if (rank != 0) return;
+
+  // --- D. temporal cache, by the cluster's first CTA --------------------------------------------------------------
+  update_cache<kLru>(d, ws, row, h, take, radix_keys, own_histogram, scan_storage, radix_found, pass_scratch);
+}
+
+template <typename Kernel, typename... Args>
+void launch_in_clusters(Kernel kernel, dim3 grid, int cluster, std::size_t shared_bytes, cudaStream_t stream,
+                        Args... args) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = dim3(kSelectThreads);
+  config.dynamicSmemBytes = shared_bytes;
+  config.stream = stream;
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = static_cast<unsigned>(cluster);
+  attribute.val.clusterDim.y = 1;
+  attribute.val.clusterDim.z = 1;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  SHADOWKV_CUDA_TRY(cudaLaunchKernelEx(&config, kernel, args...));
 }
 }  // namespace
 
 void launch_select_kernel(const dims& d, const layer_view* views, const int* batch_slots, int layer, int batch,
-                          const step_workspace& ws, const select_geometry& geo, score_input input,
+                          const step_workspace& ws, const select_geometry& geo, int cluster, score_input input,
                           const logit_geometry& logit_geo, cudaStream_t stream) {
   SHADOWKV_EXPECTS(input == score_input::summed_probabilities || d.max_chunks == 0 ||
                        ws.selection_partials != nullptr,
                    "chunk selection: step_workspace::selection_partials is null (size it with "
                    "chunk_selection_workspace)");
-  SHADOWKV_EXPECTS(geo.radix_keys_in_shared != 0 || ws.radix_keys != nullptr,
-                   "chunk selection: max_chunks ", d.max_chunks, " needs the radix-key workspace "
-                   "(step_workspace::radix_keys; size it with chunk_selection_workspace)");
-  auto kernel = d.cache_slots > d.budget ? select_kernel<true> : select_kernel<false>;
+  SHADOWKV_EXPECTS(cluster == 1 || cluster == 2 || cluster == 4 || cluster == 8,
+                   "chunk selection: the select kernel runs in clusters of 1, 2, 4 or 8 CTAs, got ", cluster);
+  SHADOWKV_EXPECTS((geo.radix_keys_in_shared != 0 && cluster == 1) || ws.radix_keys != nullptr,
+                   "chunk selection: max_chunks ", d.max_chunks, (cluster > 1 ? " in clusters" : ""),
+                   " needs the radix-key workspace (step_workspace::radix_keys; size it with "
+                   "chunk_selection_workspace)");
+  const bool lru = d.cache_slots > d.budget;
+  if (cluster > 1) {
+    auto kernel = lru ? select_cluster_kernel<true> : select_cluster_kernel<false>;
+    const auto shared_bytes = static_cast<std::size_t>(geo.radix_keys_offset);  // the group's offsets only
+    launch_in_clusters(kernel, dim3(static_cast<unsigned>(d.kv_heads * cluster), static_cast<unsigned>(batch)), cluster,
+                       shared_bytes, stream, d, views, batch_slots, layer, ws, input, logit_geo.tile_rows,
+                       logit_geo.tiles);
+    return;
+  }
+  auto kernel = lru ? select_kernel<true> : select_kernel<false>;
   allow_shared(kernel, geo.shared_bytes);
   const dim3 grid(static_cast<unsigned>(d.kv_heads), static_cast<unsigned>(batch));
   kernel<<<grid, kSelectThreads, static_cast<size_t>(geo.shared_bytes), stream>>>(
