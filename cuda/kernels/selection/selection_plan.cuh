@@ -56,28 +56,29 @@ inline select_geometry plan_select(const dims& d, const device_limits& limits) {
   return geo;
 }
 
-/// The select kernel spreads each (sequence, KV head) over a thread-block cluster when the batch leaves
-/// multiprocessors idle: one 1024-thread CTA a head runs on 8 of 132 SMs at B = 1 (26 µs, bench/NOTES.md session 7).
-constexpr int kMaxSelectCluster = 8;               // the portable cluster size
-constexpr int kSelectClusterFromChunks = 2048;     // fewer chunks: one CTA's passes are short, a cluster's barriers not
+/// The select kernel may spread each (sequence, KV head) over a thread-block cluster when the batch leaves
+/// multiprocessors idle: one 1024-thread CTA a head runs on 8 of 132 SMs at B = 1.
+constexpr int kMaxSelectCluster = 8;            // the portable cluster size
+constexpr int kSelectClusterFromChunks = 2048;  // fewer chunks: one CTA's passes are short, a cluster's barriers not
 
 /// Launch rows (sequence, KV head) up to which the select kernel may run in clusters (two SMs a row at least); the
 /// radix-key workspace has this many rows at least (chunk_selection_workspace), since the clusters keep their radix
 /// keys there.
 inline long long select_cluster_rows(const device_limits& limits) { return limits.multiprocessors / 2; }
 
-/// CTAs per (sequence, KV head) for a launch of `batch` sequences: 1, or a cluster of 2, 4 or 8 (the largest whose
-/// CTAs fit on the device at once), or dims::select_cluster where clusters may run at all. `radix_workspace`: the
-/// step workspace has radix-key rows.
+/// CTAs per (sequence, KV head) for a launch of `batch` sequences: dims::select_cluster where clusters may run at
+/// all, else the planner's choice: a cluster of 8 when every row's cluster fits on the device at once, else 1.
+/// Measured on the H200 (bench/NOTES.md, session 11; S = 122880, Hkv 8): B = 1, 8 CTAs a head, 26.8 µs against 28.9
+/// on one; B = 8, 2 a head, 32.2 against 32.9; the three parts of B = 24 (8 sequences each, beside the value fetch),
+/// 2 a head, 171-174 µs against 129-132 for the three launches, and the rebuild beside them slower too. The kernel is
+/// a chain of dependent steps whose length the cluster does not shorten; the per-chunk work it splits is small.
+/// `radix_workspace`: the step workspace has radix-key rows.
 inline int plan_select_cluster(const dims& d, int batch, const device_limits& limits, bool radix_workspace) {
   const long long rows = static_cast<long long>(batch) * d.kv_heads;
   if (!radix_workspace || d.max_chunks == 0 || rows > select_cluster_rows(limits)) return 1;
   if (d.select_cluster > 0) return d.select_cluster;
   if (d.max_chunks < kSelectClusterFromChunks) return 1;
-  for (int cluster = kMaxSelectCluster; cluster >= 2; cluster /= 2) {
-    if (rows * cluster <= limits.multiprocessors) return cluster;
-  }
-  return 1;
+  return rows * kMaxSelectCluster <= limits.multiprocessors ? kMaxSelectCluster : 1;
 }
 
 template <typename Kernel>
