@@ -8,7 +8,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <cstdlib>
 
 #include "common/element_access.cuh"
 #include "common/ordered_compaction.cuh"
@@ -188,7 +187,7 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_kernel(const dims d,
                                                                    const int* batch_slots, const int layer,
                                                                    const step_workspace ws, const select_geometry geo,
                                                                    const score_input input, const int tile_rows,
-                                                                   const int tiles, const int skip) {
+                                                                   const int tiles) {
   __shared__ typename radix_digit_scan<kSelectThreads>::TempStorage scan_storage;
   __shared__ unsigned histogram[1 << kRadixFirstBits];
   __shared__ unsigned pass_scratch[2 * kSelectWarps];
@@ -206,21 +205,17 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_kernel(const dims d,
 
   // --- A. scores, radix keys and the first histogram (score_chunks) --------------------------------------------
   start_scoring(scoring, ws, row, tile_rows, tiles, histogram, &candidate_count);
-  if ((skip & 4) == 0) count_candidates(score_chunks(scoring, d, ws, row, 0, row.n, radix_keys, histogram), &candidate_count);
-  else if (threadIdx.x == 0) candidate_count = row.n;
+  count_candidates(score_chunks(scoring, d, ws, row, 0, row.n, radix_keys, histogram), &candidate_count);
   __syncthreads();
   const int candidates = candidate_count;
   const int take = min(d.budget, candidates);
 
   // --- B. the take-th largest radix key: MSB-first radix select (radix_select.cuh) ------------------------------
-  if ((skip & 2) == 0) {
   const radix_threshold rule = find_radix_threshold<kSelectThreads>(radix_keys, row.n, candidates, d.budget, histogram,
                                                                     scan_storage, radix_found);
 
   // --- C. ascending compaction of the selection; radix_keys[c] becomes the "selected" flag ----------------------
   compact_top_k(radix_keys, row.n, take, d.budget, rule, pass_scratch, row.selected(d, ws));
-  }
-  if ((skip & 1) != 0) return;
 
   // --- D. temporal cache (cache_policy.cuh) ----------------------------------------------------------------------
   update_cache<kLru>(d, ws, row, h, take, radix_keys, histogram, scan_storage, radix_found, pass_scratch);
@@ -359,8 +354,7 @@ void launch_select_kernel(const dims& d, const layer_view* views, const int* bat
   allow_shared(kernel, geo.shared_bytes);
   const dim3 grid(static_cast<unsigned>(d.kv_heads), static_cast<unsigned>(batch));
   kernel<<<grid, kSelectThreads, static_cast<size_t>(geo.shared_bytes), stream>>>(
-      d, views, batch_slots, layer, ws, geo, input, logit_geo.tile_rows, logit_geo.tiles,
-      std::getenv("SHADOWKV_SELECT_SKIP") != nullptr ? std::atoi(std::getenv("SHADOWKV_SELECT_SKIP")) : 0);
+      d, views, batch_slots, layer, ws, geo, input, logit_geo.tile_rows, logit_geo.tiles);
   SHADOWKV_CUDA_CHECK_LAUNCH();
 }
 
