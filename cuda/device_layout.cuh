@@ -48,6 +48,9 @@ struct dims {
   int select_cluster;   ///< CTAs a (sequence, KV head) of the select kernel: 0 = the planner's choice
                         ///< (selection_plan.cuh, plan_select_cluster), 1 = one CTA, 2/4/8 = a cluster of that many
                         ///< where the batch allows clusters (SHADOWKV_SELECT_CLUSTER; tests)
+  int programmatic_launch;  ///< 1: the decode step's kernels after the first are launched programmatically dependent
+                            ///< on the one before (common/dependent_launch.cuh), 0: plain launches
+                            ///< (SHADOWKV_PROGRAMMATIC_LAUNCH=off)
 };
 
 /// Everything of one (slot, layer) on the device. Row-major, head-major where a kernel reads one head at a time.

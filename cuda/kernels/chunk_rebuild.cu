@@ -10,6 +10,7 @@
 
 #include "chunk_rebuild.cuh"
 #include "common/async_copy.cuh"
+#include "common/dependent_launch.cuh"
 #include "common/dispatch.cuh"
 #include "common/element_access.cuh"
 #include "common/fp8_vectors.cuh"
@@ -169,6 +170,7 @@ template <typename T, typename F, int D>
 __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
     rebuild_keys_kernel(dims d, layer_view* views, const int* batch_slots, int layer, step_workspace workspace,
                         const float* inv_freq) {
+  wait_for_prior_grids();  // common/dependent_launch.cuh: nothing before the previous kernel is done
   using namespace cute;
   using tile = rebuild_tile<F, D>;
   constexpr bool kSplitOperands = std::is_same_v<F, float>;
@@ -443,8 +445,8 @@ void launch_rebuild_for(const dims& d, layer_view* views, const int* batch_slots
   const int groups = (d.budget + group_chunks - 1) / group_chunks;
   const dim3 grid(static_cast<unsigned>(batch), static_cast<unsigned>(d.kv_heads),
                   static_cast<unsigned>(splits_for(batch, d.kv_heads, groups, rebuild_min_ctas_per_sm<D>())));
-  rebuild_keys_kernel<T, F, D><<<grid, kRebuildThreads, tile::shared_bytes, stream>>>(d, views, batch_slots, layer,
-                                                                                       workspace, inv_freq);
+  launch_after_prior_grid(rebuild_keys_kernel<T, F, D>, grid, dim3(kRebuildThreads), tile::shared_bytes, stream,
+                          d.programmatic_launch != 0, d, views, batch_slots, layer, workspace, inv_freq);
 }
 
 template <typename T, int D>

@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "common/async_copy.cuh"
+#include "common/dependent_launch.cuh"
 #include "common/dispatch.cuh"
 #include "common/element_access.cuh"
 #include "common/float_constants.cuh"
@@ -207,6 +208,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG, kC>(
     decode_landmark_logits_kernel(const dims d, const layer_view* views, const int* batch_slots, const int layer,
                                   const int batch, const strided_tensor queries, const int tile_rows, const int tiles,
                                   float* logits, float* partials) {
+  wait_for_prior_grids();  // common/dependent_launch.cuh: nothing before the previous kernel is done
   using split = row_split<T, kRowBytes, kG, kC>;
   using sequence_entry = shadowkv::cuda::sequence_entry<kC>;
   using tile_descriptor = shadowkv::cuda::tile_descriptor<kC>;
@@ -537,10 +539,9 @@ bool launch_with(const dims& d, const layer_view* views, const int* batch_slots,
   const long long resident = static_cast<long long>(per_multiprocessor) * std::max(multiprocessors, 1);
   const long long ctas = std::min<long long>(
       std::max<long long>(resident - std::max(beside_ctas, 0), std::max(multiprocessors, 1)), most_tiles);
-  decode_landmark_logits_kernel<T, kRowBytes, kG, kC>
-      <<<static_cast<unsigned>(ctas), kThreads, static_cast<std::size_t>(layout.bytes), stream>>>(
-          d, views, batch_slots, layer, batch, queries, tile_rows, tiles, logits, partials);
-  SHADOWKV_CUDA_CHECK_LAUNCH();
+  launch_after_prior_grid(decode_landmark_logits_kernel<T, kRowBytes, kG, kC>, dim3(static_cast<unsigned>(ctas)),
+                          dim3(kThreads), static_cast<std::size_t>(layout.bytes), stream, d.programmatic_launch != 0,
+                          d, views, batch_slots, layer, batch, queries, tile_rows, tiles, logits, partials);
   return true;
 }
 

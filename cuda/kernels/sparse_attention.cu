@@ -44,6 +44,7 @@
 #include <type_traits>
 
 #include "common/async_copy.cuh"
+#include "common/dependent_launch.cuh"
 #include "common/dispatch.cuh"
 #include "common/element_access.cuh"
 #include "common/float_constants.cuh"
@@ -255,6 +256,7 @@ template <typename T, int D, int HeadTile, bool kListed>
 __global__ void __launch_bounds__(kThreads, 3)
     sparse_attention_split_kernel(dims d, const layer_view* views, const int* batch_slots, int layer, strided_tensor q,
                                   float* partial, int splits, int max_splits) {
+  wait_for_prior_grids();  // common/dependent_launch.cuh: nothing before the previous kernel is done
   using layout = cta_layout<T, D, HeadTile>;
   constexpr int kLanes = layout::lanes;
   constexpr int kPerLane = layout::per_lane;
@@ -593,6 +595,7 @@ template <int D, bool kListed>
 __global__ void __launch_bounds__(kMmaThreads, 2)
     sparse_attention_mma_kernel(dims d, const layer_view* views, const int* batch_slots, int layer, strided_tensor q,
                                 float* partial, int splits, int max_splits) {
+  wait_for_prior_grids();  // common/dependent_launch.cuh: nothing before the previous kernel is done
   using T = __nv_bfloat16;
   using layout = mma_layout<D>;
   constexpr int kRow = layout::row_elements;
@@ -837,6 +840,7 @@ __global__ void __launch_bounds__(kMmaThreads, 2)
 __global__ void __launch_bounds__(kCombineThreads)
     sparse_attention_combine_kernel(int head_dim, int q_heads, const float* partial, int splits, int max_splits,
                                     strided_tensor out) {
+  wait_for_prior_grids();  // common/dependent_launch.cuh: nothing before the previous kernel is done
   __shared__ float weights[kMaxSplits];
   __shared__ float inverse_total;
   const int j = static_cast<int>(blockIdx.x);
@@ -922,9 +926,9 @@ void launch_mma_split(const split_launch& a) {
   static std::atomic<std::uint64_t> allowed_on_devices{0};  // above 48 KiB: the opt-in limit, once per device
   shadowkv_allow_large_shared_memory(sparse_attention_mma_kernel<D, kListed>, allowed_on_devices);
   const dim3 grid(static_cast<unsigned>(a.splits), static_cast<unsigned>(a.d.kv_heads), static_cast<unsigned>(a.batch));
-  sparse_attention_mma_kernel<D, kListed><<<grid, kMmaThreads, layout::shared_bytes, a.stream>>>(
-      a.d, a.views, a.batch_slots, a.layer, a.q, a.partial, a.splits, a.max_splits);
-  SHADOWKV_CUDA_CHECK_LAUNCH();
+  launch_after_prior_grid(sparse_attention_mma_kernel<D, kListed>, grid, dim3(kMmaThreads), layout::shared_bytes,
+                          a.stream, a.d.programmatic_launch != 0, a.d, a.views, a.batch_slots, a.layer, a.q, a.partial,
+                          a.splits, a.max_splits);
 }
 
 /// Whether the tensor-core kernel serves these dims and element type: bf16 keys and values, D <= 128 (its float32
@@ -941,9 +945,9 @@ void launch_split(const split_launch& a) {
     shadowkv_allow_large_shared_memory(sparse_attention_split_kernel<T, D, HeadTile, kListed>, allowed_on_devices);
   }
   const dim3 grid(static_cast<unsigned>(a.splits), static_cast<unsigned>(a.d.kv_heads), static_cast<unsigned>(a.batch));
-  sparse_attention_split_kernel<T, D, HeadTile, kListed><<<grid, kThreads, layout::shared_bytes, a.stream>>>(
-      a.d, a.views, a.batch_slots, a.layer, a.q, a.partial, a.splits, a.max_splits);
-  SHADOWKV_CUDA_CHECK_LAUNCH();
+  launch_after_prior_grid(sparse_attention_split_kernel<T, D, HeadTile, kListed>, grid, dim3(kThreads),
+                          layout::shared_bytes, a.stream, a.d.programmatic_launch != 0, a.d, a.views, a.batch_slots,
+                          a.layer, a.q, a.partial, a.splits, a.max_splits);
 }
 
 }  // namespace
@@ -1010,10 +1014,10 @@ void launch_sparse_attention(const dims& d, int kv_type, const layer_view* views
       });
     });
   });
-  sparse_attention_combine_kernel<<<dim3(static_cast<unsigned>(d.q_heads), static_cast<unsigned>(batch)),
-                                    kCombineThreads, 0, stream>>>(d.head_dim, d.q_heads, partial, splits, max_splits,
-                                                                  out);
-  SHADOWKV_CUDA_CHECK_LAUNCH();
+  launch_after_prior_grid(sparse_attention_combine_kernel,
+                          dim3(static_cast<unsigned>(d.q_heads), static_cast<unsigned>(batch)), dim3(kCombineThreads),
+                          0, stream, d.programmatic_launch != 0, d.head_dim, d.q_heads, partial, splits, max_splits,
+                          out);
 }
 
 }  // namespace shadowkv::cuda

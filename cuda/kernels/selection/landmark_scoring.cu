@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "common/async_copy.cuh"
+#include "common/dependent_launch.cuh"
 #include "common/dispatch.cuh"
 #include "common/element_access.cuh"
 #include "common/fp8_vectors.cuh"
@@ -75,6 +76,7 @@ __global__ void __launch_bounds__(kLogitThreads) landmark_logits_kernel(const di
                                                                         const logit_geometry geo, const logit_mode mode,
                                                                         const int token, float* logits,
                                                                         float* partials) {
+  wait_for_prior_grids();  // common/dependent_launch.cuh: nothing before the previous kernel is done
   constexpr int kElements = vector16<T>::elements;
   extern __shared__ __align__(16) unsigned char logit_shared[];
   __shared__ float warp_partials[kLogitThreads / 32][kHeadBlock][2];
@@ -357,10 +359,9 @@ void launch_logits(const dims& d, const layer_view* views, const int* batch_slot
   const dim3 grid(static_cast<unsigned>((geo.tiles + per_cta - 1) / per_cta), static_cast<unsigned>(d.kv_heads),
                   static_cast<unsigned>(batch));
   auto launch = [&](logit_mode mode, int token) {
-    kernel<<<grid, kLogitThreads, static_cast<size_t>(shared), stream>>>(d, views, batch_slots, layer, queries, geo,
-                                                                        mode, token, ws.logits,
-                                                                        ws.selection_partials);
-    SHADOWKV_CUDA_CHECK_LAUNCH();
+    launch_after_prior_grid(kernel, grid, dim3(kLogitThreads), static_cast<std::size_t>(shared), stream,
+                            d.programmatic_launch != 0, d, views, batch_slots, layer, queries, geo, mode, token,
+                            ws.logits, ws.selection_partials);
   };
   if (tokens == 1) {
     launch(logit_mode::logits, 0);

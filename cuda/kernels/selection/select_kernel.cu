@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "common/dependent_launch.cuh"
 #include "common/element_access.cuh"
 #include "common/ordered_compaction.cuh"
 #include "cuda_check.hpp"
@@ -188,6 +189,7 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_kernel(const dims d,
                                                                    const step_workspace ws, const select_geometry geo,
                                                                    const score_input input, const int tile_rows,
                                                                    const int tiles) {
+  wait_for_prior_grids();  // common/dependent_launch.cuh: nothing before the previous kernel is done
   __shared__ typename radix_digit_scan<kSelectThreads>::TempStorage scan_storage;
   __shared__ unsigned histogram[1 << kRadixFirstBits];
   __shared__ unsigned pass_scratch[2 * kSelectWarps];
@@ -232,6 +234,7 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_cluster_kernel(const
                                                                            const step_workspace ws,
                                                                            const score_input input,
                                                                            const int tile_rows, const int tiles) {
+  wait_for_prior_grids();  // common/dependent_launch.cuh: nothing before the previous kernel is done
   __shared__ typename radix_digit_scan<kSelectThreads>::TempStorage scan_storage;
   __shared__ unsigned own_histogram[1 << kRadixFirstBits];  // this CTA's counts of digits 0 and 2 (read by the cluster)
   __shared__ unsigned own_second[1 << 11];                  // of digit 1: a second array, see below
@@ -309,23 +312,6 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_cluster_kernel(const
   update_cache<kLru>(d, ws, row, h, take, radix_keys, own_histogram, scan_storage, radix_found, pass_scratch);
 }
 
-template <typename Kernel, typename... Args>
-void launch_in_clusters(Kernel kernel, dim3 grid, int cluster, std::size_t shared_bytes, cudaStream_t stream,
-                        Args... args) {
-  cudaLaunchConfig_t config{};
-  config.gridDim = grid;
-  config.blockDim = dim3(kSelectThreads);
-  config.dynamicSmemBytes = shared_bytes;
-  config.stream = stream;
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeClusterDimension;
-  attribute.val.clusterDim.x = static_cast<unsigned>(cluster);
-  attribute.val.clusterDim.y = 1;
-  attribute.val.clusterDim.z = 1;
-  config.attrs = &attribute;
-  config.numAttrs = 1;
-  SHADOWKV_CUDA_TRY(cudaLaunchKernelEx(&config, kernel, args...));
-}
 }  // namespace
 
 void launch_select_kernel(const dims& d, const layer_view* views, const int* batch_slots, int layer, int batch,
@@ -345,17 +331,23 @@ void launch_select_kernel(const dims& d, const layer_view* views, const int* bat
   if (cluster > 1) {
     auto kernel = lru ? select_cluster_kernel<true> : select_cluster_kernel<false>;
     const auto shared_bytes = static_cast<std::size_t>(geo.radix_keys_offset);  // the group's offsets only
-    launch_in_clusters(kernel, dim3(static_cast<unsigned>(d.kv_heads * cluster), static_cast<unsigned>(batch)), cluster,
-                       shared_bytes, stream, d, views, batch_slots, layer, ws, input, logit_geo.tile_rows,
-                       logit_geo.tiles);
+    cudaLaunchAttribute in_clusters{};
+    in_clusters.id = cudaLaunchAttributeClusterDimension;
+    in_clusters.val.clusterDim.x = static_cast<unsigned>(cluster);
+    in_clusters.val.clusterDim.y = 1;
+    in_clusters.val.clusterDim.z = 1;
+    launch_after_prior_grid_with(&in_clusters, 1, kernel,
+                                 dim3(static_cast<unsigned>(d.kv_heads * cluster), static_cast<unsigned>(batch)),
+                                 dim3(kSelectThreads), shared_bytes, stream, d.programmatic_launch != 0, d, views,
+                                 batch_slots, layer, ws, input, logit_geo.tile_rows, logit_geo.tiles);
     return;
   }
   auto kernel = lru ? select_kernel<true> : select_kernel<false>;
   allow_shared(kernel, geo.shared_bytes);
   const dim3 grid(static_cast<unsigned>(d.kv_heads), static_cast<unsigned>(batch));
-  kernel<<<grid, kSelectThreads, static_cast<size_t>(geo.shared_bytes), stream>>>(
-      d, views, batch_slots, layer, ws, geo, input, logit_geo.tile_rows, logit_geo.tiles);
-  SHADOWKV_CUDA_CHECK_LAUNCH();
+  launch_after_prior_grid(kernel, grid, dim3(kSelectThreads), static_cast<std::size_t>(geo.shared_bytes), stream,
+                          d.programmatic_launch != 0, d, views, batch_slots, layer, ws, geo, input,
+                          logit_geo.tile_rows, logit_geo.tiles);
 }
 
 }  // namespace shadowkv::cuda::selection
