@@ -87,15 +87,18 @@ int select_cluster_setting() {
   return 0;
 }
 
-// Whether the decode step's kernels overlap their launch with the tail of the kernel before them (programmatic dependent
-// launch; common/dependent_launch.cuh): "on" (the default) or "off". SHADOWKV_PROGRAMMATIC_LAUNCH picks one (a
-// measurement knob for bench/step_benchmark.py's +pl0; bench/NOTES.md).
-bool programmatic_launch_setting() {
+// How the decode step's kernels after the first overlap their launch with the kernel before them (programmatic
+// dependent launch; common/dependent_launch.cuh): "on" (the default: each kernel lets its successor launch at its own
+// first line), "tail" (the successor launches as the kernel's CTAs exit) or "off" (plain launches).
+// SHADOWKV_PROGRAMMATIC_LAUNCH picks one (a measurement knob for bench/step_benchmark.py's +plt and +pl0;
+// bench/NOTES.md).
+int programmatic_launch_setting() {
   const char* text = std::getenv("SHADOWKV_PROGRAMMATIC_LAUNCH");
-  if (text == nullptr || *text == '\0' || std::strcmp(text, "on") == 0) return true;
-  SHADOWKV_EXPECTS(std::strcmp(text, "off") == 0, "SHADOWKV_PROGRAMMATIC_LAUNCH must be 'on' or 'off', got '", text,
-                   "'");
-  return false;
+  if (text == nullptr || *text == '\0' || std::strcmp(text, "on") == 0) return kLaunchEarly;
+  if (std::strcmp(text, "tail") == 0) return kLaunchAtTail;
+  SHADOWKV_EXPECTS(std::strcmp(text, "off") == 0, "SHADOWKV_PROGRAMMATIC_LAUNCH must be 'on', 'tail' or 'off', got '",
+                   text, "'");
+  return kPlainLaunch;
 }
 
 // First entry of part p of `count` parts of `batch` entries: weights 1 each ("even"), or 1, 2, ..., 2, 1 ("tapered",
@@ -239,7 +242,7 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   dims_.group_mean = cfg.group_score == group_combine::mean ? 1 : 0;
   dims_.attention_fma = attention_on_fma() ? 1 : 0;
   dims_.select_cluster = select_cluster_setting();
-  dims_.programmatic_launch = programmatic_launch_setting() ? 1 : 0;
+  dims_.programmatic_launch = programmatic_launch_setting();
 
   own_stream_ = make_stream();
   copy_stream_ = make_stream();

@@ -1,6 +1,7 @@
 #include <algorithm>
 
 #include "common/chunk_centroids_warp.cuh"
+#include "common/dependent_launch.cuh"
 #include "common/dispatch.cuh"
 #include "common/element_access.cuh"
 #include "cuda_check.hpp"
@@ -11,7 +12,10 @@
 namespace shadowkv::cuda {
 namespace {
 
-constexpr int kThreads = 256;
+// The append (step 2 below) is a thread per (head, dim), Hkv * D of them: 512 threads take two a thread at Hkv * D =
+// 1024 (four at 256 threads: each a dependent load, a float64 RoPE and a store on the step's critical path). 1024
+// threads would cap registers at 64; the kernel needs 80.
+constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
 
 /// Element d of the i-th oldest generated key of head h (the exact ring, stored post-RoPE keys).
@@ -29,9 +33,11 @@ struct ring_chunk_keys {
 };
 
 template <typename T>
-__global__ void advance_generated_kernel(dims d, layer_view* views, const int* batch_slots, int layer,
+__global__ void __launch_bounds__(kThreads, 1) advance_generated_kernel(dims d, layer_view* views, const int* batch_slots, int layer,
                                          strided_tensor k_new, strided_tensor v_new, strided_tensor positions,
                                          int positions_bits, bool keys_post_rope, const float* inv_freq) {
+  // The step's first kernel, launched plainly: it waits for nothing, and lets the next kernel launch now (kLaunchEarly).
+  begin_dependent_kernel(d.programmatic_launch);
   extern __shared__ float keys_pre[];  // [C, Hkv*D]; two-centroid scratch once the fold's values are written
   const int b = blockIdx.x;
   layer_view* view = views + static_cast<long long>(batch_slots[b]) * d.num_layers + layer;
