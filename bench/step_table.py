@@ -10,13 +10,6 @@ import json
 import sys
 
 
-def launch_note(r: dict) -> str:
-    """How a row's kernels were launched, when not the default: `programmatic_launch` is "on", "tail" or "off" (before
-    session 12 a bool: True for programmatic launches, False for plain ones)."""
-    launch = r.get("programmatic_launch")
-    return {"off": "plain launches", False: "plain launches", "tail": "launches at the tail"}.get(launch, "")
-
-
 def table(path: str) -> str:
     data = json.load(open(path))
     lines = [f"{data.get('gpu', '?')}, commit {data.get('commit', '?')}, tests of the same run: {data.get('tests')}; "
@@ -35,7 +28,7 @@ def table(path: str) -> str:
                      f"{' (tapered parts)' if r.get('pipeline_split') == 'tapered' else ''}"
                      f"{' (FMA attention)' if r.get('attention') == 'fma' else ''}"
                      f"{' (select on ' + str(r['select_cluster']) + ' CTAs)' if r.get('select_cluster') else ''}"
-                     f"{' (' + launch_note(r) + ')' if launch_note(r) else ''}"
+                     f"{' (plain launches)' if r.get('programmatic_launch') is False else ''}"
                      f"{' (fetch CTAs ' + str(r['fetch_ctas']) + ')' if r.get('fetch_ctas') else ''}"
                      f"{' (cache ' + str(r['cache_tokens']) + ' tokens)' if r.get('cache_tokens') else ''} | {r['hit']:.2f} | "
                      f"{r['ours_ms']:.3f} | {graph} | {r['full_ms']:.3f} | {r['floor_ms']:.3f} | "

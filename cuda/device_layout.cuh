@@ -48,14 +48,10 @@ struct dims {
   int select_cluster;   ///< CTAs a (sequence, KV head) of the select kernel: 0 = the planner's choice
                         ///< (selection_plan.cuh, plan_select_cluster), 1 = one CTA, 2/4/8 = a cluster of that many
                         ///< where the batch allows clusters (SHADOWKV_SELECT_CLUSTER; tests)
-  int programmatic_launch;  ///< a programmatic_launch_mode: how the decode step's kernels after the first are launched
-                            ///< (common/dependent_launch.cuh; SHADOWKV_PROGRAMMATIC_LAUNCH)
+  int programmatic_launch;  ///< 1: the decode step's kernels after the first are launched programmatically dependent
+                            ///< on the one before (common/dependent_launch.cuh), 0: plain launches
+                            ///< (SHADOWKV_PROGRAMMATIC_LAUNCH=off)
 };
-
-/// dims::programmatic_launch. kLaunchEarly and kLaunchAtTail launch the decode step's kernels after the first
-/// programmatically dependent on the one before; they differ in when each kernel lets its successor's CTAs be
-/// scheduled: at its own first line, or as its CTAs exit (common/dependent_launch.cuh). kPlainLaunch: plain launches.
-enum programmatic_launch_mode : int { kPlainLaunch = 0, kLaunchAtTail = 1, kLaunchEarly = 2 };
 
 /// Everything of one (slot, layer) on the device. Row-major, head-major where a kernel reads one head at a time.
 struct layer_view {

@@ -24,19 +24,30 @@
 namespace shadowkv::cuda {
 namespace {
 
-// CTAs of the value fetch when values cross PCIe: a quarter of the multiprocessors (33 on an H200), 8 warps each with
-// 2 KiB of loads in flight a warp: ~0.5 MiB in flight, ~4x what 55 GB/s at ~2 us of latency needs, on a quarter of
-// the SMs (the rest run the key rebuild and later parts' selection beside it). SHADOWKV_FETCH_CTAS overrides it (a
-// measurement knob for bench/step_benchmark.py; bench/NOTES.md).
-int fetch_ctas_for_host_values(int multiprocessors) {
-  if (const char* text = std::getenv("SHADOWKV_FETCH_CTAS"); text != nullptr && *text != '\0') {
+// CTAs of the value fetch: the environment variable `name` when it is set (a measurement knob for
+// bench/step_benchmark.py; bench/NOTES.md), else `fallback`.
+int fetch_ctas_setting(const char* name, int fallback) {
+  if (const char* text = std::getenv(name); text != nullptr && *text != '\0') {
     char* end = nullptr;
     const long value = std::strtol(text, &end, 10);
-    SHADOWKV_EXPECTS(*end == '\0' && value >= 1 && value <= 65535, "SHADOWKV_FETCH_CTAS must be an integer in [1, "
-                     "65535], got '", text, "'");
+    SHADOWKV_EXPECTS(*end == '\0' && value >= 1 && value <= 65535, name, " must be an integer in [1, 65535], got '",
+                     text, "'");
     return static_cast<int>(value);
   }
-  return std::max(8, multiprocessors / 4);
+  return fallback;
+}
+
+// When values cross PCIe: a quarter of the multiprocessors (33 on an H200), 8 warps each with 2 KiB of loads in flight
+// a warp: ~0.5 MiB in flight, ~4x what 55 GB/s at ~2 us of latency needs, on a quarter of the SMs (the rest run the
+// key rebuild and later parts' selection beside it). SHADOWKV_FETCH_CTAS overrides it.
+int fetch_ctas_for_host_values(int multiprocessors) {
+  return fetch_ctas_setting("SHADOWKV_FETCH_CTAS", std::max(8, multiprocessors / 4));
+}
+
+// When every value of the batch is in device memory: twice the multiprocessors (a gather from HBM needs more in flight
+// than one across PCIe). SHADOWKV_DEVICE_FETCH_CTAS overrides it.
+int fetch_ctas_for_device_values(int multiprocessors) {
+  return fetch_ctas_setting("SHADOWKV_DEVICE_FETCH_CTAS", 2 * multiprocessors);
 }
 
 // How attention reads the selected values of a sequence whose values live in device memory (bf16/f16/f32): "gather"
@@ -87,18 +98,15 @@ int select_cluster_setting() {
   return 0;
 }
 
-// How the decode step's kernels after the first overlap their launch with the kernel before them (programmatic
-// dependent launch; common/dependent_launch.cuh): "on" (the default: each kernel lets its successor launch at its own
-// first line), "tail" (the successor launches as the kernel's CTAs exit) or "off" (plain launches).
-// SHADOWKV_PROGRAMMATIC_LAUNCH picks one (a measurement knob for bench/step_benchmark.py's +plt and +pl0;
-// bench/NOTES.md).
-int programmatic_launch_setting() {
+// Whether the decode step's kernels overlap their launch with the tail of the kernel before them (programmatic dependent
+// launch; common/dependent_launch.cuh): "on" (the default) or "off". SHADOWKV_PROGRAMMATIC_LAUNCH picks one (a
+// measurement knob for bench/step_benchmark.py's +pl0; bench/NOTES.md).
+bool programmatic_launch_setting() {
   const char* text = std::getenv("SHADOWKV_PROGRAMMATIC_LAUNCH");
-  if (text == nullptr || *text == '\0' || std::strcmp(text, "on") == 0) return kLaunchEarly;
-  if (std::strcmp(text, "tail") == 0) return kLaunchAtTail;
-  SHADOWKV_EXPECTS(std::strcmp(text, "off") == 0, "SHADOWKV_PROGRAMMATIC_LAUNCH must be 'on', 'tail' or 'off', got '",
-                   text, "'");
-  return kPlainLaunch;
+  if (text == nullptr || *text == '\0' || std::strcmp(text, "on") == 0) return true;
+  SHADOWKV_EXPECTS(std::strcmp(text, "off") == 0, "SHADOWKV_PROGRAMMATIC_LAUNCH must be 'on' or 'off', got '", text,
+                   "'");
+  return false;
 }
 
 // First entry of part p of `count` parts of `batch` entries: weights 1 each ("even"), or 1, 2, ..., 2, 1 ("tapered",
@@ -242,7 +250,7 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   dims_.group_mean = cfg.group_score == group_combine::mean ? 1 : 0;
   dims_.attention_fma = attention_on_fma() ? 1 : 0;
   dims_.select_cluster = select_cluster_setting();
-  dims_.programmatic_launch = programmatic_launch_setting();
+  dims_.programmatic_launch = programmatic_launch_setting() ? 1 : 0;
 
   own_stream_ = make_stream();
   copy_stream_ = make_stream();
@@ -253,7 +261,7 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   resources_ = device_resources::shared(device_index);
   stream_ = own_stream_;
   fetch_ctas_host_ = fetch_ctas_for_host_values(resources_->multiprocessors());
-  fetch_ctas_device_ = 2 * resources_->multiprocessors();
+  fetch_ctas_device_ = fetch_ctas_for_device_values(resources_->multiprocessors());
   values_in_place_ = device_values_in_place();
   tapered_split_ = tapered_pipeline_split();
 

@@ -170,7 +170,7 @@ template <typename T, typename F, int D>
 __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
     rebuild_keys_kernel(dims d, layer_view* views, const int* batch_slots, int layer, step_workspace workspace,
                         const float* inv_freq) {
-  begin_dependent_kernel(d.programmatic_launch);  // common/dependent_launch.cuh: nothing before the previous kernel is done
+  wait_for_prior_grids();  // common/dependent_launch.cuh: nothing before the previous kernel is done
   using namespace cute;
   using tile = rebuild_tile<F, D>;
   constexpr bool kSplitOperands = std::is_same_v<F, float>;

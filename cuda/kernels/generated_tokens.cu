@@ -1,7 +1,6 @@
 #include <algorithm>
 
 #include "common/chunk_centroids_warp.cuh"
-#include "common/dependent_launch.cuh"
 #include "common/dispatch.cuh"
 #include "common/element_access.cuh"
 #include "cuda_check.hpp"
@@ -36,8 +35,6 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads, 1) advance_generated_kernel(dims d, layer_view* views, const int* batch_slots, int layer,
                                          strided_tensor k_new, strided_tensor v_new, strided_tensor positions,
                                          int positions_bits, bool keys_post_rope, const float* inv_freq) {
-  // The step's first kernel, launched plainly: it waits for nothing, and lets the next kernel launch now (kLaunchEarly).
-  begin_dependent_kernel(d.programmatic_launch);
   extern __shared__ float keys_pre[];  // [C, Hkv*D]; two-centroid scratch once the fold's values are written
   const int b = blockIdx.x;
   layer_view* view = views + static_cast<long long>(batch_slots[b]) * d.num_layers + layer;

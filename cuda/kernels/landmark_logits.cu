@@ -208,7 +208,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG, kC>(
     decode_landmark_logits_kernel(const dims d, const layer_view* views, const int* batch_slots, const int layer,
                                   const int batch, const strided_tensor queries, const int tile_rows, const int tiles,
                                   float* logits, float* partials) {
-  begin_dependent_kernel(d.programmatic_launch);  // common/dependent_launch.cuh: nothing before the previous kernel is done
+  wait_for_prior_grids();  // common/dependent_launch.cuh: nothing before the previous kernel is done
   using split = row_split<T, kRowBytes, kG, kC>;
   using sequence_entry = shadowkv::cuda::sequence_entry<kC>;
   using tile_descriptor = shadowkv::cuda::tile_descriptor<kC>;

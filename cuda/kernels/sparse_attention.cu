@@ -256,7 +256,7 @@ template <typename T, int D, int HeadTile, bool kListed>
 __global__ void __launch_bounds__(kThreads, 3)
     sparse_attention_split_kernel(dims d, const layer_view* views, const int* batch_slots, int layer, strided_tensor q,
                                   float* partial, int splits, int max_splits) {
-  begin_dependent_kernel(d.programmatic_launch);  // common/dependent_launch.cuh: nothing before the previous kernel is done
+  wait_for_prior_grids();  // common/dependent_launch.cuh: nothing before the previous kernel is done
   using layout = cta_layout<T, D, HeadTile>;
   constexpr int kLanes = layout::lanes;
   constexpr int kPerLane = layout::per_lane;
@@ -595,7 +595,7 @@ template <int D, bool kListed>
 __global__ void __launch_bounds__(kMmaThreads, 2)
     sparse_attention_mma_kernel(dims d, const layer_view* views, const int* batch_slots, int layer, strided_tensor q,
                                 float* partial, int splits, int max_splits) {
-  begin_dependent_kernel(d.programmatic_launch);  // common/dependent_launch.cuh: nothing before the previous kernel is done
+  wait_for_prior_grids();  // common/dependent_launch.cuh: nothing before the previous kernel is done
   using T = __nv_bfloat16;
   using layout = mma_layout<D>;
   constexpr int kRow = layout::row_elements;
@@ -839,8 +839,8 @@ __global__ void __launch_bounds__(kMmaThreads, 2)
 
 __global__ void __launch_bounds__(kCombineThreads)
     sparse_attention_combine_kernel(int head_dim, int q_heads, const float* partial, int splits, int max_splits,
-                                    strided_tensor out, int programmatic_launch) {
-  begin_dependent_kernel(programmatic_launch);  // common/dependent_launch.cuh: nothing before the previous kernel is done
+                                    strided_tensor out) {
+  wait_for_prior_grids();  // common/dependent_launch.cuh: nothing before the previous kernel is done
   __shared__ float weights[kMaxSplits];
   __shared__ float inverse_total;
   const int j = static_cast<int>(blockIdx.x);
@@ -1017,7 +1017,7 @@ void launch_sparse_attention(const dims& d, int kv_type, const layer_view* views
   launch_after_prior_grid(sparse_attention_combine_kernel,
                           dim3(static_cast<unsigned>(d.q_heads), static_cast<unsigned>(batch)), dim3(kCombineThreads),
                           0, stream, d.programmatic_launch != 0, d.head_dim, d.q_heads, partial, splits, max_splits,
-                          out, d.programmatic_launch);
+                          out);
 }
 
 }  // namespace shadowkv::cuda

@@ -45,9 +45,6 @@ using shadowkv::cuda::dims;
 using shadowkv::cuda::layer_view;
 using shadowkv::cuda::step_workspace;
 using shadowkv::cuda::strided_tensor;
-using shadowkv::cuda::kLaunchAtTail;
-using shadowkv::cuda::kLaunchEarly;
-using shadowkv::cuda::kPlainLaunch;
 
 using namespace shadowkv::cuda::testing;
 
@@ -76,7 +73,7 @@ struct case_config {
   bool graph = false;            ///< capture the launch once in a CUDA graph and replay it for both steps
   bool two_centroids = false;    ///< chunks scored by two e4m3 centroids (dims::chunk_centroids), not landmarks
   int select_cluster = 0;        ///< dims::select_cluster: 0 the planner's choice, 1 one CTA, 2/4/8 a cluster
-  int programmatic = kPlainLaunch;  ///< dims::programmatic_launch (kLaunchAtTail, kLaunchEarly: programmatic launches)
+  bool programmatic = false;     ///< dims::programmatic_launch: kernels launched after the previous one's tail
 
   [[nodiscard]] std::string describe() const {
     std::ostringstream s;
@@ -87,7 +84,7 @@ struct case_config {
       << " qscale=" << query_scale << " ties=" << tie_fraction << (equal_landmarks ? " equal_landmarks" : "")
       << (warm_cache ? " warm" : "") << (fresh_second ? " fresh_second" : "") << (graph ? " graph" : "")
       << (two_centroids ? " two_centroids" : "") << " select_cluster=" << select_cluster
-      << " programmatic_launch=" << programmatic;
+      << (programmatic ? " programmatic" : "");
     return s.str();
   }
 };
@@ -356,7 +353,7 @@ void run_case(const case_config& cfg) {
   d.softmax_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
   d.chunk_centroids = cfg.two_centroids ? 1 : 0;
   d.select_cluster = cfg.select_cluster;
-  d.programmatic_launch = cfg.programmatic;
+  d.programmatic_launch = cfg.programmatic ? 1 : 0;
 
   // Entries on a shuffled subset of the slots (exercises slot * num_layers + layer indexing).
   std::vector<int> slot_order(static_cast<std::size_t>(slots));
@@ -816,7 +813,7 @@ case_config random_case(std::uint64_t seed) {
   cfg.warm_cache = pick({0, 1}) != 0;
   cfg.fresh_second = pick({0, 0, 1}) != 0;
   cfg.select_cluster = pick({0, 1, 2, 4, 8});
-  cfg.programmatic = pick({kPlainLaunch, kLaunchAtTail, kLaunchEarly});
+  cfg.programmatic = pick({0, 1}) != 0;
   return cfg;
 }
 

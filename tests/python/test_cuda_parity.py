@@ -483,14 +483,13 @@ def test_cuda_select_clusters_change_nothing_but_speed(monkeypatch):
 
 def test_cuda_programmatic_launch_changes_nothing_but_speed(monkeypatch):
     """The decode step's kernels after the first are launched programmatically dependent on the one before (each waits
-    for it at its first line; common/dependent_launch.cuh), each letting its successor launch at its own first line
-    (the default) or as its CTAs exit (SHADOWKV_PROGRAMMATIC_LAUNCH=tail), or plainly (=off): bit-identical selections,
-    outputs and statistics, with bf16 and fp8 host values and the batch in three parts (the graph-replay tests above
-    run with the default); any other setting is refused."""
+    for it at its first line; common/dependent_launch.cuh), or plainly with SHADOWKV_PROGRAMMATIC_LAUNCH=off:
+    bit-identical selections, outputs and statistics, with bf16 and fp8 host values and the batch in three parts (the
+    graph-replay tests above run with it on); a setting that is neither is refused."""
     g = H.generator(47)
     for value_dtype, parts in ((None, 1), ("float8_e4m3", 1), (None, 3)):
         kw = _twin_kw(value_dtype, decode_pipeline_parts=parts)
-        stores = _stores_by_knob(monkeypatch, "SHADOWKV_PROGRAMMATIC_LAUNCH", (None, "tail", "off"), kw)
+        stores = _stores_by_knob(monkeypatch, "SHADOWKV_PROGRAMMATIC_LAUNCH", (None, "off"), kw)
         _run_twins(stores, g, 10, _equal, f"values {value_dtype}, {parts} parts")
     monkeypatch.setenv("SHADOWKV_PROGRAMMATIC_LAUNCH", "maybe")
     with pytest.raises(ValueError, match="SHADOWKV_PROGRAMMATIC_LAUNCH"):

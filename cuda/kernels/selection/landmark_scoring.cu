@@ -76,7 +76,7 @@ __global__ void __launch_bounds__(kLogitThreads) landmark_logits_kernel(const di
                                                                         const logit_geometry geo, const logit_mode mode,
                                                                         const int token, float* logits,
                                                                         float* partials) {
-  begin_dependent_kernel(d.programmatic_launch);  // common/dependent_launch.cuh: nothing before the previous kernel is done
+  wait_for_prior_grids();  // common/dependent_launch.cuh: nothing before the previous kernel is done
   constexpr int kElements = vector16<T>::elements;
   extern __shared__ __align__(16) unsigned char logit_shared[];
   __shared__ float warp_partials[kLogitThreads / 32][kHeadBlock][2];

@@ -189,7 +189,7 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_kernel(const dims d,
                                                                    const step_workspace ws, const select_geometry geo,
                                                                    const score_input input, const int tile_rows,
                                                                    const int tiles) {
-  begin_dependent_kernel(d.programmatic_launch);  // common/dependent_launch.cuh: nothing before the previous kernel is done
+  wait_for_prior_grids();  // common/dependent_launch.cuh: nothing before the previous kernel is done
   __shared__ typename radix_digit_scan<kSelectThreads>::TempStorage scan_storage;
   __shared__ unsigned histogram[1 << kRadixFirstBits];
   __shared__ unsigned pass_scratch[2 * kSelectWarps];
@@ -234,7 +234,7 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_cluster_kernel(const
                                                                            const step_workspace ws,
                                                                            const score_input input,
                                                                            const int tile_rows, const int tiles) {
-  begin_dependent_kernel(d.programmatic_launch);  // common/dependent_launch.cuh: nothing before the previous kernel is done
+  wait_for_prior_grids();  // common/dependent_launch.cuh: nothing before the previous kernel is done
   __shared__ typename radix_digit_scan<kSelectThreads>::TempStorage scan_storage;
   __shared__ unsigned own_histogram[1 << kRadixFirstBits];  // this CTA's counts of digits 0 and 2 (read by the cluster)
   __shared__ unsigned own_second[1 << 11];                  // of digit 1: a second array, see below
