@@ -259,6 +259,73 @@ def test_integer_like_arguments_are_still_accepted():
     store.release(1)
 
 
+
+def test_every_form_of_a_decode_input_gives_the_same_step(device):
+    """A plain torch tensor crosses to the native store as a DLPack capsule (_store._exported); tensors that require
+    grad, subclasses (nn.Parameter), strided views, int32 positions and (on the CPU) numpy arrays go the general way.
+    Twin stores, the same steps (folds included) through each form: bit-identical outputs and statistics; a slot list
+    of plain ints is range-checked like any other."""
+    g = generator(533)
+    stores = [make_store(replay_config(device)) for _ in range(4)]
+    keys, values = randn(g, 1, 60, HKV, D).to(device), randn(g, 1, 60, HKV, D).to(device)
+    for s in stores:
+        s.add_sequences(1)
+        s.prefill(0, [0], keys, values)
+    for step in range(24):
+        q, k, v = (randn(g, 1, h, D).to(device) for h in (HQ, HKV, HKV))
+        position = 60 + step
+        plain = stores[0].decode(0, [0], q, k, v, positions=torch.tensor([position], device=device))
+        forms = {}
+        if device == "cpu":
+            forms["numpy"] = torch.from_numpy(stores[1].decode(0, np.array([0]), q.numpy(), k.numpy(), v.numpy(),
+                                                               positions=np.array([position], dtype=np.int32)))
+        else:
+            forms["int32 positions"] = stores[1].decode(
+                0, torch.tensor([0]), q, k, v, positions=torch.tensor([position], dtype=torch.int32, device=device))
+        forms["requires_grad"] = stores[2].decode(0, (0,), q.clone().requires_grad_(), torch.nn.Parameter(k.clone()),
+                                                  v.clone().requires_grad_(),
+                                                  positions=torch.tensor([position], dtype=torch.int32, device=device))
+        wide = torch.zeros(1, HQ, 2 * D, device=device)  # a strided view of q, and a strided preallocated output
+        wide[..., ::2] = q
+        out = torch.empty(1, HQ, 2 * D, device=device)[..., ::2]
+        forms["strided"] = stores[3].decode(0, [0], wide[..., ::2], k, v, out=out)
+        assert forms["strided"].data_ptr() == out.data_ptr()
+        for name, other in forms.items():
+            torch.testing.assert_close(other, plain, atol=0, rtol=0, msg=f"step {step}: {name}")
+    assert stores[0].sequence_info(0, 0)["total_len"] == 84
+    assert all(s.stats() == stores[0].stats() for s in stores[1:])
+    with pytest.raises(ValueError, match=r"slots"):
+        stores[0].decode(0, [2**31], q, k, v)
+    with pytest.raises(TypeError, match=r"slots"):
+        stores[0].decode(0, [True], q, k, v)
+
+
+def test_a_capsule_keeps_the_device_of_its_tensor():
+    """_exported hands the native store DLPack capsules; a CUDA tensor's capsule must reach the store's checks with its
+    device. Without a GPU: a CPU tensor's capsule with its DLPack device rewritten to (kDLCUDA, 0) is taken by the
+    binding, and the store names cuda:0 when it rejects it (a CPU store), changing nothing."""
+    import ctypes
+
+    from torch.utils.dlpack import to_dlpack
+
+    g = generator(534)
+    store = make_store(replay_config())
+    store.add_sequences(1)
+    store.prefill(0, [0], randn(g, 1, 60, HKV, D), randn(g, 1, 60, HKV, D))
+    q, k, v = randn(g, 1, HQ, D), randn(g, 1, HKV, D), randn(g, 1, HKV, D)
+    capsule = to_dlpack(q)
+    get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+    get_pointer.restype, get_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    # DLManagedTensor: DLTensor first, whose `data` pointer is followed by DLDevice {int32 type, int32 id}.
+    device = (ctypes.c_int32 * 2).from_address(get_pointer(capsule, b"dltensor") + ctypes.sizeof(ctypes.c_void_p))
+    assert list(device) == [1, 0]  # kDLCPU
+    device[0], device[1] = 2, 0    # kDLCUDA, device 0
+    before = (store.sequence_info(0, 0), store.stats())
+    with pytest.raises(ValueError, match=r"q must be on cpu.*cuda:0"):
+        store._store.decode(0, [0], capsule, to_dlpack(k), to_dlpack(v), to_dlpack(torch.empty(1, HQ, D)), None,
+                            True, None)
+    assert (store.sequence_info(0, 0), store.stats()) == before
+
 BAD_CONSTRUCTOR_ARGUMENTS = [
     ("num-layers-str", TypeError, r"num_layers", dict(num_layers="1")),
     ("num-layers-float", TypeError, r"num_layers", dict(num_layers=1.0)),
