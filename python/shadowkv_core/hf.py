@@ -293,11 +293,12 @@ class ShadowKVCache(Cache):
         outs = []
         # Several new tokens (a continued conversation) are decode steps one after another: token t attends to the
         # store and to tokens <= t, which is causal attention.
+        # The store takes any strides, so the token's slices go in as views: no copies, no kernels of their own (the
+        # positions' batch stride is 0 when transformers passes one row for the whole batch).
         for t in range(tokens):
             outs.append(self.store.decode(layer.store_layer, slots, query[:, :, t, :], keys[:, :, t, :],
-                                          values[:, :, t, :],
-                                          positions=None if positions is None else positions[:, t].contiguous()))
-        return torch.stack(outs, dim=1)  # [B, T, Hq, D]
+                                          values[:, :, t, :], positions=None if positions is None else positions[:, t]))
+        return outs[0][:, None] if tokens == 1 else torch.stack(outs, dim=1)  # [B, T, Hq, D]
 
     # --- checks made by model.generate (of a model switched by `enable`) before the prompt goes in ------------------
     def _check_generate(self, model, args: tuple, kwargs: dict) -> None:
