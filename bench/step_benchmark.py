@@ -6,7 +6,8 @@
 A configuration is BATCHxSEQ_LENxBUDGET, optionally followed by :host (values in pinned host memory, the default),
 :device (values in device memory, value_store="device"), :host_fp8 or :device_fp8 (fp8 values: e4m3 codes and a
 float32 scale per chunk and head, half the bytes), and optionally by +f32 (float32 low-rank factors instead of the
-default bfloat16 ones, e.g. 24x122880x2048:host+f32), +pN (decode_pipeline_parts=N; +p1: no pipelining), +max
+default bfloat16 ones, e.g. 24x122880x2048:host+f32), +pN (decode_pipeline_parts=N; +p1: no pipelining), +cN (a
+value fetch of N CTAs: SHADOWKV_FETCH_CTAS and SHADOWKV_DEVICE_FETCH_CTAS, instead of the backend's choice), +max
 (group_score="max" instead of the default mean), +kN (a selection cache of N times the budget:
 cache_tokens = N * BUDGET, e.g. 24x122880x2048:host+k2; each result records its cache_tokens, 0 = the budget) and/or
 +tc (chunk_score="two_centroids": chunks scored by two fp8 centroids instead of the landmark) and/or +ip (device
