@@ -494,3 +494,43 @@ def test_cuda_programmatic_launch_changes_nothing_but_speed(monkeypatch):
     monkeypatch.setenv("SHADOWKV_PROGRAMMATIC_LAUNCH", "maybe")
     with pytest.raises(ValueError, match="SHADOWKV_PROGRAMMATIC_LAUNCH"):
         KVStore(**_twin_kw(None))
+
+
+def test_cuda_decode_is_ordered_on_the_callers_current_stream():
+    """The store's work runs on the caller's current torch stream (KVStore._stream_of, read per call): on a side stream
+    whose last kernel writes q, k and v only after a ~50 ms spin, the step must see the written tensors. A store that
+    ran elsewhere would read them before they are written (zeros here) and give another output and selection than
+    its twin, which gets the tensors ready on the default stream. Then the same again on the default stream, so that a
+    handle remembered from the side stream would show too."""
+    g = H.generator(48)
+    kw = _twin_kw(None)
+    lengths, hkv, d, hq = TWIN_LENGTHS, 2, 128, 8
+    keys = torch.zeros(len(lengths), max(lengths), hkv, d)
+    values = torch.zeros_like(keys)
+    for b, n in enumerate(lengths):
+        keys[b, :n] = H.structured_keys(g, n, hkv, d)
+        values[b, :n] = H.randn(g, n, hkv, d)
+    store, twin = KVStore(**kw), KVStore(**kw)
+    slots = {}
+    for name, s in (("store", store), ("twin", twin)):
+        slots[name] = s.add_sequences(len(lengths))
+        s.prefill(0, slots[name], keys.cuda(), values.cuda(), lengths=lengths)
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    for step in range(4):
+        q = H.randn(g, len(lengths), hq, d, scale=2.0).cuda()
+        k_new, v_new = H.randn(g, len(lengths), hkv, d).cuda(), H.randn(g, len(lengths), hkv, d).cuda()
+        expected = twin.decode(0, slots["twin"], q, k_new, v_new)
+        torch.cuda.synchronize()
+        late = [torch.zeros_like(t) for t in (q, k_new, v_new)]
+        stream = side if step % 2 == 0 else torch.cuda.default_stream()
+        stream.wait_stream(torch.cuda.current_stream())  # the zeros are written first
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(100_000_000)  # ~50 ms of spinning before the copies below
+            for target, source in zip(late, (q, k_new, v_new)):
+                target.copy_(source)
+            out = store.decode(0, slots["store"], *late)
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected), f"step {step}: the step did not wait for its stream's writes"
+        for b in range(len(lengths)):
+            assert store.selected_chunks(0, slots["store"][b]) == twin.selected_chunks(0, slots["twin"][b])
