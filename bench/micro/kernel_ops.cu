@@ -117,7 +117,7 @@ class kernel_state {
   }
   void fetch_zero_copy() {
     cuda::launch_fetch_values(d_, cuda::element_bf16, views_.get<layer_view>(), batch_slots_.get<int>(), 0,
-                              shape_.batch, workspace_, fetch_ctas(), copy_);
+                              shape_.batch, workspace_, fetch_ctas(), 0, copy_);
   }
   /// The backend's value-fetch grid for host values (cuda_backend.cpp, fetch_ctas_for_host_values): a quarter of the
   /// multiprocessors, at least 8.

@@ -44,6 +44,25 @@ int fetch_ctas_for_host_values(int multiprocessors) {
   return fetch_ctas_setting("SHADOWKV_FETCH_CTAS", std::max(8, multiprocessors / 4));
 }
 
+// The launch priority of a fetch across PCIe: the device's greatest (SHADOWKV_FETCH_PRIORITY=high, the default) or the
+// stream's own (normal). The fetch is the step's critical path at large batch, and a kernel launched beside others
+// waits for SM room: with equal priorities the block scheduler places every pending CTA of the kernels launched before
+// it first (a key rebuild of three waves, a later part's logits), so a part's fetch could start hundreds of µs after
+// its selection. With the greatest priority its 33 CTAs take the first room that frees. Kernel nodes keep the priority
+// in a CUDA graph instantiated with cudaGraphInstantiateFlagUseNodePriority (PyTorch's CUDAGraph does so). A
+// measurement knob for bench/step_benchmark.py's +np (bench/NOTES.md, session 13).
+int fetch_priority_for_host_values() {
+  const char* text = std::getenv("SHADOWKV_FETCH_PRIORITY");
+  const bool high = text == nullptr || *text == '\0' || std::strcmp(text, "high") == 0;
+  SHADOWKV_EXPECTS(high || std::strcmp(text, "normal") == 0, "SHADOWKV_FETCH_PRIORITY must be 'high' or 'normal', got '",
+                   text, "'");
+  if (!high) return 0;
+  int least = 0;
+  int greatest = 0;
+  SHADOWKV_CUDA_TRY(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  return greatest;
+}
+
 // When every value of the batch is in device memory: twice the multiprocessors (a gather from HBM needs more in flight
 // than one across PCIe). SHADOWKV_DEVICE_FETCH_CTAS overrides it.
 int fetch_ctas_for_device_values(int multiprocessors) {
@@ -262,6 +281,7 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   stream_ = own_stream_;
   fetch_ctas_host_ = fetch_ctas_for_host_values(resources_->multiprocessors());
   fetch_ctas_device_ = fetch_ctas_for_device_values(resources_->multiprocessors());
+  fetch_priority_host_ = fetch_priority_for_host_values();
   values_in_place_ = device_values_in_place();
   tapered_split_ = tapered_pipeline_split();
 
@@ -942,6 +962,7 @@ void cuda_backend::fetch_values(int layer, std::span<const batch_entry> entries)
     launch_fetch_values(dims_, kv_type_, static_cast<layer_view*>(views_.data()),
                         static_cast<const int*>(batch_slots_.data()) + part.first, layer, part.count,
                         workspace_from(part.first), fetch_ctas(entries.subspan(part.first, part.count)),
+                        any_host_values(entries.subspan(part.first, part.count)) ? fetch_priority_host_ : 0,
                         copy_stream_);
     if (p + 1 < parts_.size()) SHADOWKV_CUDA_TRY(cudaEventRecord(part_fetched_events_[p], copy_stream_));
   }

@@ -597,7 +597,7 @@ void launch_rebuild_keys(const dims& d, int kv_type, layer_view* views, const in
 }
 
 void launch_fetch_values(const dims& d, int kv_type, layer_view* views, const int* batch_slots, int layer, int batch,
-                         const step_workspace& workspace, int ctas, cudaStream_t stream) {
+                         const step_workspace& workspace, int ctas, int priority, cudaStream_t stream) {
   SHADOWKV_EXPECTS(batch >= 0 && ctas >= 1, "value fetch: batch must be >= 0 and ctas >= 1, got batch ", batch,
                    ", ctas ", ctas);
   SHADOWKV_EXPECTS(d.budget >= 1 && d.cache_slots >= d.budget,
@@ -607,15 +607,18 @@ void launch_fetch_values(const dims& d, int kv_type, layer_view* views, const in
   // No more CTAs than there are items for their warps (8 a CTA).
   const long long items = static_cast<long long>(batch) * d.kv_heads * d.budget;
   const auto grid = static_cast<unsigned>(std::min<long long>(ctas, (items + kFetchWarps - 1) / kFetchWarps));
+  // A plain launch (the fetch starts no programmatic chain), with the caller's priority if it gave one: the block
+  // scheduler then places the fetch's CTAs before the pending CTAs of the kernels beside it (bench/NOTES.md, session 13).
+  cudaLaunchAttribute sooner{};
+  sooner.id = cudaLaunchAttributePriority;
+  sooner.val.priority = priority;
+  const int attributes = priority != 0 ? 1 : 0;
   shadowkv_dispatch_element(kv_type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    if (d.value_fp8 != 0) {
-      fetch_values_kernel<T, 2><<<grid, 32 * kFetchWarps, 0, stream>>>(d, views, batch_slots, layer, batch, workspace);
-    } else {
-      fetch_values_kernel<T, 1><<<grid, 32 * kFetchWarps, 0, stream>>>(d, views, batch_slots, layer, batch, workspace);
-    }
+    auto* kernel = d.value_fp8 != 0 ? fetch_values_kernel<T, 2> : fetch_values_kernel<T, 1>;
+    launch_after_prior_grid_with(&sooner, attributes, kernel, dim3(grid), dim3(32 * kFetchWarps), 0, stream, false, d,
+                                 views, batch_slots, layer, batch, workspace);
   });
-  SHADOWKV_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace shadowkv::cuda

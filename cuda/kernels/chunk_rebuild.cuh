@@ -25,7 +25,9 @@ void launch_rebuild_keys(const dims& d, int kv_type, layer_view* views, const in
 /// counters[3]. A persistent grid of at most `ctas` CTAs (8 warps each) covers every item, whatever the batch: few
 /// CTAs leave the multiprocessors to the kernels that run beside the fetch (the key rebuild, a later part's
 /// selection); the caller sizes it (cuda_backend: enough bytes in flight for PCIe, more for device values).
+/// `priority` is a launch priority (cudaLaunchAttributePriority, as cudaDeviceGetStreamPriorityRange counts: lower is
+/// sooner), or 0 for the stream's own.
 void launch_fetch_values(const dims& d, int kv_type, layer_view* views, const int* batch_slots, int layer, int batch,
-                         const step_workspace& workspace, int ctas, cudaStream_t stream);
+                         const step_workspace& workspace, int ctas, int priority, cudaStream_t stream);
 
 }  // namespace shadowkv::cuda

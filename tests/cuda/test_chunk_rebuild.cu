@@ -777,7 +777,7 @@ TEST(ChunkRebuildArguments, RejectsUnsupportedShapes) {
   bad.cache_slots = 7;  // fewer slots than the budget
   EXPECT_THROW(shadowkv::cuda::launch_rebuild_keys(bad, 0, nullptr, nullptr, 0, 1, ws, nullptr, nullptr),
                shadowkv::invalid_argument);
-  EXPECT_THROW(shadowkv::cuda::launch_fetch_values(bad, 0, nullptr, nullptr, 0, 1, ws, 1, nullptr),
+  EXPECT_THROW(shadowkv::cuda::launch_fetch_values(bad, 0, nullptr, nullptr, 0, 1, ws, 1, 0, nullptr),
                shadowkv::invalid_argument);
 }
 

@@ -465,6 +465,21 @@ def test_cuda_fetch_grid_changes_nothing_but_speed(monkeypatch):
         KVStore(**kw)
 
 
+def test_cuda_fetch_priority_changes_nothing_but_speed(monkeypatch):
+    """A fetch across PCIe is launched at the device's greatest priority (cuda_backend.cpp,
+    fetch_priority_for_host_values), or at the stream's own with SHADOWKV_FETCH_PRIORITY=normal, read when the store
+    is built: outputs, selections and statistics are bit-identical either way, with bf16 and fp8 host values, the
+    batch in parts and a CUDA graph's replay; a value that is neither is refused."""
+    g = H.generator(43)
+    for value_dtype, parts in ((None, 1), ("float8_e4m3", 1), (None, 3)):
+        kw = _twin_kw(value_dtype, decode_pipeline_parts=parts)
+        stores = _stores_by_knob(monkeypatch, "SHADOWKV_FETCH_PRIORITY", (None, "normal", "high"), kw)
+        _run_twins(stores, g, 10, _equal, f"values {value_dtype}, {parts} parts")
+    monkeypatch.setenv("SHADOWKV_FETCH_PRIORITY", "urgent")
+    with pytest.raises(ValueError, match="SHADOWKV_FETCH_PRIORITY"):
+        KVStore(**kw)
+
+
 def test_cuda_select_clusters_change_nothing_but_speed(monkeypatch):
     """The select kernel ranks each (sequence, KV head) on one CTA or on a cluster of 2, 4 or 8 that split its chunks
     (select_kernel.cu; the planner's choice, or SHADOWKV_SELECT_CLUSTER when the store is built): the same scores, so
