@@ -12,7 +12,8 @@ value fetch of N CTAs: SHADOWKV_FETCH_CTAS and SHADOWKV_DEVICE_FETCH_CTAS, inste
 cache_tokens = N * BUDGET, e.g. 24x122880x2048:host+k2; each result records its cache_tokens, 0 = the budget) and/or
 +tc (chunk_score="two_centroids": chunks scored by two fp8 centroids instead of the landmark) and/or +ip (device
 values read in place by attention, SHADOWKV_DEVICE_VALUES=in_place, instead of gathered into the selection cache)
-and/or +tp (tapered pipeline parts, SHADOWKV_PIPELINE_SPLIT=tapered: the first and last parts half the others)
+and/or +ev (even pipeline parts, SHADOWKV_PIPELINE_SPLIT=even, instead of the default tapered ones: the first and
+last parts half the others; +tp names the default explicitly)
 and/or +fma (sparse attention on the CUDA-core kernel, SHADOWKV_ATTENTION=fma, instead of tensor cores) and/or +sN
 (the select kernel on N = 1, 2, 4 or 8 CTAs a (sequence, KV head), SHADOWKV_SELECT_CLUSTER=N, instead of the
 planner's choice) and/or +pl0 (plain kernel launches, SHADOWKV_PROGRAMMATIC_LAUNCH=off, instead of programmatic
@@ -121,7 +122,7 @@ def run_case(args, device, batch, seq_len, budget, value_store, target_hit, band
     # The CUDA backend's measurement knobs, read once when it is constructed: each is set for this row, or removed
     # (its default) when the row does not name it, whatever the caller's environment says.
     knobs = {"SHADOWKV_FETCH_CTAS": fetch_ctas, "SHADOWKV_DEVICE_FETCH_CTAS": fetch_ctas, "SHADOWKV_DEVICE_VALUES": "in_place" if "ip" in options else None,
-             "SHADOWKV_PIPELINE_SPLIT": "tapered" if "tp" in options else None,
+             "SHADOWKV_PIPELINE_SPLIT": "even" if "ev" in options else None,
              "SHADOWKV_ATTENTION": "fma" if "fma" in options else None,
              "SHADOWKV_SELECT_CLUSTER": select_cluster,
              "SHADOWKV_PROGRAMMATIC_LAUNCH": "off" if "pl0" in options else None,
@@ -206,7 +207,7 @@ def run_case(args, device, batch, seq_len, budget, value_store, target_hit, band
            "factor_dtype": store.config["factor_dtype"], "group_score": store.config["group_score"],
            "chunk_score": store.config["chunk_score"],
            "device_values": "in_place" if "ip" in options else "gather",
-           "pipeline_split": "tapered" if "tp" in options else "even",
+           "pipeline_split": "even" if "ev" in options else "tapered",
            "attention": "fma" if "fma" in options else "default",
            "select_cluster": int(select_cluster) if select_cluster is not None else None,  # None: the planner's
            "programmatic_launch": "pl0" not in options, "fetch_priority": "normal" if "np" in options else "high",
@@ -269,11 +270,11 @@ def _parse_config(text: str) -> tuple:
     batch, seq_len, budget = (int(x) for x in shape.split("x"))
     place, *options = value_store.split("+")
     if place not in ("", "host", "device", "host_fp8", "device_fp8") or not all(
-            o in ("f32", "max", "tc", "ip", "tp", "fma", "pl0", "np") or (o[:1] in ("p", "c", "k") and o[1:].isdigit())
+            o in ("f32", "max", "tc", "ip", "tp", "ev", "fma", "pl0", "np") or (o[:1] in ("p", "c", "k") and o[1:].isdigit())
             or o in ("s1", "s2", "s4", "s8") for o in options) or any(o[:1] == "k" and int(o[1:]) < 1 for o in options):
         raise SystemExit(f"--config {text}: the value store must be :host, :device, :host_fp8 or :device_fp8, "
                          f"optionally followed by +f32 (float32 factors), +pN (pipeline parts), +max (group_score max), +tc "
-                         f"(two-centroid chunk scores), +ip (device values read in place), +tp (tapered pipeline parts), +fma (CUDA-core attention), "
+                         f"(two-centroid chunk scores), +ip (device values read in place), +ev (even pipeline parts), +fma (CUDA-core attention), "
                          f"+cN (value fetch CTAs), +kN (a selection cache of N >= 1 times the budget), +sN (select kernel on "
                          f"N = 1, 2, 4 or 8 CTAs a head), +pl0 (plain kernel launches) and/or +np (fetch at normal priority)")
     return batch, seq_len, budget, "+".join([place or "host", *options])
@@ -349,7 +350,7 @@ def main(argv=None) -> int:
     for r in rows:
         g = f" {r['ours_graph_ms']:.3f} |" if graph else ""
         best = min(r["ours_ms"], r.get("ours_graph_ms", r["ours_ms"]))
-        print(f"| {r['batch']} | {r['seq_len']} | {r['budget']} | {r['value_store']}, {r['factor_dtype']}{', ' + r['group_score'] if r.get('group_score', 'mean') != 'mean' else ''}{', two centroids' if r.get('chunk_score') == 'two_centroids' else ''}{', values in place' if r.get('device_values') == 'in_place' else ''}{', tapered parts' if r.get('pipeline_split') == 'tapered' else ''}{', FMA attention' if r.get('attention') == 'fma' else ''}{', select on ' + str(r['select_cluster']) + ' CTAs' if r.get('select_cluster') else ''}{', plain launches' if r.get('programmatic_launch') is False else ''}{', fetch at normal priority' if r.get('fetch_priority') == 'normal' else ''}{', parts ' + str(r['decode_pipeline_parts']) if r.get('decode_pipeline_parts') else ''}{', fetch CTAs ' + str(r['fetch_ctas']) if r.get('fetch_ctas') else ''}{', cache ' + str(r['cache_tokens']) if r.get('cache_tokens') else ''} | {r['hit']:.2f} | {r['ours_ms']:.3f} |{g} "
+        print(f"| {r['batch']} | {r['seq_len']} | {r['budget']} | {r['value_store']}, {r['factor_dtype']}{', ' + r['group_score'] if r.get('group_score', 'mean') != 'mean' else ''}{', two centroids' if r.get('chunk_score') == 'two_centroids' else ''}{', values in place' if r.get('device_values') == 'in_place' else ''}{', even parts' if r.get('pipeline_split') == 'even' else ''}{', FMA attention' if r.get('attention') == 'fma' else ''}{', select on ' + str(r['select_cluster']) + ' CTAs' if r.get('select_cluster') else ''}{', plain launches' if r.get('programmatic_launch') is False else ''}{', fetch at normal priority' if r.get('fetch_priority') == 'normal' else ''}{', parts ' + str(r['decode_pipeline_parts']) if r.get('decode_pipeline_parts') else ''}{', fetch CTAs ' + str(r['fetch_ctas']) if r.get('fetch_ctas') else ''}{', cache ' + str(r['cache_tokens']) if r.get('cache_tokens') else ''} | {r['hit']:.2f} | {r['ours_ms']:.3f} |{g} "
               f"{r['full_ms']:.3f} | {r['floor_ms']:.3f} | {best / r['full_ms']:.2f} | {best * 1e3 / (r['floor_ms'] * 1e3):.1f} |")
     if graph:
         print("ratios use the faster of eager and graph-replayed steps")

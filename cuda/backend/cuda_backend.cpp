@@ -81,16 +81,18 @@ bool device_values_in_place() {
   return true;
 }
 
-// How the batch is split into decode pipeline parts: "even" (the default: equal parts) or "tapered" (the first and
-// last parts half the size of the others, e.g. 6/12/6 of 24: the first part's selection is all the fetch waits for,
-// and the last part's attention is all that runs after it). SHADOWKV_PIPELINE_SPLIT picks one (a measurement knob
-// for bench/step_benchmark.py's +tp; bench/NOTES.md).
+// How the batch is split into decode pipeline parts: "tapered" (the default: the first and last parts half the size of
+// the others, e.g. 6/12/6 of 24: the first part's selection is all the fetch waits for, and the last part's attention
+// is all that runs after it) or "even" (equal parts). Measured on the H200 with the fetch at the greatest priority
+// (bench/NOTES.md, session 13; B = 24 and 48 at hit 0.04, then B = 24 and 48 at hit 0.61, graph replay): tapered 2.158 / 2.171 / 0.950 / 0.957 ms
+// against even 2.175 / 2.167 / 0.971 / 0.966, and eager 2.094 / 2.114 / 0.979 / 0.972 against 2.270 / 2.148 / 1.019 /
+// 1.004. SHADOWKV_PIPELINE_SPLIT picks one (a measurement knob for bench/step_benchmark.py's +ev).
 bool tapered_pipeline_split() {
   const char* text = std::getenv("SHADOWKV_PIPELINE_SPLIT");
-  if (text == nullptr || *text == '\0' || std::strcmp(text, "even") == 0) return false;
-  SHADOWKV_EXPECTS(std::strcmp(text, "tapered") == 0, "SHADOWKV_PIPELINE_SPLIT must be 'even' or 'tapered', got '",
-                   text, "'");
-  return true;
+  if (text == nullptr || *text == '\0' || std::strcmp(text, "tapered") == 0) return true;
+  SHADOWKV_EXPECTS(std::strcmp(text, "even") == 0, "SHADOWKV_PIPELINE_SPLIT must be 'tapered' or 'even', got '", text,
+                   "'");
+  return false;
 }
 
 // Which kernel runs the sparse attention where both can: "mma" (the default: the tensor-core kernel for bf16 keys
@@ -906,7 +908,7 @@ void cuda_backend::append_token(int layer, std::span<const batch_entry> entries,
 std::vector<cuda_backend::batch_part> cuda_backend::pipeline_parts(std::span<const batch_entry> entries) const {
   const int batch = static_cast<int>(entries.size());
   // The backend's choice: kDefaultPipelineParts parts from kPipelineFromBatch sequences when values cross PCIe, else
-  // one. Measured on the H200 (bench/NOTES.md, 1dbd902: attention part by part; B=24, S=122880, hit 0.61, eager /
+  // one, split tapered (tapered_pipeline_split). Measured on the H200 (bench/NOTES.md, 1dbd902: attention part by part; B=24, S=122880, hit 0.61, eager /
   // graph replay): 1 part 1.371 / 1.235 ms, 2 parts 1.104 / 0.989, 3 parts 1.087 / 0.989, 4 parts 1.117 / 1.025,
   // 6 parts 1.271 / 1.077 (each part adds ~65 µs of latency-bound score and select kernels to the compute stream);
   // device values have no PCIe transfer to hide.

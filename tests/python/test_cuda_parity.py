@@ -385,9 +385,9 @@ def test_cuda_pipelined_decode_equals_unpipelined(monkeypatch):
     """Cutting the batch into parts (decode_pipeline_parts, cuda_backend.hpp) changes the order of the work and, as
     attention runs part by part, its split count (the split combine's rounding): selections and statistics are
     bit-identical to one part and the outputs equal to a few float32 ulps before the output rounding, with host
-    (pinned) and fp8 values, and with a cache of 4 x the budget; so are tapered parts (SHADOWKV_PIPELINE_SPLIT, read
-    when the store is built: 1/4/2 of the 7 sequences in three parts, 1/2/2/2 in four), and a split that is neither
-    even nor tapered is refused."""
+    (pinned) and fp8 values, and with a cache of 4 x the budget; so are tapered parts (the default) and even parts
+    (SHADOWKV_PIPELINE_SPLIT=even, read when the store is built): 1/4/2 and 2/2/3 of the 7 sequences in three parts,
+    1/2/2/2 and 1/2/2/2 in four; a split that is neither is refused."""
     g = H.generator(31)
 
     def close(a, b, where):
@@ -395,12 +395,14 @@ def test_cuda_pipelined_decode_equals_unpipelined(monkeypatch):
         assert err < 2e-3, f"{where}: pipelined output differs by {err:.2e}"
 
     for value_dtype, cache_tokens in ((None, 0), ("float8_e4m3", 0), ("float8_e4m3", 512)):
-        stores = {f"{parts} parts": KVStore(**_twin_kw(value_dtype, decode_pipeline_parts=parts,
-                                                       cache_tokens=cache_tokens)) for parts in (1, 3)}
-        monkeypatch.setenv("SHADOWKV_PIPELINE_SPLIT", "tapered")
+        monkeypatch.delenv("SHADOWKV_PIPELINE_SPLIT", raising=False)
+        stores = {"1 part" if parts == 1 else f"{parts} tapered parts":
+                  KVStore(**_twin_kw(value_dtype, decode_pipeline_parts=parts, cache_tokens=cache_tokens))
+                  for parts in (1, 3, 4)}
+        monkeypatch.setenv("SHADOWKV_PIPELINE_SPLIT", "even")
         for parts in (3, 4):
-            stores[f"{parts} tapered parts"] = KVStore(**_twin_kw(value_dtype, decode_pipeline_parts=parts,
-                                                                  cache_tokens=cache_tokens))
+            stores[f"{parts} even parts"] = KVStore(**_twin_kw(value_dtype, decode_pipeline_parts=parts,
+                                                               cache_tokens=cache_tokens))
         monkeypatch.delenv("SHADOWKV_PIPELINE_SPLIT")
         _run_twins(stores, g, 12, close, f"values {value_dtype}, cache_tokens {cache_tokens}")
     monkeypatch.setenv("SHADOWKV_PIPELINE_SPLIT", "zigzag")
