@@ -10,6 +10,13 @@ import json
 import sys
 
 
+def _in_parts(r: dict) -> bool:
+    """Whether the row's step ran in pipeline parts: asked for (decode_pipeline_parts > 1), or the CUDA backend's
+    choice (three parts from 16 sequences when values cross PCIe; cuda_backend.cpp, pipeline_parts)."""
+    parts = r.get("decode_pipeline_parts") or 0
+    return parts > 1 or (parts == 0 and r["batch"] >= 16 and r.get("value_store", "host").startswith("host"))
+
+
 def table(path: str) -> str:
     data = json.load(open(path))
     lines = [f"{data.get('gpu', '?')}, commit {data.get('commit', '?')}, tests of the same run: {data.get('tests')}; "
@@ -25,14 +32,14 @@ def table(path: str) -> str:
                      f"{' (group max)' if r.get('group_score') == 'max' else ''}"
                      f"{' (two centroids)' if r.get('chunk_score') == 'two_centroids' else ''}"
                      f"{' (values in place)' if r.get('device_values') == 'in_place' else ''}"
-                     f"{' (tapered parts)' if r.get('pipeline_split') == 'tapered' else ''}"
+                     f"{' (' + r['pipeline_split'] + ' parts)' if r.get('pipeline_split') and _in_parts(r) else ''}"
                      f"{' (FMA attention)' if r.get('attention') == 'fma' else ''}"
                      f"{' (select on ' + str(r['select_cluster']) + ' CTAs)' if r.get('select_cluster') else ''}"
                      f"{' (plain launches)' if r.get('programmatic_launch') is False else ''}"
                      f"{' (fetch CTAs ' + str(r['fetch_ctas']) + ')' if r.get('fetch_ctas') else ''}"
                      f"{' (cache ' + str(r['cache_tokens']) + ' tokens)' if r.get('cache_tokens') else ''} | {r['hit']:.2f} | "
                      f"{r['ours_ms']:.3f} | {graph} | {r['full_ms']:.3f} | {r['floor_ms']:.3f} | "
-                     f"{best / r['full_ms']:.2f} | {best / r['floor_ms']:.1f} |")
+                     f"{best / r['full_ms']:.2f} | {best / r['floor_ms']:.2f} |")
     return "\n".join(lines)
 
 
