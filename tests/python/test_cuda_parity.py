@@ -452,19 +452,26 @@ def _equal(a, b, where):
     assert torch.equal(a, b), f"{where}: output differs"
 
 
+def _knob_changes_nothing(monkeypatch, knob, settings, refused, seed):
+    """Stores built with each of `settings` of the environment knob `knob` give bit-identical outputs, selections and
+    statistics, with bf16 and fp8 host values and with the batch cut in parts; the setting `refused` is a ValueError
+    that names the knob."""
+    g = H.generator(seed)
+    for value_dtype, parts in ((None, 1), ("float8_e4m3", 1), (None, 3)):
+        kw = _twin_kw(value_dtype, decode_pipeline_parts=parts)
+        stores = _stores_by_knob(monkeypatch, knob, settings, kw)
+        _run_twins(stores, g, 10, _equal, f"values {value_dtype}, {parts} parts")
+    monkeypatch.setenv(knob, refused)
+    with pytest.raises(ValueError, match=knob):
+        KVStore(**kw)
+
+
 def test_cuda_fetch_grid_changes_nothing_but_speed(monkeypatch):
     """The value fetch is a persistent grid whose size the backend picks (cuda_backend.cpp, fetch_ctas_for_host_values;
     SHADOWKV_FETCH_CTAS overrides it when the store is constructed). One CTA (8 warps for 7 x 2 x 16 items, so every
     warp takes many items and skips past the pairs' hits) gives bit-identical outputs, selections and statistics to
     the default, with bf16 and fp8 host values and with the batch cut in parts; a value that is not a count is refused."""
-    g = H.generator(37)
-    for value_dtype, parts in ((None, 1), ("float8_e4m3", 1), (None, 3)):
-        kw = _twin_kw(value_dtype, decode_pipeline_parts=parts)
-        stores = _stores_by_knob(monkeypatch, "SHADOWKV_FETCH_CTAS", (None, "1"), kw)
-        _run_twins(stores, g, 10, _equal, f"values {value_dtype}, {parts} parts")
-    monkeypatch.setenv("SHADOWKV_FETCH_CTAS", "0")
-    with pytest.raises(ValueError, match="SHADOWKV_FETCH_CTAS"):
-        KVStore(**kw)
+    _knob_changes_nothing(monkeypatch, "SHADOWKV_FETCH_CTAS", (None, "1"), "0", 37)
 
 
 def test_cuda_fetch_priority_changes_nothing_but_speed(monkeypatch):
@@ -472,14 +479,7 @@ def test_cuda_fetch_priority_changes_nothing_but_speed(monkeypatch):
     fetch_priority_for_host_values), or at the stream's own with SHADOWKV_FETCH_PRIORITY=normal, read when the store
     is built: outputs, selections and statistics are bit-identical either way, with bf16 and fp8 host values, the
     batch in parts and a CUDA graph's replay; a value that is neither is refused."""
-    g = H.generator(43)
-    for value_dtype, parts in ((None, 1), ("float8_e4m3", 1), (None, 3)):
-        kw = _twin_kw(value_dtype, decode_pipeline_parts=parts)
-        stores = _stores_by_knob(monkeypatch, "SHADOWKV_FETCH_PRIORITY", (None, "normal", "high"), kw)
-        _run_twins(stores, g, 10, _equal, f"values {value_dtype}, {parts} parts")
-    monkeypatch.setenv("SHADOWKV_FETCH_PRIORITY", "urgent")
-    with pytest.raises(ValueError, match="SHADOWKV_FETCH_PRIORITY"):
-        KVStore(**kw)
+    _knob_changes_nothing(monkeypatch, "SHADOWKV_FETCH_PRIORITY", (None, "normal", "high"), "urgent", 43)
 
 
 def test_cuda_select_clusters_change_nothing_but_speed(monkeypatch):
