@@ -487,14 +487,7 @@ def test_cuda_rope_table_changes_nothing_but_speed(monkeypatch):
     store is built: SHADOWKV_ROPE_TABLE=off computes every row's instead): outputs, selections and statistics are
     bit-identical either way, with bf16 and fp8 host values and the batch in parts; a value that is neither is
     refused."""
-    g = H.generator(47)
-    for value_dtype, parts in ((None, 1), ("float8_e4m3", 1), (None, 3)):
-        kw = _twin_kw(value_dtype, decode_pipeline_parts=parts)
-        stores = _stores_by_knob(monkeypatch, "SHADOWKV_ROPE_TABLE", (None, "off"), kw)
-        _run_twins(stores, g, 10, _equal, f"values {value_dtype}, {parts} parts")
-    monkeypatch.setenv("SHADOWKV_ROPE_TABLE", "sometimes")
-    with pytest.raises(ValueError, match="SHADOWKV_ROPE_TABLE"):
-        KVStore(**kw)
+    _knob_changes_nothing(monkeypatch, "SHADOWKV_ROPE_TABLE", (None, "off"), "sometimes", 47)
 
 
 def test_cuda_select_clusters_change_nothing_but_speed(monkeypatch):
