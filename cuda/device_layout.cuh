@@ -122,6 +122,10 @@ struct step_workspace {
   float* selection_partials;  ///< [max_batch, Hkv, G, logit tiles, 2]: softmax partials (max, sum exp) per tile
   unsigned* radix_keys;       ///< [max_batch, Hkv, max_chunks]: per-chunk radix keys when they do not fit in the
                               ///< select kernel's shared memory (null when they do)
+  // The store's RoPE coefficients by position (rope_table.cuh), read by the key rebuild; null: none (every row's
+  // coefficients are computed, as for positions outside the table).
+  const float2* rope_table;       ///< [rope_table_positions, rotary_dim / 2]
+  long long rope_table_positions;
 };
 
 }  // namespace shadowkv::cuda

@@ -12,6 +12,7 @@
 #include "cuda_runtime_info.hpp"
 #include "generated_tokens.cuh"
 #include "prompt_kernels.cuh"
+#include "rope_table.cuh"
 #include "shadowkv/chunk_centroids.hpp"
 #include "shadowkv/errors.hpp"
 #include "shadowkv/rope.hpp"
@@ -61,6 +62,21 @@ int fetch_priority_for_host_values() {
   int greatest = 0;
   SHADOWKV_CUDA_TRY(cudaDeviceGetStreamPriorityRange(&least, &greatest));
   return greatest;
+}
+
+// Positions the key rebuild's RoPE table covers (rope_table.cuh): every position a sequence of the store's capacity
+// numbers by default (0 .. max_seq_len - 1), up to kRopeTableMaxBytes; rows past it compute their coefficients. 0 with
+// SHADOWKV_ROPE_TABLE=off (no table: every row computes them, as before the table), a measurement knob for
+// bench/step_benchmark.py's +rt0 (bench/NOTES.md, session 13).
+constexpr std::size_t kRopeTableMaxBytes = std::size_t{256} << 20;
+long long rope_table_positions(const dims& d) {
+  const char* text = std::getenv("SHADOWKV_ROPE_TABLE");
+  const bool on = text == nullptr || *text == '\0' || std::strcmp(text, "on") == 0;
+  SHADOWKV_EXPECTS(on || std::strcmp(text, "off") == 0, "SHADOWKV_ROPE_TABLE must be 'on' or 'off', got '", text, "'");
+  const std::size_t per_position = rope_table_bytes(d, 1);
+  if (!on || per_position == 0) return 0;
+  const long long capacity = static_cast<long long>(d.max_chunks) * d.chunk;
+  return std::min<long long>(capacity, static_cast<long long>(kRopeTableMaxBytes / per_position));
 }
 
 // When every value of the batch is in device memory: twice the multiprocessors (a gather from HBM needs more in flight
@@ -352,8 +368,10 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   const selection_workspace_bytes selection = chunk_selection_workspace(dims_, kv_type_, cfg.max_batch);
   const std::size_t selection_partials = align_up(selection.partials);
   const std::size_t radix_keys = align_up(selection.radix_keys);
+  const long long table_positions = rope_table_positions(dims_);
+  const std::size_t rope_table = align_up(rope_table_bytes(dims_, table_positions));
   workspace_memory_ = device_buffer(logits + scores + 2 * lists + counts + counters + partial + selection_partials +
-                                        radix_keys,
+                                        radix_keys + rope_table,
                                     own_stream_, resources_->device_memory());
   cursor = static_cast<std::uint8_t*>(workspace_memory_.data());
   workspace_.logits = static_cast<float*>(take(logits));
@@ -365,6 +383,8 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   workspace_.partial = static_cast<float*>(take(partial));
   workspace_.selection_partials = selection_partials > 0 ? static_cast<float*>(take(selection_partials)) : nullptr;
   workspace_.radix_keys = radix_keys > 0 ? static_cast<unsigned*>(take(radix_keys)) : nullptr;
+  workspace_.rope_table = rope_table > 0 ? static_cast<const float2*>(take(rope_table)) : nullptr;
+  workspace_.rope_table_positions = rope_table > 0 ? table_positions : 0;
   SHADOWKV_CUDA_TRY(cudaMemsetAsync(workspace_.counters, 0, counters, own_stream_));
   SHADOWKV_CUDA_TRY(cudaMemsetAsync(workspace_.miss_counts, 0, counts, own_stream_));
 
@@ -372,6 +392,10 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   inv_freq_ = device_buffer(rope.inv_freq().size() * sizeof(float), own_stream_, resources_->device_memory());
   SHADOWKV_CUDA_TRY(cudaMemcpyAsync(inv_freq_.data(), rope.inv_freq().data(), rope.inv_freq().size() * sizeof(float),
                                     cudaMemcpyHostToDevice, own_stream_));
+  if (workspace_.rope_table != nullptr) {
+    launch_build_rope_table(dims_, static_cast<const float*>(inv_freq_.data()),
+                            const_cast<float2*>(workspace_.rope_table), workspace_.rope_table_positions, own_stream_);
+  }
   batch_slots_ = device_buffer(batch * sizeof(int), own_stream_, resources_->device_memory());
   batch_staging_ = host_buffer(batch * sizeof(int), resources_->host_memory());
   solver_infos_ = device_buffer(batch * sizeof(int), own_stream_, resources_->device_memory());

@@ -129,6 +129,16 @@ struct rebuild_tile {
   // each row.
   static constexpr int table_entries = 3 * kRebuildRows;
   static constexpr std::size_t shared_bytes = tile_bytes + 2 * table_entries * sizeof(long long);
+  // With the store's RoPE table (step_workspace::rope_table): the current group's coefficients, [kRebuildRows, D / 2]
+  // float2 after the row tables, copied from the table during its main loop. Only where they fit beside
+  // rebuild_min_ctas_per_sm CTAs (all shapes but float32 factors at D = 128); elsewhere the rows' coefficients are
+  // computed as without a table.
+  static constexpr std::size_t coefficient_bytes = kRebuildRows * (D / 2) * sizeof(float2);
+  static constexpr std::size_t shared_bytes_with_table = shared_bytes + coefficient_bytes;
+  static constexpr bool table_fits =
+      rebuild_min_ctas_per_sm<D>() * (shared_bytes_with_table + kSharedReservedPerCta) <= kSharedPerSm &&
+      shared_bytes_with_table <= kSharedPerCtaMax;
+  static_assert(shared_bytes % 16 == 0, "the coefficients' 16-byte copies need a 16-byte aligned start");
   // bf16 factors: 40 / 46 / 52 / 64 / 112 KiB at D = 64 / 80 / 96 / 128 / 256; float32: 57 / 65 / 73 / 89 / 153 KiB.
   static_assert(rebuild_min_ctas_per_sm<D>() * (shared_bytes + kSharedReservedPerCta) <= kSharedPerSm &&
                     shared_bytes <= kSharedPerCtaMax,
@@ -182,6 +192,10 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
   const auto row_token = [&](int buffer) { return tables + buffer * tile::table_entries; };
   const auto row_target = [&](int buffer) { return tables + buffer * tile::table_entries + kRebuildRows; };
   const auto row_position = [&](int buffer) { return tables + buffer * tile::table_entries + 2 * kRebuildRows; };
+  // The current group's RoPE coefficients from the store's table: [kRebuildRows, D / 2] (rebuild_tile).
+  // (Asked where needed rather than held: a kernel parameter costs no register across the main loop.)
+  const auto use_table = [&] { return tile::table_fits && workspace.rope_table != nullptr; };
+  float2* const rope_rows = reinterpret_cast<float2*>(shared_bytes + tile::shared_bytes);
 
   const int b = static_cast<int>(blockIdx.x);
   const int h = static_cast<int>(blockIdx.y);
@@ -276,6 +290,29 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
     }
   };
 
+  // Copies the RoPE coefficients of the first `rows` rows (their positions in `positions`) from the store's table into
+  // rope_rows: four threads a row, two pairs a 16-byte copy where the pairs per position are even, else one a copy;
+  // a row whose position is outside the table gets zeros (its RoPE computes its coefficients).
+  static_assert(kRebuildThreads == 4 * kRebuildRows, "four threads copy a row's coefficients");
+  auto issue_coefficients = [&](int rows, const long long* positions) {
+    const int row = static_cast<int>(threadIdx.x) / 4;
+    if (row >= rows) return;
+    const int half = d.rotary_dim / 2;
+    const long long position = positions[row];
+    const bool live = position >= 0 && position < workspace.rope_table_positions;
+    const float2* source = workspace.rope_table + (live ? position * half : 0);
+    float2* target = rope_rows + row * (D / 2);
+    if (half % 2 == 0) {
+      for (int pair = 2 * (static_cast<int>(threadIdx.x) % 4); pair < half; pair += 8) {
+        copy_async_or_zero<16, copy_cache::l2_only>(target + pair, source + pair, live);
+      }
+    } else {
+      for (int pair = static_cast<int>(threadIdx.x) % 4; pair < half; pair += 4) {
+        copy_async_or_zero<8, copy_cache::all_levels>(target + pair, source + pair, live);
+      }
+    }
+  };
+
   // Pass p of the loop below finishes the CTA's group p - 1 ("current"; none at p = 0) and starts its group p ("next";
   // none in the last pass), with row tables in buffers (p - 1) % 2 and p % 2:
   //   main loop of current, its results to sC | row_token, row_target of next; cp.async of its row_position |
@@ -293,6 +330,10 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
   //    (targets).
   // The cp.async groups pending when a main loop starts are the prologue's alone (the epilogue commits no others), so
   // the main loop's wait counts are those of a prologue issued right before it.
+  // With the RoPE table, a group's coefficients are copied from it at the end of the pass that starts the group, after
+  // barrier C (its positions landed, the previous group's RoPE done with the buffer), as a copy group of their own
+  // after its K tiles 0 and 1; so its main loop's iterations 0 and 1 wait for one group more, its end for all, and
+  // barrier A publishes them to its RoPE.
   // Everything per pass is derived from p, not carried from pass to pass: fewer registers live across the main loop.
   const int group_stride = static_cast<int>(gridDim.z) * group_chunks;
   const int first_group = static_cast<int>(blockIdx.z) * group_chunks;  // first miss-list entry of the CTA's group 0
@@ -314,12 +355,12 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
         if (kt + 2 < k_tiles) {
           load_stage(kt + 2, (kt + 2) % kRebuildStages, tokens);
           commit_async_copies();
-          wait_async_copies<2>();  // tile kt has landed (this thread's copies) ...
-        } else if (kt + 1 < k_tiles) {
-          wait_async_copies<1>();
-        } else {
-          wait_async_copies<0>();
         }
+        // Tile kt has landed (this thread's copies) once no more groups are pending than were committed after it:
+        // the tiles issued after it and, with the RoPE table, the coefficients (committed after tile 1, or after
+        // tile 0 when it is the only one, at the end of the previous pass) ...
+        const int tiles_after = min(kt + 2, k_tiles - 1) - kt;
+        wait_async_copies_at_most(tiles_after + (use_table() && kt <= 1 ? 1 : 0));
         __syncthreads();  // ... and every thread's
         const int stage = kt % kRebuildStages;
         clear(tile_sums);
@@ -356,6 +397,7 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
         for (int i = 0; i < size(accumulators); ++i) accumulators(i) += tile_sums(i);
         __syncthreads();  // everyone is done with this stage before it is refilled (or stage 2 reused as sC)
       }
+      if (use_table()) wait_async_copies<0>();  // the coefficients (barrier A publishes them)
       CUTE_UNROLL
       for (int i = 0; i < size(accumulators); ++i) tCsC(i) = accumulators(i);
     }
@@ -408,7 +450,14 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
         rope_dims(d, pair, first_dim, second_dim);
         float x1 = sC(row, first_dim);
         float x2 = sC(row, second_dim);
-        rope_pair(x1, x2, inv_freq[pair], positions[row], d.attention_scaling, false);
+        const long long position = positions[row];
+        if (use_table() && position >= 0 && position < workspace.rope_table_positions) {
+          // The table holds rope_coefficients' values for this (position, pair) as they are: the same rotation.
+          const float2 coefficients_here = rope_rows[row * (D / 2) + pair];
+          rotate_pair(x1, x2, static_cast<double>(coefficients_here.x), static_cast<double>(coefficients_here.y));
+        } else {
+          rope_pair(x1, x2, inv_freq[pair], position, d.attention_scaling, false);
+        }
         sC(row, first_dim) = x1;
         sC(row, second_dim) = x2;
       }
@@ -431,7 +480,16 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
       }
     }
     if (!has_next) break;
+    // With the RoPE table: the next group's positions (committed with its K tile 0 in the prologue above) have
+    // landed for this thread's rows, and after barrier C for every thread's ...
+    if (use_table()) wait_async_copies_at_most(k_tiles >= 2 ? 1 : 0);
     __syncthreads();  // C: the stores are done with sC before the main loop refills stage 2
+    // ... so the next group's coefficients are copied from the table now, a group of their own after its K tiles 0
+    // and 1, landing during its main loop. The current group's RoPE, their last reader, ended before barrier B.
+    if (use_table()) {
+      issue_coefficients(min(group_chunks, misses - next) * d.chunk, row_position(buffer));
+      commit_async_copies();
+    }
   }
 }
 
@@ -445,7 +503,9 @@ void launch_rebuild_for(const dims& d, layer_view* views, const int* batch_slots
   const int groups = (d.budget + group_chunks - 1) / group_chunks;
   const dim3 grid(static_cast<unsigned>(batch), static_cast<unsigned>(d.kv_heads),
                   static_cast<unsigned>(splits_for(batch, d.kv_heads, groups, rebuild_min_ctas_per_sm<D>())));
-  launch_after_prior_grid(rebuild_keys_kernel<T, F, D>, grid, dim3(kRebuildThreads), tile::shared_bytes, stream,
+  const bool use_table = tile::table_fits && workspace.rope_table != nullptr;  // as the kernel decides
+  launch_after_prior_grid(rebuild_keys_kernel<T, F, D>, grid, dim3(kRebuildThreads),
+                          use_table ? tile::shared_bytes_with_table : tile::shared_bytes, stream,
                           d.programmatic_launch != 0, d, views, batch_slots, layer, workspace, inv_freq);
 }
 

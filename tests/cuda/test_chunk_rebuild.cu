@@ -28,6 +28,7 @@
 
 #include "chunk_rebuild.cuh"
 #include "cuda_test_support.cuh"
+#include "rope_table.cuh"
 #include "device_layout.cuh"
 #include "shadowkv/errors.hpp"
 
@@ -79,6 +80,8 @@ struct case_config {
   bool bf16_factors = false;  ///< A and B held as bf16 (dims::factor_bf16): one exact TF32 MMA instead of 3xTF32
   bool misaligned = false;  ///< A and B start one element past a 16-byte boundary (the kernel's scalar copy path)
   bool graph = false;       ///< capture once, replay with a second set of miss lists
+  long long rope_table = 0;  ///< positions of a RoPE table (rope_table.cuh) the rebuild reads; 0: none. With one, the
+                             ///< keys are also compared byte for byte with a rebuild without it
 
   [[nodiscard]] int full_rank() const { return rank > 0 ? rank : kv_heads * head_dim; }
   [[nodiscard]] int slots() const { return cache_slots > 0 ? cache_slots : budget; }
@@ -91,7 +94,8 @@ struct case_config {
       << " kv=" << type_name(kv_type) << (bf16_factors ? " factors=bf16" : " factors=f32") << " k=" << budget
       << " K=" << slots()
       << " misses=" << pattern_name(pattern)
-      << (misaligned ? " misaligned" : "") << (graph ? " graph" : "");
+      << (misaligned ? " misaligned" : "") << (graph ? " graph" : "")
+      << (rope_table > 0 ? " rope_table=" + std::to_string(rope_table) : std::string());
     return s.str();
   }
 };
@@ -324,6 +328,14 @@ void run_case(const case_config& cfg) {
   cudaStream_t stream = nullptr;
   CUDA_OK(cudaStreamCreate(&stream));
   cudaGraphExec_t graph_exec = nullptr;
+  device_buffer rope_table(shadowkv::cuda::rope_table_bytes(d, cfg.rope_table));
+  ASSERT_TRUE(rope_table.ok());
+  if (cfg.rope_table > 0) {
+    ASSERT_NO_THROW(shadowkv::cuda::launch_build_rope_table(d, inv_freq_device.get<float>(), rope_table.get<float2>(),
+                                                            cfg.rope_table, stream));
+    ws.rope_table = rope_table.get<float2>();
+    ws.rope_table_positions = cfg.rope_table;
+  }
 
   const int rounds = cfg.graph ? 2 : 1;
   for (int round = 0; round < rounds; ++round) {
@@ -434,6 +446,32 @@ void run_case(const case_config& cfg) {
     }
     std::printf("[ chunk_rebuild ]   round %d: %zu elements compared, worst error / tolerance %.3g\n", round,
                 compared, worst_ratio);
+
+    if (cfg.rope_table > 0) {
+      // The same rebuild without the table: every byte of every entry's keys equal (the table holds the coefficients
+      // rope_coefficients computes, and rows past it compute theirs).
+      std::vector<std::vector<unsigned char>> with_table;
+      for (const host_entry& e : entries) {
+        with_table.emplace_back(key_bytes);
+        CUDA_OK(cudaMemcpy(with_table.back().data(), e.cache_keys_device.get(), key_bytes, cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemset(e.cache_keys_device.get(), kSentinel, key_bytes));
+      }
+      step_workspace without = ws;
+      without.rope_table = nullptr;
+      without.rope_table_positions = 0;
+      ASSERT_NO_THROW(shadowkv::cuda::launch_rebuild_keys(d, cfg.kv_type, views_device.get<layer_view>(),
+                                                          slots_device.get<int>(), layer, B, without,
+                                                          inv_freq_device.get<float>(), stream));
+      CUDA_OK(cudaStreamSynchronize(stream));
+      std::size_t differing = 0;
+      for (int b = 0; b < B; ++b) {
+        std::vector<unsigned char> keys(key_bytes);
+        CUDA_OK(cudaMemcpy(keys.data(), entries[static_cast<std::size_t>(b)].cache_keys_device.get(), key_bytes,
+                           cudaMemcpyDeviceToHost));
+        for (std::size_t i = 0; i < key_bytes; ++i) differing += keys[i] != with_table[static_cast<std::size_t>(b)][i];
+      }
+      EXPECT_EQ(differing, 0U) << differing << " key bytes differ between the rebuilds with and without the RoPE table";
+    }
   }
   if (graph_exec != nullptr) CUDA_OK(cudaGraphExecDestroy(graph_exec));
   CUDA_OK(cudaStreamDestroy(stream));
@@ -650,7 +688,7 @@ TEST_F(ChunkRebuild, LargeBudgetsAndFullWidth) {
 }
 
 TEST_F(ChunkRebuild, CapturedInGraph) {
-  // One graph, replayed with new miss lists: the grid does not depend on the miss counts.
+  // One graph, replayed with new miss lists: the grid does not depend on the miss counts (with a RoPE table for bf16).
   std::uint64_t seed = 701;
   for (int type : kTypes) {
     case_config cfg;
@@ -663,6 +701,7 @@ TEST_F(ChunkRebuild, CapturedInGraph) {
     cfg.kv_type = type;
     cfg.budget = 32;
     cfg.graph = true;
+    cfg.rope_table = type == shadowkv::cuda::element_bf16 ? 300000 : 0;  // the table's pointer, captured
     run_case(cfg);
     if (HasFatalFailure()) return;
   }
@@ -728,6 +767,53 @@ TEST_F(ChunkRebuild, ManyGroupsPerCta) {
     cfg.bf16_factors = s.bf16_factors;
     cfg.budget = s.budget;
     cfg.pattern = s.pattern;
+    run_case(cfg);
+    if (HasFatalFailure()) return;
+  }
+}
+
+TEST_F(ChunkRebuild, RopeTableGivesTheSameKeys) {
+  // The store's RoPE table (rope_table.cuh), covering positions [0, 300000) of test positions that reach ~1.3e6: rows
+  // in and past it in one rebuild. Keys within the float64 reference's tolerance and byte-identical to a rebuild
+  // without the table: the default shape (bf16, bf16 factors, D = 128, several groups a CTA), an odd number of pairs
+  // per position (8-byte copies), interleaved pairs with attention scaling, one K tile, and float32 factors at D = 128
+  // (whose shared memory has no room for the coefficients: the table is not read).
+  struct shape {
+    int kv_heads;
+    int head_dim;
+    int rotary_dim;
+    bool interleaved;
+    float scaling;
+    int rank;
+    int kv_type;
+    bool bf16_factors;
+    int budget;
+  };
+  const shape shapes[] = {
+      {160, 128, 0, false, 1.0F, 160, shadowkv::cuda::element_bf16, true, 40},
+      {2, 96, 38, false, 1.0F, 96, shadowkv::cuda::element_f16, false, 24},
+      {3, 64, 0, true, 1.3F, 48, shadowkv::cuda::element_f32, false, 24},
+      {2, 80, 0, false, 0.7F, 20, shadowkv::cuda::element_bf16, true, 16},
+      {2, 128, 0, false, 1.0F, 160, shadowkv::cuda::element_bf16, false, 24},
+  };
+  std::uint64_t seed = 1001;
+  for (const shape& s : shapes) {
+    case_config cfg;
+    cfg.seed = seed++;
+    cfg.batch = 2;
+    cfg.kv_heads = s.kv_heads;
+    cfg.head_dim = s.head_dim;
+    cfg.chunk = 8;
+    cfg.rank = s.rank;
+    cfg.rotary_dim = s.rotary_dim;
+    cfg.interleaved = s.interleaved;
+    cfg.attention_scaling = s.scaling;
+    cfg.rope_theta = 500000.0;
+    cfg.kv_type = s.kv_type;
+    cfg.bf16_factors = s.bf16_factors;
+    cfg.budget = s.budget;
+    cfg.pattern = miss_pattern::ragged;
+    cfg.rope_table = 300000;
     run_case(cfg);
     if (HasFatalFailure()) return;
   }

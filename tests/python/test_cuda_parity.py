@@ -482,6 +482,14 @@ def test_cuda_fetch_priority_changes_nothing_but_speed(monkeypatch):
     _knob_changes_nothing(monkeypatch, "SHADOWKV_FETCH_PRIORITY", (None, "normal", "high"), "urgent", 43)
 
 
+def test_cuda_rope_table_changes_nothing_but_speed(monkeypatch):
+    """The key rebuild reads RoPE coefficients from a table the store computes once (rope_table.cuh; read when the
+    store is built: SHADOWKV_ROPE_TABLE=off computes every row's instead): outputs, selections and statistics are
+    bit-identical either way, with bf16 and fp8 host values and the batch in parts; a value that is neither is
+    refused."""
+    _knob_changes_nothing(monkeypatch, "SHADOWKV_ROPE_TABLE", (None, "off"), "sometimes", 47)
+
+
 def test_cuda_select_clusters_change_nothing_but_speed(monkeypatch):
     """The select kernel ranks each (sequence, KV head) on one CTA or on a cluster of 2, 4 or 8 that split its chunks
     (select_kernel.cu; the planner's choice, or SHADOWKV_SELECT_CLUSTER when the store is built): the same scores, so
