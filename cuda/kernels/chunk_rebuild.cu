@@ -14,6 +14,7 @@
 #include "common/dispatch.cuh"
 #include "common/element_access.cuh"
 #include "common/fp8_vectors.cuh"
+#include "common/phase_stamps.cuh"
 #include "cuda_check.hpp"
 #include "shadowkv/fp8.hpp"
 #include "shape_support.hpp"
@@ -180,7 +181,9 @@ template <typename T, typename F, int D>
 __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
     rebuild_keys_kernel(dims d, layer_view* views, const int* batch_slots, int layer, step_workspace workspace,
                         const float* inv_freq) {
+  start_phase_stamps(stamped_kernel::rebuild);
   wait_for_prior_grids();  // common/dependent_launch.cuh: nothing before the previous kernel is done
+  phase_stamp(stamped_kernel::rebuild, 1);
   using namespace cute;
   using tile = rebuild_tile<F, D>;
   constexpr bool kSplitOperands = std::is_same_v<F, float>;
@@ -337,7 +340,10 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
   // Everything per pass is derived from p, not carried from pass to pass: fewer registers live across the main loop.
   const int group_stride = static_cast<int>(gridDim.z) * group_chunks;
   const int first_group = static_cast<int>(blockIdx.z) * group_chunks;  // first miss-list entry of the CTA's group 0
-  if (first_group >= misses) return;  // nothing for this CTA (the whole CTA returns: no barrier is left waiting)
+  if (first_group >= misses) {  // nothing for this CTA (the whole CTA returns: no barrier is left waiting)
+    finish_phase_stamps(stamped_kernel::rebuild, 38);
+    return;
+  }
   for (int pass = 0;; ++pass) {
     const int buffer = pass % 2;
     const int next = first_group + pass * group_stride;  // first miss-list entry of the next group
@@ -398,6 +404,7 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
         __syncthreads();  // everyone is done with this stage before it is refilled (or stage 2 reused as sC)
       }
       if (use_table()) wait_async_copies<0>();  // the coefficients (barrier A publishes them)
+      phase_stamp(stamped_kernel::rebuild, 30);
       CUTE_UNROLL
       for (int i = 0; i < size(accumulators); ++i) tCsC(i) = accumulators(i);
     }
@@ -427,6 +434,7 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
                                                     live);
     }
     __syncthreads();  // A: sC and the next group's row_token are written
+    phase_stamp(stamped_kernel::rebuild, 31);
 
     if (has_next) {
       // The next group's prologue: K tiles 0 and 1 into stages 0 and 1, landing during the RoPE below.
@@ -463,6 +471,7 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
       }
     }
     __syncthreads();  // B: RoPE is done with sC
+    phase_stamp(stamped_kernel::rebuild, 32);
     if (current_rows > 0) {
       const long long* const targets = row_target(buffer ^ 1);
       constexpr int kVector = 16 / static_cast<int>(sizeof(T));  // D * sizeof(T) is a multiple of 16 for every D
@@ -479,11 +488,15 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
         *reinterpret_cast<uint4*>(cache_keys + targets[row] + column) = packed.vector;
       }
     }
-    if (!has_next) break;
+    if (!has_next) {
+      finish_phase_stamps(stamped_kernel::rebuild, 39);
+      break;
+    }
     // With the RoPE table: the next group's positions (committed with its K tile 0 in the prologue above) have
     // landed for this thread's rows, and after barrier C for every thread's ...
     if (use_table()) wait_async_copies_at_most(k_tiles >= 2 ? 1 : 0);
     __syncthreads();  // C: the stores are done with sC before the main loop refills stage 2
+    phase_stamp(stamped_kernel::rebuild, 33);
     // ... so the next group's coefficients are copied from the table now, a group of their own after its K tiles 0
     // and 1, landing during its main loop. The current group's RoPE, their last reader, ended before barrier B.
     if (use_table()) {

@@ -12,6 +12,7 @@
 #include "common/dependent_launch.cuh"
 #include "common/dispatch.cuh"
 #include "common/element_access.cuh"
+#include "common/phase_stamps.cuh"
 #include "common/fp8_vectors.cuh"
 #include "common/float_constants.cuh"
 #include "common/per_device_cache.hpp"
@@ -76,7 +77,9 @@ __global__ void __launch_bounds__(kLogitThreads) landmark_logits_kernel(const di
                                                                         const logit_geometry geo, const logit_mode mode,
                                                                         const int token, float* logits,
                                                                         float* partials) {
+  start_phase_stamps(stamped_kernel::logits);
   wait_for_prior_grids();  // common/dependent_launch.cuh: nothing before the previous kernel is done
+  phase_stamp(stamped_kernel::logits, 1);
   constexpr int kElements = vector16<T>::elements;
   extern __shared__ __align__(16) unsigned char logit_shared[];
   __shared__ float warp_partials[kLogitThreads / 32][kHeadBlock][2];
@@ -159,6 +162,7 @@ __global__ void __launch_bounds__(kLogitThreads) landmark_logits_kernel(const di
       wait_async_copies<0>();
     }
     __syncthreads();
+    phase_stamp(stamped_kernel::logits, 40);
 
     const int rows = rows_of(tile);
     const bool owner = part == 0 && r < rows;  // the thread that writes row r's results
@@ -324,8 +328,12 @@ __global__ void __launch_bounds__(kLogitThreads) landmark_logits_kernel(const di
         }
       }
     }
-    if (!has_next) break;
+    if (!has_next) {
+      finish_phase_stamps(stamped_kernel::logits, 49);
+      break;
+    }
     __syncthreads();  // this stage, q_shared, part_sums and warp_partials are reused
+    phase_stamp(stamped_kernel::logits, 41);
     tile = next;
     outlier = next_outlier;
   }

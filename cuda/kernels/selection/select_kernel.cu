@@ -12,6 +12,7 @@
 #include "common/dependent_launch.cuh"
 #include "common/element_access.cuh"
 #include "common/ordered_compaction.cuh"
+#include "common/phase_stamps.cuh"
 #include "cuda_check.hpp"
 #include "shadowkv/errors.hpp"
 #include "selection/cache_policy.cuh"
@@ -189,7 +190,9 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_kernel(const dims d,
                                                                    const step_workspace ws, const select_geometry geo,
                                                                    const score_input input, const int tile_rows,
                                                                    const int tiles) {
+  start_phase_stamps(stamped_kernel::select);
   wait_for_prior_grids();  // common/dependent_launch.cuh: nothing before the previous kernel is done
+  phase_stamp(stamped_kernel::select, 1);
   __shared__ typename radix_digit_scan<kSelectThreads>::TempStorage scan_storage;
   __shared__ unsigned histogram[1 << kRadixFirstBits];
   __shared__ unsigned pass_scratch[2 * kSelectWarps];
@@ -207,20 +210,25 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_kernel(const dims d,
 
   // --- A. scores, radix keys and the first histogram (score_chunks) --------------------------------------------
   start_scoring(scoring, ws, row, tile_rows, tiles, histogram, &candidate_count);
+  phase_stamp(stamped_kernel::select, 2);
   count_candidates(score_chunks(scoring, d, ws, row, 0, row.n, radix_keys, histogram), &candidate_count);
   __syncthreads();
+  phase_stamp(stamped_kernel::select, 4);
   const int candidates = candidate_count;
   const int take = min(d.budget, candidates);
 
   // --- B. the take-th largest radix key: MSB-first radix select (radix_select.cuh) ------------------------------
   const radix_threshold rule = find_radix_threshold<kSelectThreads>(radix_keys, row.n, candidates, d.budget, histogram,
                                                                     scan_storage, radix_found);
+  phase_stamp(stamped_kernel::select, 8);
 
   // --- C. ascending compaction of the selection; radix_keys[c] becomes the "selected" flag ----------------------
   compact_top_k(radix_keys, row.n, take, d.budget, rule, pass_scratch, row.selected(d, ws));
+  phase_stamp(stamped_kernel::select, 9);
 
   // --- D. temporal cache (cache_policy.cuh) ----------------------------------------------------------------------
   update_cache<kLru>(d, ws, row, h, take, radix_keys, histogram, scan_storage, radix_found, pass_scratch);
+  finish_phase_stamps(stamped_kernel::select, 11);
 }
 
 // The same four steps by a cluster of CTAs per (b, h) (grid (Hkv * cluster, B)): CTA r of the cluster scores and
@@ -234,7 +242,9 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_cluster_kernel(const
                                                                            const step_workspace ws,
                                                                            const score_input input,
                                                                            const int tile_rows, const int tiles) {
+  start_phase_stamps(stamped_kernel::select);
   wait_for_prior_grids();  // common/dependent_launch.cuh: nothing before the previous kernel is done
+  phase_stamp(stamped_kernel::select, 1);
   __shared__ typename radix_digit_scan<kSelectThreads>::TempStorage scan_storage;
   __shared__ unsigned own_histogram[1 << kRadixFirstBits];  // this CTA's counts of digits 0 and 2 (read by the cluster)
   __shared__ unsigned own_second[1 << 11];                  // of digit 1: a second array, see below
@@ -260,8 +270,11 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_cluster_kernel(const
 
   // --- A. this CTA's slice --------------------------------------------------------------------------------------
   start_scoring(scoring, ws, row, tile_rows, tiles, own_histogram, &candidate_count);
+  phase_stamp(stamped_kernel::select, 2);
   count_candidates(score_chunks(scoring, d, ws, row, first, end, radix_keys, own_histogram), &candidate_count);
+  phase_stamp(stamped_kernel::select, 3);
   cluster.sync();
+  phase_stamp(stamped_kernel::select, 4);
   int candidates = 0;
   for (int r = 0; r < ctas; ++r) candidates += *cluster.map_shared_rank(&candidate_count, r);
   const int take = min(d.budget, candidates);
@@ -280,7 +293,9 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_cluster_kernel(const
             const unsigned radix_key = radix_keys[c];
             if ((radix_key & mask) == prefix) atomicAdd(&own[digit.of(radix_key)], 1U);
           }
+          phase_stamp(stamped_kernel::select, 20 + pass);
           cluster.sync();
+          phase_stamp(stamped_kernel::select, 25 + pass);
         }
         for (int i = tid; i < digit.bins(); i += kSelectThreads) {
           unsigned sum = 0;
@@ -288,9 +303,11 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_cluster_kernel(const
           merged[i] = sum;
         }
         __syncthreads();
+        phase_stamp(stamped_kernel::select, 10 + pass);
         return merged;
       },
       scan_storage, radix_found);
+  phase_stamp(stamped_kernel::select, 8);
 
   // --- C. compaction: this CTA's ids go after those of the CTAs before it ----------------------------------------
   compact_top_k_range(radix_keys, first, end, take, d.budget, rule, pass_scratch, row.selected(d, ws), [&](uint2 totals) {
@@ -304,12 +321,15 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_cluster_kernel(const
     }
     return before;
   });
+  phase_stamp(stamped_kernel::select, 9);
   // Every CTA's ids and flags written, and no CTA reads another's shared memory after this barrier.
   cluster.sync();
+  phase_stamp(stamped_kernel::select, 19);
   if (rank != 0) return;
 
   // --- D. temporal cache, by the cluster's first CTA --------------------------------------------------------------
   update_cache<kLru>(d, ws, row, h, take, radix_keys, own_histogram, scan_storage, radix_found, pass_scratch);
+  finish_phase_stamps(stamped_kernel::select, 11);
 }
 
 }  // namespace

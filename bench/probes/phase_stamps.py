@@ -1,0 +1,58 @@
+"""Sums the lines that kernels built with -DSHADOWKV_PHASE_STAMPS print (cuda/kernels/common/phase_stamps.cuh): for
+each kernel, the median cycles between consecutive stamps, as µs at the clock the line's own global-timer span
+gives. Reads a log on stdin (or the files named), prints a table a kernel.
+
+    python3 bench/probes/phase_stamps.py step.log
+"""
+import collections
+import re
+import statistics
+import sys
+
+KERNELS = {0: "select", 1: "rebuild", 2: "logits", 3: "attention"}
+LABELS = {
+    0: "start", 1: "prior grids done",
+    # select
+    2: "normalisers, histogram cleared", 3: "scored (own slice)", 4: "scores of all (barrier)",
+    8: "threshold found", 9: "compacted", 19: "cluster done", 11: "cache updated (end)",
+    10: "digit 0 merged", 12: "digit 2 merged", 20: "digit 0 counted",
+    21: "digit 1 counted", 22: "digit 2 counted", 26: "digit 1 barrier", 27: "digit 2 barrier",
+    # rebuild
+    30: "main loop done", 31: "barrier A (next tables)", 32: "barrier B (RoPE)", 33: "barrier C (stores)",
+    38: "no group (end)", 39: "last stores (end)",
+    # logits
+    40: "tile landed", 41: "tile done", 49: "last tile (end)",
+}
+LINE = re.compile(r"phase_stamps (\d+) sm (\d+) ns (\d+) :(.*)")
+
+
+def main() -> None:
+    text = "".join(open(p).read() for p in sys.argv[1:]) if len(sys.argv) > 1 else sys.stdin.read()
+    steps = collections.defaultdict(lambda: collections.defaultdict(list))  # kernel -> (i, a, b) -> µs
+    totals = collections.defaultdict(list)
+    for match in LINE.finditer(text):
+        kernel, _, ns, rest = int(match[1]), int(match[2]), int(match[3]), match[4]
+        stamps = [(0, 0)] + [tuple(int(x) for x in item.split(":")) for item in rest.split()]
+        cycles = stamps[-1][1]
+        if cycles <= 0 or ns <= 0:
+            continue
+        per_us = cycles / (ns / 1000.0)  # cycles a µs on this SM during this launch
+        totals[kernel].append(ns / 1000.0)
+        for i in range(1, len(stamps)):
+            key = (i, stamps[i - 1][0], stamps[i][0])
+            steps[kernel][key].append((stamps[i][1] - stamps[i - 1][1]) / per_us)
+    for kernel in sorted(totals):
+        name = KERNELS.get(kernel, str(kernel))
+        print(f"\n{name}: {len(totals[kernel])} launches, median {statistics.median(totals[kernel]):.2f} µs from the "
+              f"first stamp to the last (the stamping CTA at blockIdx 0)")
+        print("| # | from | to | median µs | min | max | n |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
+        for (i, a, b), values in sorted(steps[kernel].items()):
+            if len(values) < max(2, len(totals[kernel]) // 4):
+                continue  # a rare path
+            print(f"| {i} | {LABELS.get(a, a)} | {LABELS.get(b, b)} | {statistics.median(values):.2f} | "
+                  f"{min(values):.2f} | {max(values):.2f} | {len(values)} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# On the GPU machine: builds the Python module with -DSHADOWKV_PHASE_STAMPS (cuda/kernels/common/phase_stamps.cuh:
+# the select, rebuild and landmark-logits kernels print clock64 stamps of one CTA), runs the step benchmark for each
+# of CONFIGS at HIT (one process a config, no profiler), and sums the stamps of each (bench/probes/phase_stamps.py).
+# Writes $OUT/phase-stamps-<config>.log and .txt. Leaves python/shadowkv_core/_core*.so stamped: rebuild after.
+#   CONFIGS="1x122880x2048:device 8x122880x2048:device" HIT=0.6 bash bench/probes/phase_stamps.sh
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+out="$(cd "${OUT:-bench/results}" && pwd)"
+cutlass_arg=()
+[ -d .device/cutlass/include/cute ] && cutlass_arg=("-DSHADOWKV_CUTLASS_INCLUDE_DIR=$PWD/.device/cutlass/include")
+cmake -S . -B build/stamps -G Ninja -DCMAKE_BUILD_TYPE=Release -DSHADOWKV_CUDA=ON -DSHADOWKV_BUILD_TESTS=OFF \
+  -DSHADOWKV_BUILD_PYTHON=ON -DSHADOWKV_BUILD_BENCHMARKS=OFF -DCMAKE_CUDA_FLAGS=-DSHADOWKV_PHASE_STAMPS \
+  ${cutlass_arg[@]+"${cutlass_arg[@]}"} >"$out/stamps-cmake.log" 2>&1 &&
+  cmake --build build/stamps -j"$(nproc)" --target _core >>"$out/stamps-cmake.log" 2>&1 ||
+  { tail -40 "$out/stamps-cmake.log"; exit 1; }
+cp build/stamps/_core*.so python/shadowkv_core/
+export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+for config in ${CONFIGS:-1x122880x2048:device}; do
+  name=$(echo "$config" | tr ':+' '__')
+  timeout "${STEP_TIMEOUT_S:-120}" python3 bench/step_benchmark.py --config "$config" --hit "${HIT:-0.6}" \
+    >"$out/phase-stamps-$name.log" 2>&1
+  echo "== $config (rc $?)"
+  grep -E "^\| [0-9]" "$out/phase-stamps-$name.log"
+  python3 bench/probes/phase_stamps.py "$out/phase-stamps-$name.log" | tee "$out/phase-stamps-$name.txt"
+done

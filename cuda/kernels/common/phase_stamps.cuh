@@ -1,0 +1,104 @@
+// Where one CTA of a kernel spends its time: clock64() stamps at the kernel's phase boundaries, by thread 0 of the
+// CTA at blockIdx (0, 0, 0), printed (one launch in 16) when the CTA ends. A measuring tool, compiled in only with
+// -DSHADOWKV_PHASE_STAMPS (bench/probes/phase_stamps.sh builds the module so and sums the printed lines); without it
+// every call below is empty and the kernels are the ones that ship.
+//
+// A stamp placed right after a barrier is the block's progress; one placed before wait_for_prior_grids shows how long
+// the CTA waited for the kernel before it. The line names the SM and the global timer's nanoseconds between the
+// first and the last stamp, so the cycles can be read as time.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#ifdef SHADOWKV_PHASE_STAMPS
+#include <cstdio>
+#endif
+
+namespace shadowkv::cuda {
+
+enum class stamped_kernel : int { select = 0, rebuild = 1, logits = 2, attention = 3 };
+
+#ifdef SHADOWKV_PHASE_STAMPS
+constexpr int kMaxPhaseStamps = 64;
+static __device__ long long phase_stamp_cycles[4][kMaxPhaseStamps];
+static __device__ unsigned long long phase_stamp_times[4][2];
+static __device__ int phase_stamp_labels[4][kMaxPhaseStamps];
+static __device__ int phase_stamp_count[4];
+static __device__ unsigned phase_stamp_launches[4];
+
+__device__ __forceinline__ bool stamping_cta() {
+  return threadIdx.x == 0 && threadIdx.y == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0;
+}
+
+__device__ __forceinline__ unsigned long long global_nanoseconds() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+/// The first stamp of a launch (label 0).
+__device__ __forceinline__ void start_phase_stamps(stamped_kernel kernel) {
+  if (!stamping_cta()) return;
+  const int k = static_cast<int>(kernel);
+  phase_stamp_times[k][0] = global_nanoseconds();
+  phase_stamp_cycles[k][0] = clock64();
+  phase_stamp_labels[k][0] = 0;
+  phase_stamp_count[k] = 1;
+}
+
+/// A stamp labelled `label` (a number the probe's table names; a phase inside a loop stamps once an iteration).
+__device__ __forceinline__ void phase_stamp(stamped_kernel kernel, int label) {
+  if (!stamping_cta()) return;
+  const int k = static_cast<int>(kernel);
+  const int i = phase_stamp_count[k];
+  if (i >= kMaxPhaseStamps) return;
+  phase_stamp_cycles[k][i] = clock64();
+  phase_stamp_labels[k][i] = label;
+  phase_stamp_count[k] = i + 1;
+}
+
+/// The last stamp: prints "phase_stamps <kernel> sm <id> ns <first to last> : label:cycles ..." (cycles since the
+/// first stamp) for one launch in 16.
+__device__ __forceinline__ void finish_phase_stamps(stamped_kernel kernel, int label) {
+  if (!stamping_cta()) return;
+  phase_stamp(kernel, label);
+  const int k = static_cast<int>(kernel);
+  phase_stamp_times[k][1] = global_nanoseconds();
+  const unsigned launch = atomicAdd(&phase_stamp_launches[k], 1U);
+  if (launch % 16 != 7) return;
+  unsigned sm;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+  char line[1024];
+  int at = 0;
+  auto put = [&](const char* text) {
+    while (*text != '\0' && at < 1000) line[at++] = *text++;
+  };
+  auto put_number = [&](long long x) {
+    char digits[24];
+    int n = 0;
+    if (x < 0) {
+      put("-");
+      x = -x;
+    }
+    do {
+      digits[n++] = static_cast<char>('0' + x % 10);
+      x /= 10;
+    } while (x > 0 && n < 24);
+    while (n > 0 && at < 1000) line[at++] = digits[--n];
+  };
+  for (int i = 1; i < phase_stamp_count[k]; ++i) {
+    put(" ");
+    put_number(phase_stamp_labels[k][i]);
+    put(":");
+    put_number(phase_stamp_cycles[k][i] - phase_stamp_cycles[k][0]);
+  }
+  line[at] = '\0';
+  printf("phase_stamps %d sm %u ns %llu :%s\n", k, sm, phase_stamp_times[k][1] - phase_stamp_times[k][0], line);
+}
+#else
+__device__ __forceinline__ void start_phase_stamps(stamped_kernel) {}
+__device__ __forceinline__ void phase_stamp(stamped_kernel, int) {}
+__device__ __forceinline__ void finish_phase_stamps(stamped_kernel, int) {}
+#endif
+
+}  // namespace shadowkv::cuda
