@@ -20,7 +20,10 @@ LABELS = {
     # rebuild
     30: "main loop done", 31: "barrier A (next tables)", 32: "barrier B (RoPE)", 33: "barrier C (stores)",
     38: "no group (end)", 39: "last stores (end)",
+    50: "K tile 0 landed", 51: "K tile 1 landed", 52: "K tile 2 landed", 53: "K tile 3 landed",
+    54: "K tile 4 landed", 55: "K tile 5 landed",
     # logits
+    42: "views read", 43: "tiles described", 44: "first copies issued, q staged", 45: "tile done (barrier)",
     40: "tile landed", 41: "tile done", 49: "last tile (end)",
 }
 LINE = re.compile(r"phase_stamps (\d+) sm (\d+) ns (\d+) :(.*)")

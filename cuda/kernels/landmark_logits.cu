@@ -15,6 +15,7 @@
 #include "common/float_constants.cuh"
 #include "common/fp8_vectors.cuh"
 #include "common/per_device_cache.hpp"
+#include "common/phase_stamps.cuh"
 #include "cuda_check.hpp"
 
 namespace shadowkv::cuda {
@@ -208,7 +209,9 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG, kC>(
     decode_landmark_logits_kernel(const dims d, const layer_view* views, const int* batch_slots, const int layer,
                                   const int batch, const strided_tensor queries, const int tile_rows, const int tiles,
                                   float* logits, float* partials) {
+  start_phase_stamps(stamped_kernel::logits);
   wait_for_prior_grids();  // common/dependent_launch.cuh: nothing before the previous kernel is done
+  phase_stamp(stamped_kernel::logits, 1);
   using split = row_split<T, kRowBytes, kG, kC>;
   using sequence_entry = shadowkv::cuda::sequence_entry<kC>;
   using tile_descriptor = shadowkv::cuda::tile_descriptor<kC>;
@@ -242,6 +245,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG, kC>(
     sequences[b].context_chunks = context_chunks_of(view, d);
   }
   __syncthreads();
+  phase_stamp(stamped_kernel::logits, 42);
   // The CTA's share [share_edge(x), share_edge(x + 1)) of the live tiles, once warp 0 has counted them.
   auto share_edge = [&](int cta) {
     return static_cast<int>(static_cast<long long>(cta) * sequences[batch].first_tile / gridDim.x);
@@ -267,6 +271,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG, kC>(
     }
   }
   __syncthreads();
+  phase_stamp(stamped_kernel::logits, 43);
   const int begin = share_edge(blockIdx.x);
   const int tiles_here = share_edge(blockIdx.x + 1) - begin;
   if (tiles_here == 0) return;
@@ -367,6 +372,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG, kC>(
   for (int stage = 0; stage < kStages - 1; ++stage) issue_copies(stage);
   stage_queries(descriptors[0]);
   __syncthreads();
+  phase_stamp(stamped_kernel::logits, 44);
 
   // Of the kSums sums (index (u * kG + g) * kC + c), the ones this lane keeps after the reduction, and so the row it
   // stores. Two centroids: a lane keeping one sum gets the other of its pair from the lane that keeps it (lane ^
@@ -490,6 +496,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG, kC>(
     // other buffer (the previous tile), which the next tile overwrites, and with descriptor slot
     // (ordinal + kDescribedAhead) % kDescriptorSlots.
     __syncthreads();
+    phase_stamp(stamped_kernel::logits, 45);
     if (threadIdx.x == 0 && ordinal + kDescribedAhead < tiles_here) {
       descriptors[(ordinal + kDescribedAhead) % kDescriptorSlots] =
           describe_tile<split::kDims, T, kC>(sequences, batch, begin + ordinal + kDescribedAhead, tile_rows, d);
@@ -498,6 +505,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG, kC>(
     write_tile(tile, buffer);
     if (new_queries) __syncthreads();
   }
+  finish_phase_stamps(stamped_kernel::logits, 49);
 }
 
 /// CTAs of the instantiation that fit on one multiprocessor of the current device with `shared_bytes` of dynamic
