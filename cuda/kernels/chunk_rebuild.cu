@@ -449,57 +449,26 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
 
     // Epilogue of the current group: RoPE in place in sC (a thread per pair), then 16-byte stores of whole rows.
     if (current_rows > 0) {
-      // kRopeBatch pairs a thread at a time, all loaded before any is rotated (each pair is its thread's alone): one
-      // pair after another, each a chain of shared loads, float64 conversions and products, took 3.9 µs of a 16 µs
-      // group at B = 1 (phase stamps, bench/NOTES.md session 14). Each pair is rotated as before: the same keys.
       const long long* const positions = row_position(buffer ^ 1);
       const int half = d.rotary_dim / 2;
-      const int items = current_rows * half;
-      constexpr int kRopeBatch = 4;
-      for (int first_item = static_cast<int>(threadIdx.x); first_item < items;
-           first_item += kRebuildThreads * kRopeBatch) {
-        float x1[kRopeBatch];
-        float x2[kRopeBatch];
-        float2 coefficients_here[kRopeBatch];
-        bool from_table[kRopeBatch];
-#pragma unroll
-        for (int j = 0; j < kRopeBatch; ++j) {
-          const int item = first_item + j * kRebuildThreads;
-          x1[j] = 0.0F;
-          x2[j] = 0.0F;
-          from_table[j] = false;
-          coefficients_here[j] = make_float2(0.0F, 0.0F);
-          if (item >= items) continue;
-          const int row = item / half;
-          const int pair = item - row * half;
-          int first_dim;
-          int second_dim;
-          rope_dims(d, pair, first_dim, second_dim);
-          x1[j] = sC(row, first_dim);
-          x2[j] = sC(row, second_dim);
-          const long long position = positions[row];
-          from_table[j] = use_table() && position >= 0 && position < workspace.rope_table_positions;
-          if (from_table[j]) coefficients_here[j] = rope_rows[row * (D / 2) + pair];
+      for (int item = static_cast<int>(threadIdx.x); item < current_rows * half; item += kRebuildThreads) {
+        const int row = item / half;
+        const int pair = item % half;
+        int first_dim;
+        int second_dim;
+        rope_dims(d, pair, first_dim, second_dim);
+        float x1 = sC(row, first_dim);
+        float x2 = sC(row, second_dim);
+        const long long position = positions[row];
+        if (use_table() && position >= 0 && position < workspace.rope_table_positions) {
+          // The table holds rope_coefficients' values for this (position, pair) as they are: the same rotation.
+          const float2 coefficients_here = rope_rows[row * (D / 2) + pair];
+          rotate_pair(x1, x2, static_cast<double>(coefficients_here.x), static_cast<double>(coefficients_here.y));
+        } else {
+          rope_pair(x1, x2, inv_freq[pair], position, d.attention_scaling, false);
         }
-#pragma unroll
-        for (int j = 0; j < kRopeBatch; ++j) {
-          const int item = first_item + j * kRebuildThreads;
-          if (item >= items) continue;
-          const int row = item / half;
-          const int pair = item - row * half;
-          if (from_table[j]) {
-            // The table holds rope_coefficients' values for this (position, pair) as they are: the same rotation.
-            rotate_pair(x1[j], x2[j], static_cast<double>(coefficients_here[j].x),
-                        static_cast<double>(coefficients_here[j].y));
-          } else {
-            rope_pair(x1[j], x2[j], inv_freq[pair], positions[row], d.attention_scaling, false);
-          }
-          int first_dim;
-          int second_dim;
-          rope_dims(d, pair, first_dim, second_dim);
-          sC(row, first_dim) = x1[j];
-          sC(row, second_dim) = x2[j];
-        }
+        sC(row, first_dim) = x1;
+        sC(row, second_dim) = x2;
       }
     }
     __syncthreads();  // B: RoPE is done with sC

@@ -231,45 +231,6 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_kernel(const dims d,
   finish_phase_stamps(stamped_kernel::select, 11);
 }
 
-/// What the cluster kernel reads of its CTAs' shared memory, with every load in flight at once. Summed in a loop up
-/// to the runtime CTA count, the loads went one after another, each a round trip to another SM: 32 a thread to merge
-/// the first digit's 4096 bins at B = 1, 5.1 of the kernel's 26 µs (phase stamps, bench/NOTES.md session 14). Unrolled
-/// to kMaxSelectCluster with the ranks past `ranks` masked, they overlap.
-template <typename V>
-__device__ __forceinline__ V sum_over_ranks(const cg::cluster_group& cluster, V* own, int ranks) {
-  V sum{};
-#pragma unroll
-  for (int r = 0; r < kMaxSelectCluster; ++r) {
-    if (r < ranks) sum += *cluster.map_shared_rank(own, r);
-  }
-  return sum;
-}
-
-/// merged[i] = the cluster's sum of own[i], for the bins i < `bins` of this thread (tid, tid + kSelectThreads, ...).
-__device__ __forceinline__ void merge_cluster_counts(const cg::cluster_group& cluster, int ranks, unsigned* own,
-                                                     int bins, unsigned* merged) {
-  constexpr int kBinsPerThread = (1 << kRadixFirstBits) / kSelectThreads;
-  static_assert(kBinsPerThread * kSelectThreads == (1 << kRadixFirstBits), "every thread owns as many bins");
-  unsigned* rank_counts[kMaxSelectCluster];
-#pragma unroll
-  for (int r = 0; r < kMaxSelectCluster; ++r) rank_counts[r] = cluster.map_shared_rank(own, r < ranks ? r : 0);
-  unsigned sum[kBinsPerThread];
-#pragma unroll
-  for (int j = 0; j < kBinsPerThread; ++j) {
-    const int i = static_cast<int>(threadIdx.x) + j * kSelectThreads;
-    sum[j] = 0;
-#pragma unroll
-    for (int r = 0; r < kMaxSelectCluster; ++r) {
-      if (r < ranks && i < bins) sum[j] += rank_counts[r][i];
-    }
-  }
-#pragma unroll
-  for (int j = 0; j < kBinsPerThread; ++j) {
-    const int i = static_cast<int>(threadIdx.x) + j * kSelectThreads;
-    if (i < bins) merged[i] = sum[j];
-  }
-}
-
 // The same four steps by a cluster of CTAs per (b, h) (grid (Hkv * cluster, B)): CTA r of the cluster scores and
 // ranks the r-th slice of the chunks (radix keys in ws.radix_keys); the radix select's histograms are the sums of the
 // CTAs' own, read from each other's shared memory, so that every CTA finds the same threshold; the compaction starts
@@ -314,7 +275,8 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_cluster_kernel(const
   phase_stamp(stamped_kernel::select, 3);
   cluster.sync();
   phase_stamp(stamped_kernel::select, 4);
-  const int candidates = sum_over_ranks(cluster, &candidate_count, ctas);
+  int candidates = 0;
+  for (int r = 0; r < ctas; ++r) candidates += *cluster.map_shared_rank(&candidate_count, r);
   const int take = min(d.budget, candidates);
 
   // --- B. the threshold from the cluster's histograms ------------------------------------------------------------
@@ -335,7 +297,11 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_cluster_kernel(const
           cluster.sync();
           phase_stamp(stamped_kernel::select, 25 + pass);
         }
-        merge_cluster_counts(cluster, ctas, own, digit.bins(), merged);
+        for (int i = tid; i < digit.bins(); i += kSelectThreads) {
+          unsigned sum = 0;
+          for (int r = 0; r < ctas; ++r) sum += cluster.map_shared_rank(own, r)[i];
+          merged[i] = sum;
+        }
         __syncthreads();
         phase_stamp(stamped_kernel::select, 10 + pass);
         return merged;
@@ -347,7 +313,13 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_cluster_kernel(const
   compact_top_k_range(radix_keys, first, end, take, d.budget, rule, pass_scratch, row.selected(d, ws), [&](uint2 totals) {
     if (tid == 0) block_totals = totals;
     cluster.sync();
-    return make_uint2(sum_over_ranks(cluster, &block_totals.x, rank), sum_over_ranks(cluster, &block_totals.y, rank));
+    uint2 before = make_uint2(0U, 0U);
+    for (int r = 0; r < rank; ++r) {
+      const uint2 other = *cluster.map_shared_rank(&block_totals, r);
+      before.x += other.x;
+      before.y += other.y;
+    }
+    return before;
   });
   phase_stamp(stamped_kernel::select, 9);
   // Every CTA's ids and flags written, and no CTA reads another's shared memory after this barrier.
