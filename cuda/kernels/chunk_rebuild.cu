@@ -62,8 +62,8 @@ int splits_for(int batch, int kv_heads, int most, int resident_per_sm) {
 //  * N = D, the whole head: RoPE pairs dim i with i + rotary_dim/2 (or 2i with 2i+1), so the epilogue needs whole
 //    rows. D is a template parameter so that every partition below is static (D/16 MMA columns per warp pair).
 //  * K = 32 rank columns per stage: one 128-byte line of each float32 A row (eight 16-byte cp.async), or 64 bytes of a
-//    bf16 row; three stages with float32 factors, five with bf16 (rebuild_stages), so that the gathers of the later K
-//    tiles overlap the MMAs of this one (with bf16 at rank <= 160, all of a group's). Rank tails are zero-filled (A and B both: a garbage B row times a zero A column could still be NaN).
+//    bf16 row; three stages, so that the gathers of the next two K tiles overlap the MMAs of this one. Rank tails are
+//    zero-filled (A and B both: a garbage B row times a zero A column could still be NaN).
 //  * 8 warps as 4 (M) x 2 (N) of the SM80 16x8x8 TF32 atom: a warp owns 16 rows and D/2 columns, D/4 fp32
 //    accumulators per thread (64 at D = 256, 32 at D = 128), twice: the running sum and the current K tile's.
 // Shared memory rows are padded so that the MMA operand loads are free of bank conflicts: a float32 A row is 36
@@ -75,8 +75,8 @@ int splits_for(int batch, int kv_heads, int most, int resident_per_sm) {
 // two K tiles are already in flight, so that its main loop starts on landed tiles (the kernel's group loop lists the
 // barriers that order the two groups). Shared memory, each stage its A rows then its B rows: [stage 0 | stage 1 |
 // stage 2 ... | row tables x 2]. The epilogue's [64, D + 8] fp32 tile of the results (sC) starts at stage 2 and may
-// run past the last stage: the next group's prologue fills stages 0 and 1 only, and its main loop refills stages 2 on
-// (K tiles 2 on) only after a barrier that follows this group's stores. (What follows was written for three stages.) sC beside all three stages would gain nothing: K tile 2 could then
+// run past it: the next group's prologue fills stages 0 and 1 only, and its main loop refills stage 2 (K tile 2) only
+// after a barrier that follows this group's stores. sC beside all three stages would gain nothing: K tile 2 could then
 // load during the epilogue too, but tile 3 needs the stage that tile 0's MMAs free, so the main loop would still wait
 // for one gather round trip; and it would cost 13.5 KiB more at D = 128 with bf16 factors, and with float32 factors
 // (115 KiB) no longer allow two CTAs an SM. Sharing stage 2, both factor types keep two CTAs an SM up to D = 128
@@ -92,19 +92,9 @@ int splits_for(int batch, int kv_heads, int most, int resident_per_sm) {
 constexpr int kRebuildRows = 64;      // M
 static_assert(kRebuildRows == kMaxChunkSize, "shape_support.hpp's chunk limit is the rebuild tile's rows");
 constexpr int kRebuildRankTile = 32;  // K per stage
-// K tiles 0 and 1 of a group are issued during the previous group's epilogue, into stages 0 and 1 (sC begins after
-// them); the rest of its tiles at its main loop's first iteration, as many as there are stages, then one an iteration
-// into the stage the previous iteration freed.
-constexpr int kRebuildPrologueTiles = 2;
-// Stages: float32 factors three (two K tiles in flight while one is multiplied; with two, each K tile of a group waited
-// a whole gather round trip: ncu at B=1, 15.7 µs for one group a CTA). bf16 factors five, so that at rank <= 160 every
-// K tile of a group is in flight at once: with three, a tile issued two iterations ahead still waited most of a round
-// trip (an iteration's MMAs are far shorter), ~1.0-1.4 µs a tile after the first (phase stamps, bench/NOTES.md
-// session 14). Five float32 stages would not leave two CTAs an SM.
-template <typename F>
-constexpr int rebuild_stages() {
-  return sizeof(F) == 2 ? 5 : 3;
-}
+// Three stages: two K tiles in flight while one is multiplied. With two, each K tile of a group waited a whole
+// gather round trip (ncu at B=1: 15.7 µs for one group a CTA, 17% SM throughput, 2.5% DRAM).
+constexpr int kRebuildStages = 3;
 constexpr int kRebuildThreads = 256;  // 8 warps, 4 x 2 over (M, N)
 
 // Two CTAs per SM up to D = 128 (the grid of splits_for is sized for two per SM), which caps registers at 128 (no
@@ -131,13 +121,11 @@ struct rebuild_tile {
   static constexpr int a_stage = kRebuildRows * a_stride;
   static constexpr int b_stage = kRebuildRankTile * b_stride;
   static constexpr int stage = a_stage + b_stage;  // elements of one stage: its A rows, then its B rows
-  static constexpr int stages = rebuild_stages<F>();
-  static_assert(stages > kRebuildPrologueTiles, "the prologue's stages come before sC's");
   static constexpr std::size_t stage_bytes = stage * sizeof(F);
   static constexpr std::size_t c_bytes = kRebuildRows * c_stride * sizeof(float);
-  // sC begins after the stages the next group's prologue fills (see above).
-  static constexpr std::size_t c_offset = kRebuildPrologueTiles * stage_bytes;
-  static constexpr std::size_t tile_bytes = c_offset + std::max((stages - kRebuildPrologueTiles) * stage_bytes, c_bytes);
+  // sC begins at the last stage, the one the next group's prologue leaves alone (see above).
+  static constexpr std::size_t c_offset = (kRebuildStages - 1) * stage_bytes;
+  static constexpr std::size_t tile_bytes = c_offset + std::max(stage_bytes, c_bytes);
   // Then two buffers of three tables of kRebuildRows long longs: coefficient row, destination offset and position of
   // each row.
   static constexpr int table_entries = 3 * kRebuildRows;
@@ -152,20 +140,19 @@ struct rebuild_tile {
       rebuild_min_ctas_per_sm<D>() * (shared_bytes_with_table + kSharedReservedPerCta) <= kSharedPerSm &&
       shared_bytes_with_table <= kSharedPerCtaMax;
   static_assert(shared_bytes % 16 == 0, "the coefficients' 16-byte copies need a 16-byte aligned start");
-  // bf16 factors (five stages): 50.5 / 55.5 / 60.5 / 70.5 / 112 KiB at D = 64 / 80 / 96 / 128 / 256; float32 (three):
-  // 57 / 65 / 73 / 89 / 153 KiB.
+  // bf16 factors: 40 / 46 / 52 / 64 / 112 KiB at D = 64 / 80 / 96 / 128 / 256; float32: 57 / 65 / 73 / 89 / 153 KiB.
   static_assert(rebuild_min_ctas_per_sm<D>() * (shared_bytes + kSharedReservedPerCta) <= kSharedPerSm &&
                     shared_bytes <= kSharedPerCtaMax,
                 "the rebuild's shared memory must allow rebuild_min_ctas_per_sm CTAs on an SM");
 
   // (row, rank, stage): rows padded to a_stride.
   using a_layout = decltype(cute::make_layout(
-      cute::make_shape(cute::Int<kRebuildRows>{}, cute::Int<kRebuildRankTile>{}, cute::Int<stages>{}),
+      cute::make_shape(cute::Int<kRebuildRows>{}, cute::Int<kRebuildRankTile>{}, cute::Int<kRebuildStages>{}),
       cute::make_stride(cute::Int<a_stride>{}, cute::Int<1>{}, cute::Int<stage>{})));
   // (dim, rank, stage): B[k0 + k, h*D + n] at n + k * b_stride, i.e. row-major B as in global memory; from the stage's
   // first element + a_stage.
   using b_layout = decltype(cute::make_layout(
-      cute::make_shape(cute::Int<D>{}, cute::Int<kRebuildRankTile>{}, cute::Int<stages>{}),
+      cute::make_shape(cute::Int<D>{}, cute::Int<kRebuildRankTile>{}, cute::Int<kRebuildStages>{}),
       cute::make_stride(cute::Int<1>{}, cute::Int<b_stride>{}, cute::Int<stage>{})));
   // (row, dim): the results, row-major.
   using c_layout = decltype(cute::make_layout(cute::make_shape(cute::Int<kRebuildRows>{}, cute::Int<D>{}),
@@ -338,7 +325,7 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
   //  * stages 0 and 1: next's prologue (after A) fills them; current's main loop has finished reading them (each K
   //    tile's closing barrier) and has no copies in flight (its last K tile waits for all).
   //  * sC (stage 2 on): written after current's last closing barrier; read by RoPE after A and by the stores after B;
-  //    next's main loop refills stages 2 on (K tiles 2 on, in its first iteration) only after C.
+  //    next's main loop refills stage 2 (K tile 2, in its first iteration) only after C.
   //  * next's table buffer: last read by the group before current (its RoPE and stores, one pass earlier, before that
   //    pass's C); row_token and row_target are written before A, which the prologue after A needs; row_position is
   //    committed with K tile 0, so next's main loop waits for it (and its barrier publishes it) before next's RoPE.
@@ -363,31 +350,26 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
     const int current_rows = pass == 0 ? 0 : min(group_chunks, misses - (next - group_stride)) * d.chunk;
     if (current_rows > 0) {
       const long long* const tokens = row_token(buffer ^ 1);
-      // Main loop: tile t in stage t % stages; while stage kt % stages is computed, tiles up to kt + stages - 1 land
-      // in the others. Tiles 0 and 1 were issued during the previous pass's epilogue; the steps before kt = 0 (none
-      // with three stages) only issue tiles 2 .. stages - 2, into the stages from kRebuildPrologueTiles on (the
-      // previous group's sC, released by barrier C). (One issue a step, so that load_stage is inlined once here: a
-      // loop of issues made ptxas spill ~120 bytes.)
-      constexpr int kStages = tile::stages;
-      constexpr int kIssueOnlySteps = kStages - 1 - kRebuildPrologueTiles;
+      // Main loop: three stages; stage kt % 3 is computed while tiles kt + 1 and kt + 2 land in the other two. Tiles 0
+      // and 1 were issued during the previous pass's epilogue.
+      static_assert(kRebuildStages == 3, "the prologue and the waits below are written for three stages");
       clear(accumulators);
 #pragma unroll 1
-      for (int kt = -kIssueOnlySteps; kt < k_tiles; ++kt) {
-        // Tile kt + stages - 1 into stage (kt - 1) % stages, last computed in iteration kt - 1, whose closing barrier
-        // every thread has passed (for kt <= 0, a stage of sC's). A commit group a tile.
-        if (kt + kStages - 1 < k_tiles) {
-          load_stage(kt + kStages - 1, (kt + kStages - 1) % kStages, tokens);
+      for (int kt = 0; kt < k_tiles; ++kt) {
+        // Stage (kt + 2) % 3 was last computed in iteration kt - 1, whose closing barrier every thread has passed
+        // (stage 2 at kt = 0: the previous group's sC, released by barrier C).
+        if (kt + 2 < k_tiles) {
+          load_stage(kt + 2, (kt + 2) % kRebuildStages, tokens);
           commit_async_copies();
         }
-        if (kt < 0) continue;
         // Tile kt has landed (this thread's copies) once no more groups are pending than were committed after it:
-        // the tiles issued after it and, with the RoPE table, the coefficients (committed after the prologue's tiles,
-        // at the end of the previous pass) ...
-        const int tiles_after = min(kt + kStages - 1, k_tiles - 1) - kt;
-        wait_async_copies_at_most(tiles_after + (use_table() && kt < kRebuildPrologueTiles ? 1 : 0));
+        // the tiles issued after it and, with the RoPE table, the coefficients (committed after tile 1, or after
+        // tile 0 when it is the only one, at the end of the previous pass) ...
+        const int tiles_after = min(kt + 2, k_tiles - 1) - kt;
+        wait_async_copies_at_most(tiles_after + (use_table() && kt <= 1 ? 1 : 0));
         __syncthreads();  // ... and every thread's
         phase_stamp(stamped_kernel::rebuild, 50 + kt);
-        const int stage = kt % kStages;
+        const int stage = kt % kRebuildStages;
         clear(tile_sums);
         CUTE_UNROLL
         for (int kb = 0; kb < size<2>(tCsA); ++kb) {
@@ -420,7 +402,7 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
         // model.
         CUTE_UNROLL
         for (int i = 0; i < size(accumulators); ++i) accumulators(i) += tile_sums(i);
-        __syncthreads();  // everyone is done with this stage before it is refilled (or stages 2 on reused as sC)
+        __syncthreads();  // everyone is done with this stage before it is refilled (or stage 2 reused as sC)
       }
       if (use_table()) wait_async_copies<0>();  // the coefficients (barrier A publishes them)
       phase_stamp(stamped_kernel::rebuild, 30);
@@ -459,7 +441,7 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
       // The next group's prologue: K tiles 0 and 1 into stages 0 and 1, landing during the RoPE below.
       // (A loop, not two calls: one more inlined copy of load_stage made ptxas spill ~200 bytes with bf16 factors.)
 #pragma unroll 1
-      for (int kt = 0; kt < kRebuildPrologueTiles && kt < k_tiles; ++kt) {
+      for (int kt = 0; kt < kRebuildStages - 1 && kt < k_tiles; ++kt) {
         load_stage(kt, kt, row_token(buffer));
         commit_async_copies();
       }
@@ -514,7 +496,7 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
     // With the RoPE table: the next group's positions (committed with its K tile 0 in the prologue above) have
     // landed for this thread's rows, and after barrier C for every thread's ...
     if (use_table()) wait_async_copies_at_most(k_tiles >= 2 ? 1 : 0);
-    __syncthreads();  // C: the stores are done with sC before the main loop refills stages 2 on
+    __syncthreads();  // C: the stores are done with sC before the main loop refills stage 2
     phase_stamp(stamped_kernel::rebuild, 33);
     // ... so the next group's coefficients are copied from the table now, a group of their own after its K tiles 0
     // and 1, landing during its main loop. The current group's RoPE, their last reader, ended before barrier B.

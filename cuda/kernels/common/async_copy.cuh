@@ -69,16 +69,13 @@ __device__ __forceinline__ void wait_async_copies() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
-/// wait_async_copies<pending> for a count known at run time (0 to 6; more waits as for 6).
+/// wait_async_copies<pending> for a count known at run time (0 to 3; more waits as for 3).
 __device__ __forceinline__ void wait_async_copies_at_most(int pending) {
   switch (pending) {
     case 0: wait_async_copies<0>(); break;
     case 1: wait_async_copies<1>(); break;
     case 2: wait_async_copies<2>(); break;
-    case 3: wait_async_copies<3>(); break;
-    case 4: wait_async_copies<4>(); break;
-    case 5: wait_async_copies<5>(); break;
-    default: wait_async_copies<6>(); break;
+    default: wait_async_copies<3>(); break;
   }
 }
 
