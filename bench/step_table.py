@@ -10,11 +10,15 @@ import json
 import sys
 
 
-def _in_parts(r: dict) -> bool:
-    """Whether the row's step ran in pipeline parts: asked for (decode_pipeline_parts > 1), or the CUDA backend's
-    choice (three parts from 16 sequences when values cross PCIe; cuda_backend.cpp, pipeline_parts)."""
+def _in_tapered_parts(r: dict) -> bool:
+    """Whether the row's step ran in three pipeline parts or more, the splits that can be tapered (cuda_backend.cpp,
+    part_start): asked for (decode_pipeline_parts >= 3), or the CUDA backend's choice with bf16 values crossing PCIe
+    (three parts from 16 sequences; with fp8 values its choice was three until session 14 and two since, which a
+    result file does not record, so those rows are not labelled)."""
     parts = r.get("decode_pipeline_parts") or 0
-    return parts > 1 or (parts == 0 and r["batch"] >= 16 and r.get("value_store", "host").startswith("host"))
+    if parts > 0:
+        return parts >= 3
+    return r["batch"] >= 16 and r.get("value_store", "host") == "host"
 
 
 def table(path: str) -> str:
@@ -32,7 +36,7 @@ def table(path: str) -> str:
                      f"{' (group max)' if r.get('group_score') == 'max' else ''}"
                      f"{' (two centroids)' if r.get('chunk_score') == 'two_centroids' else ''}"
                      f"{' (values in place)' if r.get('device_values') == 'in_place' else ''}"
-                     f"{' (' + r['pipeline_split'] + ' parts)' if r.get('pipeline_split') and _in_parts(r) else ''}"
+                     f"{' (' + r['pipeline_split'] + ' parts)' if r.get('pipeline_split') and _in_tapered_parts(r) else ''}"
                      f"{' (FMA attention)' if r.get('attention') == 'fma' else ''}"
                      f"{' (select on ' + str(r['select_cluster']) + ' CTAs)' if r.get('select_cluster') else ''}"
                      f"{' (plain launches)' if r.get('programmatic_launch') is False else ''}"

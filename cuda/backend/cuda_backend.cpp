@@ -935,9 +935,15 @@ std::vector<cuda_backend::batch_part> cuda_backend::pipeline_parts(std::span<con
   // one, split tapered (tapered_pipeline_split). Measured on the H200 (bench/NOTES.md, 1dbd902: attention part by part; B=24, S=122880, hit 0.61, eager /
   // graph replay): 1 part 1.371 / 1.235 ms, 2 parts 1.104 / 0.989, 3 parts 1.087 / 0.989, 4 parts 1.117 / 1.025,
   // 6 parts 1.271 / 1.077 (each part adds ~65 µs of latency-bound score and select kernels to the compute stream);
-  // device values have no PCIe transfer to hide.
+  // device values have no PCIe transfer to hide. fp8 values (half the bytes) are bound by the compute stream, where each
+  // part costs its own logits and select launches: two parts (bench/NOTES.md session 14; B = 24, hit 0.61, graph:
+  // 0.760 / 0.753 ms in two runs against 0.788 / 0.793 with three; at hit 0.04 three stay ahead, 1.274 / 1.289
+  // against 1.325 / 1.311).
   int count = config_.decode_pipeline_parts;
-  if (count <= 0) count = batch >= kPipelineFromBatch && any_host_values(entries) ? kDefaultPipelineParts : 1;
+  if (count <= 0) {
+    const int parts = dims_.value_fp8 != 0 ? kDefaultPipelinePartsFp8 : kDefaultPipelineParts;
+    count = batch >= kPipelineFromBatch && any_host_values(entries) ? parts : 1;
+  }
   count = std::clamp(count, 1, std::max(1, batch));
   std::vector<batch_part> parts(static_cast<std::size_t>(count));
   for (int p = 0; p < count; ++p) {

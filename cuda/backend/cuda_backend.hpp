@@ -136,6 +136,7 @@ class cuda_backend final : public backend {
   };
   static constexpr int kMaxPipelineParts = 8;      ///< config::decode_pipeline_parts' limit
   static constexpr int kDefaultPipelineParts = 3;  ///< the backend's choice from kPipelineFromBatch sequences
+  static constexpr int kDefaultPipelinePartsFp8 = 2;  ///< the same with fp8 values (half the PCIe bytes to hide)
   static constexpr int kPipelineFromBatch = 16;    ///< (with host values; bench/NOTES.md)
   /// stream_ waits for the whole fetch queued by fetch_values, once (no-op when none is pending).
   void join_fetch();
