@@ -42,6 +42,8 @@ def table(path: str) -> str:
                      f"{' (plain launches)' if r.get('programmatic_launch') is False else ''}"
                      f"{' (fetch at normal priority)' if r.get('fetch_priority') == 'normal' else ''}"
                      f"{' (no RoPE table)' if r.get('rope_table') is False else ''}"
+                     f"{' (rebuild on TF32 MMAs)' if r.get('rebuild_mma') == 'tf32' else ''}"
+                     f"{' (select merge by every CTA)' if r.get('select_merge') == 'all' else ''}"
                      f"{' (fetch CTAs ' + str(r['fetch_ctas']) + ')' if r.get('fetch_ctas') else ''}"
                      f"{' (cache ' + str(r['cache_tokens']) + ' tokens)' if r.get('cache_tokens') else ''} | {r['hit']:.2f} | "
                      f"{r['ours_ms']:.3f} | {graph} | {r['full_ms']:.3f} | {r['floor_ms']:.3f} | "

@@ -51,6 +51,10 @@ struct dims {
   int programmatic_launch;  ///< 1: the decode step's kernels after the first are launched programmatically dependent
                             ///< on the one before (common/dependent_launch.cuh), 0: plain launches
                             ///< (SHADOWKV_PROGRAMMATIC_LAUNCH=off)
+  int rebuild_mma_tf32;  ///< 1: the key rebuild multiplies bf16 factors on TF32 MMAs (SHADOWKV_REBUILD_MMA=tf32),
+                         ///< 0: on bf16 MMAs (chunk_rebuild.cu); float32 factors always take 3xTF32
+  int select_merge_all;  ///< 1: select clusters merge histograms with every CTA summing every bin
+                         ///< (SHADOWKV_SELECT_MERGE=all), 0: by reduce-scatter then gather (select_kernel.cu)
 };
 
 /// Everything of one (slot, layer) on the device. Row-major, head-major where a kernel reads one head at a time.

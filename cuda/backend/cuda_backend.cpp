@@ -25,6 +25,15 @@
 namespace shadowkv::cuda {
 namespace {
 
+// A two-way measurement knob (bench/step_benchmark.py; bench/NOTES.md): false when the environment variable `name` is
+// unset, empty or `usual` (the default), true when it is `other`; any other text is rejected, naming both.
+bool knob_is(const char* name, const char* usual, const char* other) {
+  const char* text = std::getenv(name);
+  if (text == nullptr || *text == '\0' || std::strcmp(text, usual) == 0) return false;
+  SHADOWKV_EXPECTS(std::strcmp(text, other) == 0, name, " must be '", usual, "' or '", other, "', got '", text, "'");
+  return true;
+}
+
 // CTAs of the value fetch: the environment variable `name` when it is set (a measurement knob for
 // bench/step_benchmark.py; bench/NOTES.md), else `fallback`.
 int fetch_ctas_setting(const char* name, int fallback) {
@@ -53,11 +62,7 @@ int fetch_ctas_for_host_values(int multiprocessors) {
 // in a CUDA graph instantiated with cudaGraphInstantiateFlagUseNodePriority (PyTorch's CUDAGraph does so). A
 // measurement knob for bench/step_benchmark.py's +np (bench/NOTES.md, session 13).
 int fetch_priority_for_host_values() {
-  const char* text = std::getenv("SHADOWKV_FETCH_PRIORITY");
-  const bool high = text == nullptr || *text == '\0' || std::strcmp(text, "high") == 0;
-  SHADOWKV_EXPECTS(high || std::strcmp(text, "normal") == 0, "SHADOWKV_FETCH_PRIORITY must be 'high' or 'normal', got '",
-                   text, "'");
-  if (!high) return 0;
+  if (knob_is("SHADOWKV_FETCH_PRIORITY", "high", "normal")) return 0;
   int least = 0;
   int greatest = 0;
   SHADOWKV_CUDA_TRY(cudaDeviceGetStreamPriorityRange(&least, &greatest));
@@ -70,9 +75,7 @@ int fetch_priority_for_host_values() {
 // bench/step_benchmark.py's +rt0 (bench/NOTES.md, session 13).
 constexpr std::size_t kRopeTableMaxBytes = std::size_t{256} << 20;
 long long rope_table_positions(const dims& d) {
-  const char* text = std::getenv("SHADOWKV_ROPE_TABLE");
-  const bool on = text == nullptr || *text == '\0' || std::strcmp(text, "on") == 0;
-  SHADOWKV_EXPECTS(on || std::strcmp(text, "off") == 0, "SHADOWKV_ROPE_TABLE must be 'on' or 'off', got '", text, "'");
+  const bool on = !knob_is("SHADOWKV_ROPE_TABLE", "on", "off");
   const std::size_t per_position = rope_table_bytes(d, 1);
   if (!on || per_position == 0) return 0;
   const long long capacity = static_cast<long long>(d.max_chunks) * d.chunk;
@@ -89,13 +92,7 @@ int fetch_ctas_for_device_values(int multiprocessors) {
 // (the default: the fetch copies the misses into the selection cache, device to device, and attention reads the
 // cache) or "in_place" (attention reads them from the value store; no copy). SHADOWKV_DEVICE_VALUES picks one (a
 // measurement knob for bench/step_benchmark.py's +ip; bench/NOTES.md).
-bool device_values_in_place() {
-  const char* text = std::getenv("SHADOWKV_DEVICE_VALUES");
-  if (text == nullptr || *text == '\0' || std::strcmp(text, "gather") == 0) return false;
-  SHADOWKV_EXPECTS(std::strcmp(text, "in_place") == 0, "SHADOWKV_DEVICE_VALUES must be 'gather' or 'in_place', got '",
-                   text, "'");
-  return true;
-}
+bool device_values_in_place() { return knob_is("SHADOWKV_DEVICE_VALUES", "gather", "in_place"); }
 
 // How the batch is split into decode pipeline parts: "tapered" (the default: the first and last parts half the size of
 // the others, e.g. 6/12/6 of 24: the first part's selection is all the fetch waits for, and the last part's attention
@@ -103,23 +100,12 @@ bool device_values_in_place() {
 // (bench/NOTES.md, session 13; B = 24 and 48 at hit 0.04, then B = 24 and 48 at hit 0.61, graph replay): tapered 2.158 / 2.171 / 0.950 / 0.957 ms
 // against even 2.175 / 2.167 / 0.971 / 0.966, and eager 2.094 / 2.114 / 0.979 / 0.972 against 2.270 / 2.148 / 1.019 /
 // 1.004. SHADOWKV_PIPELINE_SPLIT picks one (a measurement knob for bench/step_benchmark.py's +ev).
-bool tapered_pipeline_split() {
-  const char* text = std::getenv("SHADOWKV_PIPELINE_SPLIT");
-  if (text == nullptr || *text == '\0' || std::strcmp(text, "tapered") == 0) return true;
-  SHADOWKV_EXPECTS(std::strcmp(text, "even") == 0, "SHADOWKV_PIPELINE_SPLIT must be 'tapered' or 'even', got '", text,
-                   "'");
-  return false;
-}
+bool tapered_pipeline_split() { return !knob_is("SHADOWKV_PIPELINE_SPLIT", "tapered", "even"); }
 
 // Which kernel runs the sparse attention where both can: "mma" (the default: the tensor-core kernel for bf16 keys
 // and values with head_dim <= 128) or "fma" (the CUDA-core kernel for every shape). SHADOWKV_ATTENTION picks one (a
 // measurement knob for bench/step_benchmark.py's +fma; bench/NOTES.md).
-bool attention_on_fma() {
-  const char* text = std::getenv("SHADOWKV_ATTENTION");
-  if (text == nullptr || *text == '\0' || std::strcmp(text, "mma") == 0) return false;
-  SHADOWKV_EXPECTS(std::strcmp(text, "fma") == 0, "SHADOWKV_ATTENTION must be 'mma' or 'fma', got '", text, "'");
-  return true;
-}
+bool attention_on_fma() { return knob_is("SHADOWKV_ATTENTION", "mma", "fma"); }
 
 // CTAs per (sequence, KV head) of the select kernel: "auto" (the default: the planner's choice, clusters of up to 8 when
 // the batch leaves multiprocessors idle; selection_plan.cuh) or 1, 2, 4, 8 (forced where clusters may run).
@@ -138,13 +124,21 @@ int select_cluster_setting() {
 // Whether the decode step's kernels overlap their launch with the tail of the kernel before them (programmatic dependent
 // launch; common/dependent_launch.cuh): "on" (the default) or "off". SHADOWKV_PROGRAMMATIC_LAUNCH picks one (a
 // measurement knob for bench/step_benchmark.py's +pl0; bench/NOTES.md).
-bool programmatic_launch_setting() {
-  const char* text = std::getenv("SHADOWKV_PROGRAMMATIC_LAUNCH");
-  if (text == nullptr || *text == '\0' || std::strcmp(text, "on") == 0) return true;
-  SHADOWKV_EXPECTS(std::strcmp(text, "off") == 0, "SHADOWKV_PROGRAMMATIC_LAUNCH must be 'on' or 'off', got '", text,
-                   "'");
-  return false;
-}
+bool programmatic_launch_setting() { return !knob_is("SHADOWKV_PROGRAMMATIC_LAUNCH", "on", "off"); }
+
+// The key rebuild's tensor-core instruction for bf16 factors: "bf16" (the default: m16n8k16 bf16 MMAs fed by ldmatrix,
+// half as many MMAs as TF32 and one shared-memory instruction for what took eight loads and conversions) or "tf32"
+// (each bf16 factor widened to tf32, m16n8k8 TF32 MMAs, as before). Both form every product exactly and add in fp32;
+// only the tensor core's order of accumulation inside a K tile differs. SHADOWKV_REBUILD_MMA picks one (a measurement
+// knob for bench/step_benchmark.py's +mt; bench/NOTES.md, session 15). Float32 factors always take 3xTF32.
+bool rebuild_mma_tf32() { return knob_is("SHADOWKV_REBUILD_MMA", "bf16", "tf32"); }
+
+// How the CTAs of a select cluster merge their radix histograms: "scatter" (the default: each CTA sums its own slice of
+// the bins over the cluster's ranks, then every CTA reads the summed slices: 2 x bins loads a CTA) or "all" (every CTA
+// sums every bin over every rank: ranks x bins loads a CTA, as before). The distributed shared memory's throughput
+// bounds the merge (bench/NOTES.md, session 14). SHADOWKV_SELECT_MERGE picks one (a measurement knob for
+// bench/step_benchmark.py's +sma).
+bool select_merge_all() { return knob_is("SHADOWKV_SELECT_MERGE", "scatter", "all"); }
 
 // First entry of part p of `count` parts of `batch` entries: weights 1 each ("even"), or 1, 2, ..., 2, 1 ("tapered",
 // three parts or more); a tapered split that would leave a part empty falls back to the even one.
@@ -288,6 +282,8 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   dims_.attention_fma = attention_on_fma() ? 1 : 0;
   dims_.select_cluster = select_cluster_setting();
   dims_.programmatic_launch = programmatic_launch_setting() ? 1 : 0;
+  dims_.rebuild_mma_tf32 = rebuild_mma_tf32() ? 1 : 0;
+  dims_.select_merge_all = select_merge_all() ? 1 : 0;
 
   own_stream_ = make_stream();
   copy_stream_ = make_stream();
