@@ -1,5 +1,5 @@
 // Decode step 4 (misses only). Keys: a gather-GEMM on tensor cores (CuTe; 3xTF32 for fp32 accuracy on float32 factors,
-// one TF32 MMA on bf16 factors, whose products it computes exactly) followed by RoPE at each token's own position.
+// bf16 MMAs on bf16 factors, whose products they compute exactly) followed by RoPE at each token's own position.
 // Values: a copy of contiguous runs from the value store.
 #include <cute/atom/mma_atom.hpp>
 #include <cute/tensor.hpp>
@@ -64,7 +64,8 @@ int splits_for(int batch, int kv_heads, int most, int resident_per_sm) {
 //  * K = 32 rank columns per stage: one 128-byte line of each float32 A row (eight 16-byte cp.async), or 64 bytes of a
 //    bf16 row; three stages, so that the gathers of the next two K tiles overlap the MMAs of this one. Rank tails are
 //    zero-filled (A and B both: a garbage B row times a zero A column could still be NaN).
-//  * 8 warps as 4 (M) x 2 (N) of the SM80 16x8x8 TF32 atom: a warp owns 16 rows and D/2 columns, D/4 fp32
+//  * 8 warps as 4 (M) x 2 (N) of the SM80 16x8x8 TF32 atom (bf16 factors: the 16x8x16 bf16 atom, fed by ldmatrix;
+//    add_bf16_tile_products): a warp owns 16 rows and D/2 columns, D/4 fp32
 //    accumulators per thread (64 at D = 256, 32 at D = 128), twice: the running sum and the current K tile's.
 // Shared memory rows are padded so that the MMA operand loads are free of bank conflicts: a float32 A row is 36
 // floats (lanes (g, t) read row g, column t: bank 4g + t), a bf16 row 40 halves (word 20g + t/2); a B row (fixed k, all
@@ -87,7 +88,8 @@ int splits_for(int batch, int kv_heads, int most, int resident_per_sm) {
 // fp32 tolerances, so plain TF32 (10-bit mantissa) is not enough for float32 factors. Each operand is split as
 // x = big + small (big = x rounded to tf32, small = the exact fp32 remainder rounded to tf32) and acc +=
 // small_a*big_b + big_a*small_b + big_a*big_b: about 22 significant bits per product (what CUTLASS calls
-// OpMultiplyAddFastF32). A bf16 factor (8-bit mantissa) is a tf32 number as it is, so one MMA gives the exact product.
+// OpMultiplyAddFastF32). A bf16 factor (8-bit mantissa) times another is exact in fp32 on the bf16 MMA (and on a TF32
+// MMA, a bf16 number being a tf32 number as it is: SHADOWKV_REBUILD_MMA=tf32, the way before session 15).
 // The tensor cores accumulate each K tile from zero; the tiles are summed with ordinary fp32 adds (see the main loop).
 constexpr int kRebuildRows = 64;      // M
 static_assert(kRebuildRows == kMaxChunkSize, "shape_support.hpp's chunk limit is the rebuild tile's rows");
@@ -177,6 +179,48 @@ __device__ __forceinline__ cutlass::tfloat32_t exact_tf32(__nv_bfloat16 x) {
   return cutlass::tfloat32_t::bitcast(__float_as_uint(__bfloat162float(x)));
 }
 
+/// The 4 x 2 warps' MMAs for bf16 factors: SM80's m16n8k16 bf16 atom (products exact, sums in fp32). Its accumulators
+/// (SM80_16x8_Row) are laid out as those of the 16x8x8 TF32 atom, so both tiled MMAs partition the results alike
+/// (asserted in the kernel) and share the kernel's accumulators.
+using bf16_rebuild_mma = decltype(cute::make_tiled_mma(cute::SM80_16x8x16_F32BF16BF16F32_TN{},
+                                                       cute::Layout<cute::Shape<cute::_4, cute::_2, cute::_1>>{}));
+
+/// Adds one K tile's products (32 rank columns of the stage at `stage`: its A rows, then its B rows, as rebuild_tile
+/// lays them out) into `tile_sums` on bf16 MMAs: per k-block of 16, the warp's A operand (16 rows x 16) by one
+/// ldmatrix.x4 and each n8 block's B operand (16 x 8, stored dim-major) by one ldmatrix.x2.trans. Both are free of bank
+/// conflicts with rebuild_tile's padded rows (A: 80 bytes a row, B: 2 (D + 8) bytes, an odd number of 16-byte units).
+/// Against bf16 factors widened to tf32 (rebuild_mma_tf32): half the MMAs, and one shared-memory instruction for what
+/// took eight scalar loads and conversions (bench/NOTES.md, session 14: ~260 instructions a warp a K tile).
+template <int D, typename Sums>
+__device__ __forceinline__ void add_bf16_tile_products(const __nv_bfloat16* stage, Sums& tile_sums) {
+  using namespace cute;
+  using tile = rebuild_tile<__nv_bfloat16, D>;
+  const auto* base = reinterpret_cast<const cute::bfloat16_t*>(stage);
+  Tensor sA = make_tensor(make_smem_ptr(base), make_layout(make_shape(Int<kRebuildRows>{}, Int<kRebuildRankTile>{}),
+                                                           make_stride(Int<tile::a_stride>{}, Int<1>{})));
+  Tensor sB = make_tensor(make_smem_ptr(base + tile::a_stage),
+                          make_layout(make_shape(Int<D>{}, Int<kRebuildRankTile>{}),
+                                      make_stride(Int<1>{}, Int<tile::b_stride>{})));
+  bf16_rebuild_mma mma;
+  ThrMMA thread_mma = mma.get_slice(threadIdx.x);
+  Tensor a = thread_mma.partition_fragment_A(sA);  // (MMA, MMA_M = 1, MMA_K = 2)
+  Tensor b = thread_mma.partition_fragment_B(sB);  // (MMA, MMA_N = D / 16, MMA_K = 2)
+  auto copy_a = make_tiled_copy_A(Copy_Atom<SM75_U32x4_LDSM_N, cute::bfloat16_t>{}, mma);
+  auto copy_b = make_tiled_copy_B(Copy_Atom<SM75_U16x4_LDSM_T, cute::bfloat16_t>{}, mma);
+  ThrCopy thread_copy_a = copy_a.get_slice(threadIdx.x);
+  ThrCopy thread_copy_b = copy_b.get_slice(threadIdx.x);
+  Tensor a_from = thread_copy_a.partition_S(sA);
+  Tensor a_to = thread_copy_a.retile_D(a);
+  Tensor b_from = thread_copy_b.partition_S(sB);
+  Tensor b_to = thread_copy_b.retile_D(b);
+  CUTE_UNROLL
+  for (int kb = 0; kb < size<2>(a); ++kb) {
+    copy(copy_a, a_from(_, _, kb), a_to(_, _, kb));
+    copy(copy_b, b_from(_, _, kb), b_to(_, _, kb));
+    gemm(mma, tile_sums, a(_, _, kb), b(_, _, kb), tile_sums);
+  }
+}
+
 template <typename T, typename F, int D>
 __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
     rebuild_keys_kernel(dims d, layer_view* views, const int* batch_slots, int layer, step_workspace workspace,
@@ -238,6 +282,9 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
   Tensor b_big = make_fragment_like<cutlass::tfloat32_t>(tCsB(_, 0, 0, 0));  // (MMA)
   Tensor b_small = make_fragment_like<cutlass::tfloat32_t>(tCsB(_, 0, 0, 0));
   static_assert(decltype(size<1>(tCsA))::value == 1, "one MMA row block per warp");
+  static_assert(std::is_same_v<decltype(bf16_rebuild_mma{}.get_slice(0).partition_C(sC).layout()),
+                               decltype(tCsC.layout())>,
+                "the bf16 and the TF32 MMAs must partition the results alike: they share the accumulators");
 
   // Issues the cp.async of K tile `k_tile` (rank columns [32 k_tile, 32 k_tile + 32)) into `stage`: the gathered A
   // rows (of the group whose row_token table is `tokens`) and B[k0:k0+32, head]. Out-of-range elements are zero-filled
@@ -371,9 +418,9 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
         phase_stamp(stamped_kernel::rebuild, 50 + kt);
         const int stage = kt % kRebuildStages;
         clear(tile_sums);
-        CUTE_UNROLL
-        for (int kb = 0; kb < size<2>(tCsA); ++kb) {
-          if constexpr (kSplitOperands) {
+        if constexpr (kSplitOperands) {
+          CUTE_UNROLL
+          for (int kb = 0; kb < size<2>(tCsA); ++kb) {
             CUTE_UNROLL
             for (int i = 0; i < size(a_big); ++i) split_tf32(tCsA(_, _, kb, stage)(i), a_big(i), a_small(i));
             CUTE_UNROLL
@@ -385,7 +432,10 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
               gemm(mma, tile_sums(_, 0, n), a_big(_, 0), b_small, tile_sums(_, 0, n));
               gemm(mma, tile_sums(_, 0, n), a_big(_, 0), b_big, tile_sums(_, 0, n));
             }
-          } else {
+          }
+        } else if (d.rebuild_mma_tf32 != 0) {
+          CUTE_UNROLL
+          for (int kb = 0; kb < size<2>(tCsA); ++kb) {
             CUTE_UNROLL
             for (int i = 0; i < size(a_big); ++i) a_big(i) = exact_tf32(tCsA(_, _, kb, stage)(i));
             CUTE_UNROLL
@@ -395,6 +445,8 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
               gemm(mma, tile_sums(_, 0, n), a_big(_, 0), b_big, tile_sums(_, 0, n));
             }
           }
+        } else {
+          add_bf16_tile_products<D>(shared + stage * tile::stage, tile_sums);
         }
         // Tensor cores round their fp32 sums toward zero, so one accumulator chained through all 3 * r / 8 MMAs
         // drifts (a host model that truncates every MMA result: 1.3e-5 of sum |a*b| at r = 2048, near the parity

@@ -73,6 +73,7 @@ struct case_config {
   bool graph = false;            ///< capture the launch once in a CUDA graph and replay it for both steps
   bool two_centroids = false;    ///< chunks scored by two e4m3 centroids (dims::chunk_centroids), not landmarks
   int select_cluster = 0;        ///< dims::select_cluster: 0 the planner's choice, 1 one CTA, 2/4/8 a cluster
+  bool select_merge_all = false;  ///< dims::select_merge_all: a cluster's histograms summed by every CTA
   bool programmatic = false;     ///< dims::programmatic_launch: kernels launched after the previous one's tail
 
   [[nodiscard]] std::string describe() const {
@@ -84,7 +85,7 @@ struct case_config {
       << " qscale=" << query_scale << " ties=" << tie_fraction << (equal_landmarks ? " equal_landmarks" : "")
       << (warm_cache ? " warm" : "") << (fresh_second ? " fresh_second" : "") << (graph ? " graph" : "")
       << (two_centroids ? " two_centroids" : "") << " select_cluster=" << select_cluster
-      << (programmatic ? " programmatic" : "");
+      << (select_merge_all ? " merge=all" : "") << (programmatic ? " programmatic" : "");
     return s.str();
   }
 };
@@ -353,6 +354,7 @@ void run_case(const case_config& cfg) {
   d.softmax_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
   d.chunk_centroids = cfg.two_centroids ? 1 : 0;
   d.select_cluster = cfg.select_cluster;
+  d.select_merge_all = cfg.select_merge_all ? 1 : 0;
   d.programmatic_launch = cfg.programmatic ? 1 : 0;
 
   // Entries on a shuffled subset of the slots (exercises slot * num_layers + layer indexing).
@@ -861,30 +863,35 @@ TEST_F(ChunkSelection, ClustersOfEverySizeRankLikeOneCta) {
   // The select kernel on one CTA and on clusters of 2, 4 and 8 that split the chunks (select_cluster_kernel), the
   // planner's choice too: contexts of a few thousand chunks (slices of several passes of 1024 threads; a cluster of 8
   // leaves the last CTAs an empty slice at the shortest contexts), planted ties at the threshold, one and three query
-  // tokens, the default cache and one of 3 x the budget (run by the cluster's first CTA), a graph replay.
+  // tokens, the default cache and one of 3 x the budget (run by the cluster's first CTA), a graph replay; clusters
+  // merge their histograms both ways (reduce-scatter, and every CTA summing every bin).
   for (const int cluster : {0, 1, 2, 4, 8}) {
     for (const int tokens : {1, 3}) {
-      case_config cfg;
-      cfg.seed = 0xc105ULL + static_cast<std::uint64_t>(cluster * 10 + tokens);
-      cfg.batch = 2;
-      cfg.kv_heads = 3;
-      cfg.group = 4;
-      cfg.head_dim = 128;
-      cfg.max_chunks = 6000;
-      cfg.max_context = 5500;
-      cfg.budget = 300;
-      cfg.max_outliers = 48;
-      cfg.tokens = tokens;
-      cfg.tie_fraction = 0.3;
-      cfg.warm_cache = tokens == 1;
-      cfg.select_cluster = cluster;
-      run_case(cfg);
-      if (HasFatalFailure()) return;
-      cfg.cache_slots = 3 * cfg.budget;
-      cfg.steps = 6;
-      cfg.graph = tokens == 1;
-      run_case(cfg);
-      if (HasFatalFailure()) return;
+      for (const bool merge_all : {false, true}) {
+        if (merge_all && cluster == 1) continue;  // one CTA merges nothing
+        case_config cfg;
+        cfg.seed = 0xc105ULL + static_cast<std::uint64_t>(cluster * 10 + tokens);
+        cfg.select_merge_all = merge_all;
+        cfg.batch = 2;
+        cfg.kv_heads = 3;
+        cfg.group = 4;
+        cfg.head_dim = 128;
+        cfg.max_chunks = 6000;
+        cfg.max_context = 5500;
+        cfg.budget = 300;
+        cfg.max_outliers = 48;
+        cfg.tokens = tokens;
+        cfg.tie_fraction = 0.3;
+        cfg.warm_cache = tokens == 1;
+        cfg.select_cluster = cluster;
+        run_case(cfg);
+        if (HasFatalFailure()) return;
+        cfg.cache_slots = 3 * cfg.budget;
+        cfg.steps = 6;
+        cfg.graph = tokens == 1;
+        run_case(cfg);
+        if (HasFatalFailure()) return;
+      }
     }
   }
 }

@@ -521,6 +521,53 @@ def test_cuda_programmatic_launch_changes_nothing_but_speed(monkeypatch):
         KVStore(**_twin_kw(None))
 
 
+def test_cuda_select_merge_changes_nothing_but_speed(monkeypatch):
+    """A select cluster merges its CTAs' radix histograms by reduce-scatter then gather (select_kernel.cu), or with
+    every CTA summing every bin with SHADOWKV_SELECT_MERGE=all, read when the store is built: the same counts either
+    way, so bit-identical selections, outputs and statistics, on clusters of 2, 4 and 8 and the planner's choice, with
+    the default cache and one of 4 x the budget, the batch whole and in three parts; a setting that is neither is
+    refused."""
+    g = H.generator(53)
+    for cluster in ("2", "4", "8", None):
+        if cluster is None:
+            monkeypatch.delenv("SHADOWKV_SELECT_CLUSTER", raising=False)
+        else:
+            monkeypatch.setenv("SHADOWKV_SELECT_CLUSTER", cluster)
+        for cache_tokens, parts in ((0, 1), (512, 1), (0, 3)):
+            kw = _twin_kw(None, decode_pipeline_parts=parts, cache_tokens=cache_tokens)
+            stores = _stores_by_knob(monkeypatch, "SHADOWKV_SELECT_MERGE", (None, "all", "scatter"), kw)
+            _run_twins(stores, g, 6, _equal, f"cluster {cluster}, cache_tokens {cache_tokens}, {parts} parts")
+    monkeypatch.delenv("SHADOWKV_SELECT_CLUSTER", raising=False)
+    monkeypatch.setenv("SHADOWKV_SELECT_MERGE", "some")
+    with pytest.raises(ValueError, match="SHADOWKV_SELECT_MERGE"):
+        KVStore(**_twin_kw(None))
+
+
+def test_cuda_rebuild_mma_changes_keys_only_in_their_last_bits(monkeypatch):
+    """The key rebuild multiplies bf16 factors on bf16 MMAs (chunk_rebuild.cu, the default), or widened to tf32 on TF32
+    MMAs with SHADOWKV_REBUILD_MMA=tf32, read when the store is built. Both form every product exactly and add in
+    float32, in a different order inside a K tile: selections and statistics identical (they do not depend on the
+    rebuilt keys), outputs equal to the keys' last bits, with bf16 and fp8 host values and the batch in three parts;
+    float32 factors (3xTF32 either way) bit-identical; a setting that is neither is refused."""
+    g = H.generator(59)
+
+    def close(a, b, where):
+        err = H.rel_err(b.float(), a.float())
+        assert err < 2e-3, f"{where}: the two rebuild MMAs differ by {err:.2e}"
+
+    for value_dtype, parts in ((None, 1), ("float8_e4m3", 1), (None, 3)):
+        kw = _twin_kw(value_dtype, decode_pipeline_parts=parts)
+        stores = _stores_by_knob(monkeypatch, "SHADOWKV_REBUILD_MMA", (None, "tf32", "bf16"), kw)
+        assert all(store.config["factor_dtype"] == "bfloat16" for store in stores.values())
+        _run_twins(stores, g, 8, close, f"values {value_dtype}, {parts} parts")
+    kw = _twin_kw(None, factor_dtype="float32")
+    _run_twins(_stores_by_knob(monkeypatch, "SHADOWKV_REBUILD_MMA", (None, "tf32"), kw), g, 4, _equal,
+               "float32 factors")
+    monkeypatch.setenv("SHADOWKV_REBUILD_MMA", "fp16")
+    with pytest.raises(ValueError, match="SHADOWKV_REBUILD_MMA"):
+        KVStore(**_twin_kw(None))
+
+
 def test_cuda_decode_is_ordered_on_the_callers_current_stream():
     """The store's work runs on the caller's current torch stream (KVStore._stream_of, read per call): on a side stream
     whose last kernel writes q, k and v only after a ~50 ms spin, the step must see the written tensors. A store that

@@ -297,10 +297,34 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_cluster_kernel(const
           cluster.sync();
           phase_stamp(stamped_kernel::select, 25 + pass);
         }
-        for (int i = tid; i < digit.bins(); i += kSelectThreads) {
-          unsigned sum = 0;
-          for (int r = 0; r < ctas; ++r) sum += cluster.map_shared_rank(own, r)[i];
-          merged[i] = sum;
+        if (d.select_merge_all != 0) {
+          // Every CTA sums every bin over every rank: ctas x bins loads of distributed shared memory a CTA.
+          for (int i = tid; i < digit.bins(); i += kSelectThreads) {
+            unsigned sum = 0;
+            for (int r = 0; r < ctas; ++r) sum += cluster.map_shared_rank(own, r)[i];
+            merged[i] = sum;
+          }
+        } else {
+          // Reduce-scatter, then gather: CTA r sums its own slice of the bins over the ranks into its merged (bins
+          // loads a CTA), and after a cluster barrier every CTA copies the other slices from their owners' merged
+          // (bins x (ctas - 1) / ctas loads). The merge is bound by the distributed shared memory's throughput, not
+          // by each load's latency (bench/NOTES.md, session 14), so fewer loads is what shortens it. A CTA writes
+          // only its own slice of its merged and reads only the others' slices of theirs; the next pass writes its
+          // slice again only after the cluster barrier that follows its counting, which every CTA reaches after this
+          // gather.
+          const int slice_bins = (digit.bins() + ctas - 1) / ctas;
+          const int own_first = rank * slice_bins;
+          const int own_end = min(digit.bins(), own_first + slice_bins);
+          for (int i = own_first + tid; i < own_end; i += kSelectThreads) {
+            unsigned sum = 0;
+            for (int r = 0; r < ctas; ++r) sum += cluster.map_shared_rank(own, r)[i];
+            merged[i] = sum;
+          }
+          cluster.sync();
+          for (int i = tid; i < digit.bins(); i += kSelectThreads) {
+            const int owner = i / slice_bins;
+            if (owner != rank) merged[i] = cluster.map_shared_rank(merged, owner)[i];
+          }
         }
         __syncthreads();
         phase_stamp(stamped_kernel::select, 10 + pass);
