@@ -55,6 +55,8 @@ struct dims {
                          ///< 0: on bf16 MMAs (chunk_rebuild.cu); float32 factors always take 3xTF32
   int select_merge_all;  ///< 1: select clusters merge histograms with every CTA summing every bin
                          ///< (SHADOWKV_SELECT_MERGE=all), 0: by reduce-scatter then gather (select_kernel.cu)
+  int rebuild_rope_shared;  ///< 1: the key rebuild's RoPE always runs over its results in shared memory
+                            ///< (SHADOWKV_REBUILD_ROPE=shared), 0: in the accumulators where it can (chunk_rebuild.cu)
 };
 
 /// Everything of one (slot, layer) on the device. Row-major, head-major where a kernel reads one head at a time.

@@ -140,6 +140,12 @@ bool rebuild_mma_tf32() { return knob_is("SHADOWKV_REBUILD_MMA", "bf16", "tf32")
 // bench/step_benchmark.py's +sma).
 bool select_merge_all() { return knob_is("SHADOWKV_SELECT_MERGE", "scatter", "all"); }
 
+// Where the key rebuild applies RoPE: "registers" (the default: in the MMA accumulators where every thread holds both
+// dims of its pairs, with the store's RoPE table; chunk_rebuild.cu, rope_in_registers) or "shared" (always over the
+// results in shared memory, a thread a pair, as before). The same rotation either way. SHADOWKV_REBUILD_ROPE picks one
+// (a measurement knob for bench/step_benchmark.py's +rs; bench/NOTES.md, session 15).
+bool rebuild_rope_shared() { return knob_is("SHADOWKV_REBUILD_ROPE", "registers", "shared"); }
+
 // First entry of part p of `count` parts of `batch` entries: weights 1 each ("even"), or 1, 2, ..., 2, 1 ("tapered",
 // three parts or more); a tapered split that would leave a part empty falls back to the even one.
 int part_start(int p, int count, int batch, bool tapered) {
@@ -284,6 +290,7 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   dims_.programmatic_launch = programmatic_launch_setting() ? 1 : 0;
   dims_.rebuild_mma_tf32 = rebuild_mma_tf32() ? 1 : 0;
   dims_.select_merge_all = select_merge_all() ? 1 : 0;
+  dims_.rebuild_rope_shared = rebuild_rope_shared() ? 1 : 0;
 
   own_stream_ = make_stream();
   copy_stream_ = make_stream();

@@ -179,6 +179,20 @@ __device__ __forceinline__ cutlass::tfloat32_t exact_tf32(__nv_bfloat16 x) {
   return cutlass::tfloat32_t::bitcast(__float_as_uint(__bfloat162float(x)));
 }
 
+/// Whether the rebuild rotates a group's keys in the MMA accumulators, where every thread holds both dims of each of
+/// its pairs (SM80_16x8_Row: a thread's values v = 0, 1 of an n8 block are (row g, columns 2t, 2t + 1), v = 2, 3 the
+/// same columns of row g + 8; a warp's n8 blocks j are 16 columns apart): interleaved pairs (2i, 2i + 1) are values v
+/// and v + 1 of one block; half-split pairs (i, i + D/2) with the whole head rotary are blocks j and j + D/32 where D/2
+/// is a multiple of 16. It needs the store's RoPE table: every row's coefficients are then in shared memory
+/// (issue_coefficients computes those of rows past the table), so the unrolled rotation has no float64 sincos in it.
+/// Elsewhere (half-split at D = 80 or with a partial rotary_dim, or no table) RoPE runs over the results in shared
+/// memory as before, as it does with SHADOWKV_REBUILD_ROPE=shared (dims::rebuild_rope_shared).
+template <int D>
+__device__ __forceinline__ bool rope_in_registers(const dims& d, bool table) {
+  if (d.rebuild_rope_shared != 0 || !table) return false;
+  return d.rope_interleaved != 0 || ((D / 2) % 16 == 0 && d.rotary_dim == D);
+}
+
 /// The 4 x 2 warps' MMAs for bf16 factors: SM80's m16n8k16 bf16 atom (products exact, sums in fp32). Its accumulators
 /// (SM80_16x8_Row) are laid out as those of the 16x8x8 TF32 atom, so both tiled MMAs partition the results alike
 /// (asserted in the kernel) and share the kernel's accumulators.
@@ -341,8 +355,10 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
   };
 
   // Copies the RoPE coefficients of the first `rows` rows (their positions in `positions`) from the store's table into
-  // rope_rows: four threads a row, two pairs a 16-byte copy where the pairs per position are even, else one a copy;
-  // a row whose position is outside the table gets zeros (its RoPE computes its coefficients).
+  // rope_rows: four threads a row, two pairs a 16-byte copy where the pairs per position are even, else one a copy.
+  // A row whose position is outside the table gets the coefficients rope_coefficients computes (the table's values
+  // for the positions it holds: float32 numbers, cos and sin rounded to float and scaled in float), for the RoPE in
+  // the accumulators; the RoPE over sC computes its own for such rows.
   static_assert(kRebuildThreads == 4 * kRebuildRows, "four threads copy a row's coefficients");
   auto issue_coefficients = [&](int rows, const long long* positions) {
     const int row = static_cast<int>(threadIdx.x) / 4;
@@ -352,7 +368,14 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
     const bool live = position >= 0 && position < workspace.rope_table_positions;
     const float2* source = workspace.rope_table + (live ? position * half : 0);
     float2* target = rope_rows + row * (D / 2);
-    if (half % 2 == 0) {
+    if (!live) {
+      for (int pair = static_cast<int>(threadIdx.x) % 4; pair < half; pair += 4) {
+        double cos_a;
+        double sin_a;
+        rope_coefficients(inv_freq[pair], position, d.attention_scaling, false, cos_a, sin_a);
+        target[pair] = make_float2(static_cast<float>(cos_a), static_cast<float>(sin_a));
+      }
+    } else if (half % 2 == 0) {
       for (int pair = 2 * (static_cast<int>(threadIdx.x) % 4); pair < half; pair += 8) {
         copy_async_or_zero<16, copy_cache::l2_only>(target + pair, source + pair, live);
       }
@@ -382,8 +405,8 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
   // the main loop's wait counts are those of a prologue issued right before it.
   // With the RoPE table, a group's coefficients are copied from it at the end of the pass that starts the group, after
   // barrier C (its positions landed, the previous group's RoPE done with the buffer), as a copy group of their own
-  // after its K tiles 0 and 1; so its main loop's iterations 0 and 1 wait for one group more, its end for all, and
-  // barrier A publishes them to its RoPE.
+  // after its K tiles 0 and 1; so its main loop's iterations 0 and 1 wait for one group more, its last K tile for
+  // all, and that tile's closing barrier publishes them to its RoPE (in the accumulators, or over sC after barrier A).
   // Everything per pass is derived from p, not carried from pass to pass: fewer registers live across the main loop.
   const int group_stride = static_cast<int>(gridDim.z) * group_chunks;
   const int first_group = static_cast<int>(blockIdx.z) * group_chunks;  // first miss-list entry of the CTA's group 0
@@ -412,8 +435,10 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
         // Tile kt has landed (this thread's copies) once no more groups are pending than were committed after it:
         // the tiles issued after it and, with the RoPE table, the coefficients (committed after tile 1, or after
         // tile 0 when it is the only one, at the end of the previous pass) ...
+        // The last K tile waits for every copy: the coefficients too, which its closing barrier then publishes to
+        // the RoPE (in the accumulators right after this loop, or over sC after barrier A).
         const int tiles_after = min(kt + 2, k_tiles - 1) - kt;
-        wait_async_copies_at_most(tiles_after + (use_table() && kt <= 1 ? 1 : 0));
+        wait_async_copies_at_most(kt == k_tiles - 1 ? 0 : tiles_after + (use_table() && kt <= 1 ? 1 : 0));
         __syncthreads();  // ... and every thread's
         phase_stamp(stamped_kernel::rebuild, 50 + kt);
         const int stage = kt % kRebuildStages;
@@ -456,8 +481,40 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
         for (int i = 0; i < size(accumulators); ++i) accumulators(i) += tile_sums(i);
         __syncthreads();  // everyone is done with this stage before it is refilled (or stage 2 reused as sC)
       }
-      if (use_table()) wait_async_copies<0>();  // the coefficients (barrier A publishes them)
       phase_stamp(stamped_kernel::rebuild, 30);
+      if (rope_in_registers<D>(d, use_table())) {
+        // RoPE of the thread's pairs in its accumulators (rope_in_registers), each pair rotated as over sC below:
+        // the same coefficients, the same float64 rotation, so the same keys. Rows past current_rows (padding) are
+        // rotated too and never stored.
+        const Tensor coordinates = thread_mma.partition_C(make_identity_tensor(shape(sC)));  // (row, dim) of each
+        const int row0 = get<0>(coordinates(0));
+        const int column0 = get<1>(coordinates(0));
+        const auto rotate = [&](float& x1, float& x2, int row, int pair) {
+          const float2 c = rope_rows[row * (D / 2) + pair];  // from the table, or computed there (issue_coefficients)
+          rotate_pair(x1, x2, static_cast<double>(c.x), static_cast<double>(c.y));
+        };
+        constexpr int kBlocks = decltype(size<2>(accumulators))::value;  // n8 blocks of the thread: D / 16
+        static_assert(kBlocks == D / 16 && decltype(size<0>(accumulators))::value == 4);
+        if (d.rope_interleaved != 0) {
+          CUTE_UNROLL
+          for (int j = 0; j < kBlocks; ++j) {
+            const int column = column0 + 16 * j;  // even: the first dim of pair column / 2
+            if (column < d.rotary_dim) {
+              rotate(accumulators(0, 0, j), accumulators(1, 0, j), row0, column / 2);
+              rotate(accumulators(2, 0, j), accumulators(3, 0, j), row0 + 8, column / 2);
+            }
+          }
+        } else {
+          CUTE_UNROLL
+          for (int j = 0; j < kBlocks / 2; ++j) {
+            CUTE_UNROLL
+            for (int v = 0; v < 4; ++v) {
+              rotate(accumulators(v, 0, j), accumulators(v, 0, j + kBlocks / 2), row0 + 8 * (v / 2),
+                     column0 + 16 * j + v % 2);
+            }
+          }
+        }
+      }
       CUTE_UNROLL
       for (int i = 0; i < size(accumulators); ++i) tCsC(i) = accumulators(i);
     }
@@ -499,8 +556,9 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
       }
     }
 
-    // Epilogue of the current group: RoPE in place in sC (a thread per pair), then 16-byte stores of whole rows.
-    if (current_rows > 0) {
+    // Epilogue of the current group: RoPE in place in sC (a thread per pair; unless it was done in the accumulators),
+    // then 16-byte stores of whole rows.
+    if (current_rows > 0 && !rope_in_registers<D>(d, use_table())) {
       const long long* const positions = row_position(buffer ^ 1);
       const int half = d.rotary_dim / 2;
       for (int item = static_cast<int>(threadIdx.x); item < current_rows * half; item += kRebuildThreads) {

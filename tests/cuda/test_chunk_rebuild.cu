@@ -79,6 +79,8 @@ struct case_config {
   miss_pattern pattern = miss_pattern::ragged;
   bool bf16_factors = false;  ///< A and B held as bf16 (dims::factor_bf16): exact bf16 MMAs instead of 3xTF32
   bool tf32_for_bf16 = false;  ///< bf16 factors widened to tf32 on TF32 MMAs (dims::rebuild_mma_tf32)
+  bool rope_shared = false;    ///< RoPE over the results in shared memory even where the accumulators could take it
+                               ///< (dims::rebuild_rope_shared)
   bool misaligned = false;  ///< A and B start one element past a 16-byte boundary (the kernel's scalar copy path)
   bool graph = false;       ///< capture once, replay with a second set of miss lists
   long long rope_table = 0;  ///< positions of a RoPE table (rope_table.cuh) the rebuild reads; 0: none. With one, the
@@ -93,7 +95,7 @@ struct case_config {
       << " r=" << full_rank() << (rank > 0 ? "" : "(full)") << " rotary=" << rotary()
       << (interleaved ? " interleaved" : " half-split") << " scaling=" << attention_scaling << " theta=" << rope_theta
       << " kv=" << type_name(kv_type) << (bf16_factors ? " factors=bf16" : " factors=f32")
-      << (tf32_for_bf16 ? " mma=tf32" : "") << " k=" << budget
+      << (tf32_for_bf16 ? " mma=tf32" : "") << (rope_shared ? " rope=shared" : "") << " k=" << budget
       << " K=" << slots()
       << " misses=" << pattern_name(pattern)
       << (misaligned ? " misaligned" : "") << (graph ? " graph" : "")
@@ -248,6 +250,7 @@ void run_case(const case_config& cfg) {
   const std::size_t factor_bytes = element_bytes(factor_type);
   d.factor_bf16 = cfg.bf16_factors ? 1 : 0;
   d.rebuild_mma_tf32 = cfg.tf32_for_bf16 ? 1 : 0;
+  d.rebuild_rope_shared = cfg.rope_shared ? 1 : 0;
   std::vector<host_entry> entries(static_cast<std::size_t>(B));
   std::vector<layer_view> views(static_cast<std::size_t>(slots) * num_layers);
   std::memset(views.data(), 0, views.size() * sizeof(layer_view));
@@ -780,7 +783,10 @@ TEST_F(ChunkRebuild, RopeTableGivesTheSameKeys) {
   // in and past it in one rebuild. Keys within the float64 reference's tolerance and byte-identical to a rebuild
   // without the table: the default shape (bf16, bf16 factors, D = 128, several groups a CTA), an odd number of pairs
   // per position (8-byte copies), interleaved pairs with attention scaling, one K tile, and float32 factors at D = 128
-  // (whose shared memory has no room for the coefficients: the table is not read).
+  // (whose shared memory has no room for the coefficients: the table is not read); half-split at D = 96 and 256 and
+  // interleaved with a partial rotary_dim (the rotation in the accumulators, rope_in_registers; the rebuild without
+  // the table rotates over sC, so the byte comparison checks one against the other). Each shape with the RoPE in the
+  // accumulators where it can be, and over sC always (SHADOWKV_REBUILD_ROPE=shared).
   struct shape {
     int kv_heads;
     int head_dim;
@@ -798,6 +804,9 @@ TEST_F(ChunkRebuild, RopeTableGivesTheSameKeys) {
       {3, 64, 0, true, 1.3F, 48, shadowkv::cuda::element_f32, false, 24},
       {2, 80, 0, false, 0.7F, 20, shadowkv::cuda::element_bf16, true, 16},
       {2, 128, 0, false, 1.0F, 160, shadowkv::cuda::element_bf16, false, 24},
+      {2, 96, 0, false, 1.0F, 96, shadowkv::cuda::element_bf16, true, 24},
+      {2, 256, 0, false, 0.9F, 160, shadowkv::cuda::element_f32, true, 24},
+      {2, 128, 64, true, 1.1F, 160, shadowkv::cuda::element_f16, true, 24},
   };
   std::uint64_t seed = 1001;
   for (const shape& s : shapes) {
@@ -817,8 +826,11 @@ TEST_F(ChunkRebuild, RopeTableGivesTheSameKeys) {
     cfg.budget = s.budget;
     cfg.pattern = miss_pattern::ragged;
     cfg.rope_table = 300000;
-    run_case(cfg);
-    if (HasFatalFailure()) return;
+    for (const bool rope_shared : {false, true}) {
+      cfg.rope_shared = rope_shared;
+      run_case(cfg);
+      if (HasFatalFailure()) return;
+    }
   }
 }
 

@@ -568,6 +568,14 @@ def test_cuda_rebuild_mma_changes_keys_only_in_their_last_bits(monkeypatch):
         KVStore(**_twin_kw(None))
 
 
+def test_cuda_rebuild_rope_place_changes_nothing_but_speed(monkeypatch):
+    """The key rebuild rotates its keys in the MMA accumulators where every thread holds both dims of its pairs
+    (chunk_rebuild.cu, rope_in_registers), or over its results in shared memory with SHADOWKV_REBUILD_ROPE=shared, read
+    when the store is built: the same coefficients and float64 rotation, so bit-identical outputs, selections and
+    statistics, with bf16 and fp8 host values and the batch in parts; a setting that is neither is refused."""
+    _knob_changes_nothing(monkeypatch, "SHADOWKV_REBUILD_ROPE", (None, "shared", "registers"), "global", 61)
+
+
 def test_cuda_decode_is_ordered_on_the_callers_current_stream():
     """The store's work runs on the caller's current torch stream (KVStore._stream_of, read per call): on a side stream
     whose last kernel writes q, k and v only after a ~50 ms spin, the step must see the written tensors. A store that
