@@ -847,7 +847,7 @@ TEST_F(ChunkRebuild, Bf16FactorsOnEitherMma) {
         case_config cfg;
         cfg.seed = seed++;
         cfg.batch = 2;
-        cfg.kv_heads = 2;
+        cfg.kv_heads = 3;  // rank 160 <= 3 x 64
         cfg.head_dim = head_dim;
         cfg.chunk = index % 3 == 0 ? 16 : (index % 3 == 1 ? 8 : 1);
         cfg.rank = rank;
