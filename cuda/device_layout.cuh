@@ -57,8 +57,6 @@ struct dims {
                          ///< (SHADOWKV_SELECT_MERGE=all), 0: by reduce-scatter then gather (select_kernel.cu)
   int rebuild_rope_shared;  ///< 1: the key rebuild's RoPE always runs over its results in shared memory
                             ///< (SHADOWKV_REBUILD_ROPE=shared), 0: in the accumulators where it can (chunk_rebuild.cu)
-  int attention_two_stages;  ///< 1: the tensor-core sparse attention on 2 stages of padded rows always
-                             ///< (SHADOWKV_ATTENTION_STAGES=2), 0: 3 stages of swizzled rows at D = 64 and 128
 };
 
 /// Everything of one (slot, layer) on the device. Row-major, head-major where a kernel reads one head at a time.

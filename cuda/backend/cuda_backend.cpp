@@ -146,11 +146,6 @@ bool select_merge_all() { return knob_is("SHADOWKV_SELECT_MERGE", "scatter", "al
 // (a measurement knob for bench/step_benchmark.py's +rs; bench/NOTES.md, session 15).
 bool rebuild_rope_shared() { return knob_is("SHADOWKV_REBUILD_ROPE", "registers", "shared"); }
 
-// The tensor-core sparse attention's pipeline at D = 64 and 128: "3" (the default: three stages of swizzled rows, two
-// steps of copies in flight) or "2" (two stages of padded rows, as before). SHADOWKV_ATTENTION_STAGES picks one (a
-// measurement knob for bench/step_benchmark.py's +as2; bench/NOTES.md, session 15).
-bool attention_two_stages() { return knob_is("SHADOWKV_ATTENTION_STAGES", "3", "2"); }
-
 // First entry of part p of `count` parts of `batch` entries: weights 1 each ("even"), or 1, 2, ..., 2, 1 ("tapered",
 // three parts or more); a tapered split that would leave a part empty falls back to the even one.
 int part_start(int p, int count, int batch, bool tapered) {
@@ -296,7 +291,6 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   dims_.rebuild_mma_tf32 = rebuild_mma_tf32() ? 1 : 0;
   dims_.select_merge_all = select_merge_all() ? 1 : 0;
   dims_.rebuild_rope_shared = rebuild_rope_shared() ? 1 : 0;
-  dims_.attention_two_stages = attention_two_stages() ? 1 : 0;
 
   own_stream_ = make_stream();
   copy_stream_ = make_stream();

@@ -519,10 +519,7 @@ __global__ void __launch_bounds__(kThreads, 3)
 // Same grid, row walk and partial output as sparse_attention_split_kernel; the arithmetic on tensor cores. A CTA of 4
 // warps takes steps of kMmaStepRows = 64 rows (K and V rows in shared memory, rows padded by 16 bytes so that
 // ldmatrix reads are free of bank conflicts; 2 stages of cp.async); warp w takes rows 16w .. 16w + 15 of a step. For
-// a tile of up to 16 query heads (the MMA's M; heads past the group are zero rows). At D = 64 and 128 the rows are not
-// padded but swizzled (16-byte chunk c of row r at c ^ (r % 8)), which leaves room for 3 stages at 2 CTAs an SM: two
-// steps of copies in flight while one is multiplied (mma_layout; SHADOWKV_ATTENTION_STAGES=2 keeps the padded rows and
-// 2 stages, dims::attention_two_stages).
+// a tile of up to 16 query heads (the MMA's M; heads past the group are zero rows):
 //   S[16 heads x 16 rows] = Q K^T   with mma.sync m16n8k16 (bf16 in, fp32 accumulate), Q split into three bf16 terms
 //                                   (hi + mid + lo = the fp32 query exactly), K exact in bf16;
 //   online softmax over the rows in log2 units, as the FMA kernel (rows that are not tokens: -inf, and their K and V
@@ -534,22 +531,20 @@ __global__ void __launch_bounds__(kThreads, 3)
 constexpr int kMmaWarps = 4;
 constexpr int kMmaThreads = kMmaWarps * 32;
 constexpr int kMmaStepRows = 16 * kMmaWarps;
+constexpr int kMmaStages = 2;
 constexpr int kMmaHeads = 16;  ///< query heads of a tile: the MMA's M
 constexpr int kMmaTerms = 3;   ///< bf16 terms of a float32 operand (8 + 8 + 8 significand bits)
 /// CTAs the split count aims for with the tensor-core kernel: one wave at 2 CTAs per SM of an H200.
 constexpr int kMmaTargetCtas = 132 * 2;
 
-/// kDeep: rows swizzled instead of padded, and 3 stages instead of 2 (only where a row is a multiple of 8 chunks of 16
-/// bytes, D = 64 or 128, so that c ^ (r % 8) stays in the row).
-template <int D, bool kDeep>
+template <int D>
 struct mma_layout {
-  static constexpr int stages = kDeep ? 3 : 2;
-  static constexpr int row_elements = kDeep ? D : D + 8;  ///< a shared row: D bf16 (and 16 bytes of padding)
+  static constexpr int row_elements = D + 8;  ///< a shared row: D bf16 and 16 bytes of padding
   static constexpr int row_bytes = row_elements * 2;
   static constexpr int stage_bytes = 2 * kMmaStepRows * row_bytes;             ///< K and V rows of one step
   static constexpr int query_bytes = kMmaTerms * kMmaHeads * row_bytes;        ///< Q's three terms
   static constexpr int reduction_bytes = kMmaWarps * kMmaHeads * (D + 2) * 4;  ///< the warps' states, float32
-  static constexpr int pipeline_bytes = stages * stage_bytes;
+  static constexpr int pipeline_bytes = kMmaStages * stage_bytes;
   static constexpr int query_offset = std::max(pipeline_bytes, reduction_bytes);
   static constexpr int shared_bytes = query_offset + query_bytes;  ///< dynamic
   static constexpr int vectors = D * 2 / 16;                       ///< 16-byte vectors of a row
@@ -557,26 +552,7 @@ struct mma_layout {
   static constexpr int row_slots = kMmaThreads / lanes;
   static_assert(D % 16 == 0 && D <= 128, "the tensor-core kernel takes D <= 128, a multiple of 16");
   static_assert(vectors <= lanes, "one 16-byte vector a lane");
-  static_assert(!kDeep || vectors % 8 == 0, "a swizzled row is a multiple of 8 chunks");
-  // Two CTAs an SM (the split count assumes them): dynamic + static (slot list, token flags) + 1 KiB reserved each.
-  static_assert(2 * (shared_bytes + kSharedSlotEntries * 4 + stages * kMmaStepRows + 64 + 1024) <= 228 * 1024,
-                "the tensor-core kernel's shared memory must allow two CTAs an SM");
-
-  /// Element offset of (row, column) in an array of rows; column a multiple of 8 (a 16-byte chunk) plus up to 7.
-  __device__ __forceinline__ static int offset(int row, int column) {
-    if constexpr (kDeep) {
-      return row * row_elements + ((((column >> 3) ^ (row & 7)) << 3) | (column & 7));
-    } else {
-      return row * row_elements + column;
-    }
-  }
 };
-
-/// Whether the tensor-core kernel takes 3 swizzled stages at this D (mma_layout) unless dims::attention_two_stages.
-template <int D>
-constexpr bool mma_deep_possible() {
-  return (D * 2 / 16) % 8 == 0;
-}
 
 __device__ __forceinline__ unsigned shared_address(const void* pointer) {
   return static_cast<unsigned>(__cvta_generic_to_shared(pointer));
@@ -615,14 +591,13 @@ __device__ __forceinline__ void split_bf16x2(float x0, float x1, unsigned (&term
   }
 }
 
-template <int D, bool kListed, bool kDeep>
+template <int D, bool kListed>
 __global__ void __launch_bounds__(kMmaThreads, 2)
     sparse_attention_mma_kernel(dims d, const layer_view* views, const int* batch_slots, int layer, strided_tensor q,
                                 float* partial, int splits, int max_splits) {
   wait_for_prior_grids();  // common/dependent_launch.cuh: nothing before the previous kernel is done
   using T = __nv_bfloat16;
-  using layout = mma_layout<D, kDeep>;
-  constexpr int kMmaStages = layout::stages;
+  using layout = mma_layout<D>;
   constexpr int kRow = layout::row_elements;
   constexpr int kLanes = layout::lanes;
   extern __shared__ __align__(16) unsigned char storage[];
@@ -630,9 +605,8 @@ __global__ void __launch_bounds__(kMmaThreads, 2)
   __shared__ int shared_slots[kSharedSlotEntries];
   __shared__ unsigned char row_is_token[kMmaStages][kMmaStepRows];
   T* const stage_rows = reinterpret_cast<T*>(storage);
-  // Element (row, column) of K (which = 0) or V (1) of a stage; rows swizzled or padded (mma_layout::offset).
-  auto stage_at = [&](int stage, int which, int row, int column) {
-    return stage_rows + (stage * 2 + which) * kMmaStepRows * kRow + layout::offset(row, column);
+  auto stage_row = [&](int stage, int which, int row) {
+    return stage_rows + ((stage * 2 + which) * kMmaStepRows + row) * kRow;
   };
   T* const query_rows = reinterpret_cast<T*>(storage + layout::query_offset);
   float (*const unit_acc)[kMmaHeads][D] = reinterpret_cast<float (*)[kMmaHeads][D]>(storage);
@@ -666,8 +640,8 @@ __global__ void __launch_bounds__(kMmaThreads, 2)
         const bool token = walk.valid(base + r);
         if (segment == 0) row_is_token[stage][r] = token ? 1 : 0;
         if (segment >= layout::vectors) continue;
-        T* key_row = stage_at(stage, 0, r, segment * 8);
-        T* value_row = stage_at(stage, 1, r, segment * 8);
+        T* key_row = stage_row(stage, 0, r) + segment * 8;
+        T* value_row = stage_row(stage, 1, r) + segment * 8;
         if (token) {
           const T* key = nullptr;
           const T* value = nullptr;
@@ -706,7 +680,7 @@ __global__ void __launch_bounds__(kMmaThreads, 2)
       split_bf16x2(x[0], x[1], terms);
 #pragma unroll
       for (int t = 0; t < kMmaTerms; ++t) {
-        *reinterpret_cast<unsigned*>(query_rows + layout::offset(t * kMmaHeads + head, dim)) = terms[t];
+        *reinterpret_cast<unsigned*>(query_rows + (t * kMmaHeads + head) * kRow + dim) = terms[t];
       }
     }
 #pragma unroll
@@ -734,12 +708,12 @@ __global__ void __launch_bounds__(kMmaThreads, 2)
 #pragma unroll
       for (int k0 = 0; k0 < D; k0 += 16) {
         unsigned key_frag[4];  // n-tile 0: [0], [1]; n-tile 1: [2], [3]
-        load_matrix_x4(key_frag, stage_at(stage, 0, first_row + (matrix >> 1) * 8 + lane % 8, k0 + (matrix & 1) * 8));
+        load_matrix_x4(key_frag, stage_row(stage, 0, first_row + (matrix >> 1) * 8 + lane % 8) + k0 + (matrix & 1) * 8);
 #pragma unroll
         for (int t = 0; t < kMmaTerms; ++t) {
           unsigned query_frag[4];
           load_matrix_x4(query_frag,
-                         query_rows + layout::offset(t * kMmaHeads + (matrix & 1) * 8 + lane % 8, k0 + (matrix >> 1) * 8));
+                         query_rows + (t * kMmaHeads + (matrix & 1) * 8 + lane % 8) * kRow + k0 + (matrix >> 1) * 8);
           mma_bf16(score[0], query_frag, key_frag[0], key_frag[1]);
           mma_bf16(score[1], query_frag, key_frag[2], key_frag[3]);
         }
@@ -802,7 +776,7 @@ __global__ void __launch_bounds__(kMmaThreads, 2)
       for (int n = 0; n < D / 8; n += 2) {
         unsigned value_frag[4];  // d n-tile n: [0], [1]; n + 1: [2], [3]
         load_matrix_x4_transposed(value_frag,
-                                  stage_at(stage, 1, first_row + (matrix & 1) * 8 + lane % 8, (n + (matrix >> 1)) * 8));
+                                  stage_row(stage, 1, first_row + (matrix & 1) * 8 + lane % 8) + (n + (matrix >> 1)) * 8);
 #pragma unroll
         for (int t = 0; t < kMmaTerms; ++t) {
           mma_bf16(acc[n], p_frag[t], value_frag[0], value_frag[1]);
@@ -946,26 +920,15 @@ struct split_launch {
   cudaStream_t stream;
 };
 
-template <int D, bool kListed, bool kDeep>
-void launch_mma_split_with(const split_launch& a) {
-  using layout = mma_layout<D, kDeep>;
-  static std::atomic<std::uint64_t> allowed_on_devices{0};  // above 48 KiB: the opt-in limit, once per device
-  shadowkv_allow_large_shared_memory(sparse_attention_mma_kernel<D, kListed, kDeep>, allowed_on_devices);
-  const dim3 grid(static_cast<unsigned>(a.splits), static_cast<unsigned>(a.d.kv_heads), static_cast<unsigned>(a.batch));
-  launch_after_prior_grid(sparse_attention_mma_kernel<D, kListed, kDeep>, grid, dim3(kMmaThreads),
-                          layout::shared_bytes, a.stream, a.d.programmatic_launch != 0, a.d, a.views, a.batch_slots,
-                          a.layer, a.q, a.partial, a.splits, a.max_splits);
-}
-
 template <int D, bool kListed>
 void launch_mma_split(const split_launch& a) {
-  if constexpr (mma_deep_possible<D>()) {
-    if (a.d.attention_two_stages == 0) {
-      launch_mma_split_with<D, kListed, true>(a);
-      return;
-    }
-  }
-  launch_mma_split_with<D, kListed, false>(a);
+  using layout = mma_layout<D>;
+  static std::atomic<std::uint64_t> allowed_on_devices{0};  // above 48 KiB: the opt-in limit, once per device
+  shadowkv_allow_large_shared_memory(sparse_attention_mma_kernel<D, kListed>, allowed_on_devices);
+  const dim3 grid(static_cast<unsigned>(a.splits), static_cast<unsigned>(a.d.kv_heads), static_cast<unsigned>(a.batch));
+  launch_after_prior_grid(sparse_attention_mma_kernel<D, kListed>, grid, dim3(kMmaThreads), layout::shared_bytes,
+                          a.stream, a.d.programmatic_launch != 0, a.d, a.views, a.batch_slots, a.layer, a.q, a.partial,
+                          a.splits, a.max_splits);
 }
 
 /// Whether the tensor-core kernel serves these dims and element type: bf16 keys and values, D <= 128 (its float32

@@ -187,7 +187,6 @@ struct attention_case {
   int out_layout = 0;
   int max_splits = 0;  // 0: sparse_attention_max_splits(d)
   int fma = 0;         // dims::attention_fma: 1 keeps bf16 shapes off the tensor-core kernel
-  int two_stages = 0;  // dims::attention_two_stages: 1 keeps the tensor-core kernel on 2 padded stages at D = 64, 128
 
   [[nodiscard]] std::string describe() const {
     std::ostringstream s;
@@ -196,7 +195,7 @@ struct attention_case {
       << " C=" << chunk << " k=" << budget << " K=" << (cache_slots > 0 ? cache_slots : budget)
       << " O=" << max_outliers << " Lc=" << local_chunks << " W=" << window
       << " layer=" << layer << "/" << num_layers << " q_layout=" << q_layout << " out_layout=" << out_layout
-      << " max_splits=" << max_splits << " fma=" << fma << (two_stages != 0 ? " two_stages" : "");
+      << " max_splits=" << max_splits << " fma=" << fma;
     return s.str();
   }
 };
@@ -240,7 +239,6 @@ dims make_dims(const attention_case& c) {
   d.budget = c.budget;
   d.cache_slots = c.cache_slots > 0 ? c.cache_slots : c.budget;
   d.attention_fma = c.fma;
-  d.attention_two_stages = c.two_stages;
   d.max_outliers = c.max_outliers;
   d.rank = 1;
   d.window = c.window;
@@ -578,15 +576,13 @@ dims valid_dims() {
   return make_dims(c);
 }
 
-// Each random case on both kernels: bf16 shapes with D <= 128 go to the tensor-core kernel unless fma is set, on 3
-// swizzled stages at D = 64 and 128 unless two_stages is set.
+// Each random case on both kernels: bf16 shapes with D <= 128 go to the tensor-core kernel unless fma is set.
 TEST(SparseAttention, MatchesFloat64ReferenceOnRandomConfigurations) {
   SKIP_WITHOUT_DEVICE();
   for (std::uint64_t seed = 1; seed <= 60; ++seed) {
-    for (int variant = 0; variant < 3; ++variant) {
+    for (int fma = 0; fma <= 1; ++fma) {
       attention_case c = random_case(seed);
-      c.fma = variant == 2 ? 1 : 0;
-      c.two_stages = variant == 1 ? 1 : 0;
+      c.fma = fma;
       run_and_check(c);
       if (HasFatalFailure()) return;
     }
@@ -594,8 +590,7 @@ TEST(SparseAttention, MatchesFloat64ReferenceOnRandomConfigurations) {
 }
 
 // The tensor-core kernel at float32 output precision (1e-5 of the head's largest output): Llama-3's group of 4 and
-// D = 128, a group of 20 (two tiles of 16 heads), D = 80 and 64, the listed cache (K > k), many steps a split; each on
-// 3 swizzled stages (D = 64, 128) and on 2 padded ones.
+// D = 128, a group of 20 (two tiles of 16 heads), D = 80 and 64, the listed cache (K > k), many steps a split.
 TEST(SparseAttention, TensorCoreKernelKeepsFloat32Accuracy) {
   SKIP_WITHOUT_DEVICE();
   std::vector<attention_case> cases;
@@ -620,12 +615,9 @@ TEST(SparseAttention, TensorCoreKernelKeepsFloat32Accuracy) {
   listed.seed = 2999;
   listed.cache_slots = 2 * listed.budget;
   cases.push_back(listed);
-  for (attention_case c : cases) {
-    for (const int two_stages : {0, 1}) {  // 3 swizzled stages at D = 64 and 128, and 2 padded ones
-      c.two_stages = two_stages;
-      run_and_check(c);
-      if (HasFatalFailure()) return;
-    }
+  for (const attention_case& c : cases) {
+    run_and_check(c);
+    if (HasFatalFailure()) return;
   }
 }
 

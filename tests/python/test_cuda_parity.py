@@ -576,14 +576,6 @@ def test_cuda_rebuild_rope_place_changes_nothing_but_speed(monkeypatch):
     _knob_changes_nothing(monkeypatch, "SHADOWKV_REBUILD_ROPE", (None, "shared", "registers"), "global", 61)
 
 
-def test_cuda_attention_stages_change_nothing_but_speed(monkeypatch):
-    """The tensor-core sparse attention streams rows through 3 stages of swizzled rows at D = 64 and 128, or through 2
-    stages of padded rows with SHADOWKV_ATTENTION_STAGES=2, read when the store is built: the same products in the same
-    order, so bit-identical outputs, selections and statistics, with bf16 and fp8 host values and the batch in parts;
-    a setting that is neither is refused."""
-    _knob_changes_nothing(monkeypatch, "SHADOWKV_ATTENTION_STAGES", (None, "2", "3"), "4", 67)
-
-
 def test_cuda_decode_is_ordered_on_the_callers_current_stream():
     """The store's work runs on the caller's current torch stream (KVStore._stream_of, read per call): on a side stream
     whose last kernel writes q, k and v only after a ~50 ms spin, the step must see the written tensors. A store that
