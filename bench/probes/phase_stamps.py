@@ -14,8 +14,8 @@ LABELS = {
     0: "start", 1: "prior grids done",
     # select
     2: "normalisers, histogram cleared", 3: "scored (own slice)", 4: "scores of all (barrier)",
-    8: "threshold found", 9: "compacted", 19: "cluster done", 11: "cache updated (end)",
-    10: "digit 0 merged", 12: "digit 2 merged", 20: "digit 0 counted",
+    8: "threshold found", 9: "compacted", 19: "cluster done", 18: "cache updated (end)",
+    10: "digit 0 merged", 11: "digit 1 merged", 12: "digit 2 merged", 20: "digit 0 counted",
     21: "digit 1 counted", 22: "digit 2 counted", 26: "digit 1 barrier", 27: "digit 2 barrier",
     # rebuild
     30: "main loop done", 31: "barrier A (next tables)", 32: "barrier B (RoPE)", 33: "barrier C (stores)",
@@ -25,6 +25,9 @@ LABELS = {
     # logits
     42: "views read", 43: "tiles described", 44: "first copies issued, q staged", 45: "tile done (barrier)",
     40: "tile landed", 41: "tile done", 49: "last tile (end)",
+    # sparse attention (tensor cores)
+    60: "row walk begun (barrier)", 61: "q staged, first steps issued", 62: "step landed (barrier)",
+    63: "next step issued", 64: "all steps done (barrier)", 65: "warps merged (barrier)", 69: "partials written (end)",
 }
 LINE = re.compile(r"phase_stamps (\d+) sm (\d+) ns (\d+) :(.*)")
 

@@ -48,6 +48,7 @@
 #include "common/dispatch.cuh"
 #include "common/element_access.cuh"
 #include "common/float_constants.cuh"
+#include "common/phase_stamps.cuh"
 #include "cuda_check.hpp"
 #include "shadowkv/errors.hpp"
 #include "shadowkv/generated_region.hpp"
@@ -595,7 +596,9 @@ template <int D, bool kListed>
 __global__ void __launch_bounds__(kMmaThreads, 2)
     sparse_attention_mma_kernel(dims d, const layer_view* views, const int* batch_slots, int layer, strided_tensor q,
                                 float* partial, int splits, int max_splits) {
+  start_phase_stamps(stamped_kernel::attention);
   wait_for_prior_grids();  // common/dependent_launch.cuh: nothing before the previous kernel is done
+  phase_stamp(stamped_kernel::attention, 1);
   using T = __nv_bfloat16;
   using layout = mma_layout<D>;
   constexpr int kRow = layout::row_elements;
@@ -627,6 +630,7 @@ __global__ void __launch_bounds__(kMmaThreads, 2)
   const layer_view& view = views[static_cast<long long>(batch_slots[b]) * d.num_layers + layer];
   const row_walk<T, D, kListed> walk =
       begin_row_walk<T, D, kListed, kMmaThreads>(d, view, h, split, splits, shared_slots, warp_last_filled);
+  phase_stamp(stamped_kernel::attention, 60);
   const int row_begin = walk.row_begin;
   const int steps = (walk.row_end - row_begin + kMmaStepRows - 1) / kMmaStepRows;
 
@@ -685,6 +689,7 @@ __global__ void __launch_bounds__(kMmaThreads, 2)
     }
 #pragma unroll
     for (int s = 0; s < kMmaStages - 1; ++s) issue_step(s);
+    phase_stamp(stamped_kernel::attention, 61);
 
     float running_max[2] = {-INFINITY, -INFINITY};  // heads group_row and group_row + 8
     float running_sum[2] = {0.0F, 0.0F};             // this lane's columns only; summed over the quad at the end
@@ -698,7 +703,9 @@ __global__ void __launch_bounds__(kMmaThreads, 2)
     for (int step = 0; step < steps; ++step) {
       wait_async_copies<kMmaStages - 2>();
       __syncthreads();  // everyone's copies have landed (and Q is written), nobody still reads the stage refilled next
+      phase_stamp(stamped_kernel::attention, 62);
       issue_step(step + kMmaStages - 1);
+      if (step < 8) phase_stamp(stamped_kernel::attention, 63);
       const int stage = step % kMmaStages;
       const int first_row = warp * 16;
       const int matrix = lane / 8;  // which 8x8 matrix of an ldmatrix.x4 this lane gives the row address of
@@ -786,6 +793,7 @@ __global__ void __launch_bounds__(kMmaThreads, 2)
     }
     wait_async_copies<0>();  // only empty groups can be left; the stages become the reduction buffer
     __syncthreads();
+    phase_stamp(stamped_kernel::attention, 64);
 
     // The quad's column sums, then each warp's state to shared memory, then the CTA's merge.
 #pragma unroll
@@ -809,6 +817,7 @@ __global__ void __launch_bounds__(kMmaThreads, 2)
       }
     }
     __syncthreads();
+    phase_stamp(stamped_kernel::attention, 65);
     for (int index = tid; index < kMmaHeads * D; index += kMmaThreads) {
       const int tile_head = index / D;
       const int dim = index % D;
@@ -835,6 +844,7 @@ __global__ void __launch_bounds__(kMmaThreads, 2)
     }
     __syncthreads();  // the next tile refills the stages and Q
   }
+  finish_phase_stamps(stamped_kernel::attention, 69);
 }
 
 __global__ void __launch_bounds__(kCombineThreads)

@@ -228,7 +228,7 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_kernel(const dims d,
 
   // --- D. temporal cache (cache_policy.cuh) ----------------------------------------------------------------------
   update_cache<kLru>(d, ws, row, h, take, radix_keys, histogram, scan_storage, radix_found, pass_scratch);
-  finish_phase_stamps(stamped_kernel::select, 11);
+  finish_phase_stamps(stamped_kernel::select, 18);
 }
 
 // The same four steps by a cluster of CTAs per (b, h) (grid (Hkv * cluster, B)): CTA r of the cluster scores and
@@ -353,7 +353,7 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_cluster_kernel(const
 
   // --- D. temporal cache, by the cluster's first CTA --------------------------------------------------------------
   update_cache<kLru>(d, ws, row, h, take, radix_keys, own_histogram, scan_storage, radix_found, pass_scratch);
-  finish_phase_stamps(stamped_kernel::select, 11);
+  finish_phase_stamps(stamped_kernel::select, 18);
 }
 
 }  // namespace
