@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "common/async_copy.cuh"
+#include "common/bf16_mma.cuh"
 #include "common/dependent_launch.cuh"
 #include "common/dispatch.cuh"
 #include "common/element_access.cuh"
@@ -26,9 +27,12 @@ constexpr int kWarps = kThreads / 32;
 // CTAs per multiprocessor that the register budget must allow: four (64 registers a thread, 32 warps) up to four
 // query heads a KV head; with eight, the CTA's shared memory (~60 KiB: the copy rings, q and the tile logits of
 // eight heads) leaves room for three on an H100/H200 anyway, so the registers may grow to 80. Two centroids (kC = 2)
-// double the sums a lane keeps and hold 16 decoded codes a vector: one CTA fewer from two query heads up.
-template <int kG, int kC>
+// double the sums a lane keeps and hold 16 decoded codes a vector: one CTA fewer from two query heads up. On tensor
+// cores (kMma) a batch is 16 rows a warp, twice the copy ring: two CTAs an SM, as their ~107 KiB of shared memory
+// allows anyway.
+template <int kG, int kC, bool kMma>
 constexpr int min_ctas_per_multiprocessor() {
+  if constexpr (kMma) return 2;
   return kG * kC <= 4 ? 4 : (kG * kC <= 8 ? 3 : 2);
 }
 // Batches in a warp's copy ring: two are in flight while the warp computes the third, also across tile boundaries,
@@ -46,12 +50,16 @@ constexpr int kSequenceRounding = 32;
 /// Two-centroid rows (kC = 2, T = e4m3_code): a row is a chunk's 2·D codes, centroid 1's D then centroid 2's, so the
 /// lane's vector k = 0 is a slice of centroid 1 and k = 1 the same slice of centroid 2: both meet the same q elements,
 /// and each (row, head) has two sums, one per centroid (index (u * kG + g) * kC + c).
-template <typename T, int kRowBytes, int kG, int kC>
+///
+/// On tensor cores (kMma, bf16 landmarks; see the kernel): four lanes a row, each reading every fourth 16-byte vector
+/// of it (vectors part, part + 4, ...), and two rows eight apart, so that a batch is 16 rows, one MMA's M, and the
+/// 16 bytes a lane copies are its A fragments as they stand (the MMA's k order permuted, q's alike).
+template <typename T, int kRowBytes, int kG, int kC, bool kMma = false>
 struct row_split {
   static constexpr int kElements = vector16<T>::elements;  // per 16-byte vector
   static constexpr int kDims = kRowBytes / static_cast<int>(sizeof(T));
-  static constexpr int kVectorsPerLane = 2;  // of each row
-  static constexpr int kLanesPerRow = kRowBytes / 16 / kVectorsPerLane;
+  static constexpr int kLanesPerRow = kMma ? 4 : kRowBytes / 32;
+  static constexpr int kVectorsPerLane = kRowBytes / 16 / kLanesPerRow;  // of each row
   static constexpr int kRowGroups = 32 / kLanesPerRow;  // rows side by side in one warp-wide copy
   static constexpr int kRowsPerLane = 2;                // per batch
   static constexpr int kBatchRows = kRowGroups * kRowsPerLane;
@@ -61,7 +69,17 @@ struct row_split {
   // After the reduction over a row's lanes: whole sums a lane holds (when there are fewer sums than lanes, every
   // lane holds one, shared by kLanesPerRow / kSums lanes).
   static constexpr int kKept = kSums >= kLanesPerRow ? kSums / kLanesPerRow : 1;
+  // Tensor cores: the B operand is q in three bf16 terms (common/bf16_mma.cuh), an n8 block of columns (head, term):
+  // one (hi, mid) block a quad of heads, column 2h + term for head 4 * quad + h, then one block of lo terms, column
+  // 2h for head h and 2h + 1 for head h + 4. A lane's accumulators (columns 2t, 2t + 1) then hold whole heads.
+  static constexpr int kKSteps = kDims / 16;
+  static constexpr int kHeadQuads = (kG + 3) / 4;
+  static constexpr int kBlocks = kHeadQuads + 1;
+  /// q in shared memory: float [kG][kQueryDims], or the B fragments [kKSteps][kBlocks][32 lanes] as uint2.
+  static constexpr int kQueryBytes = kMma ? kKSteps * kBlocks * 32 * 8 : kG * kQueryDims * 4;
   static_assert(kRowBytes % 32 == 0 && kLanesPerRow >= 2 && kLanesPerRow <= 32, "row of 64-1024 bytes");
+  static_assert(!kMma || (std::is_same_v<T, __nv_bfloat16> && kC == 1 && kG <= 8 && kDims % 32 == 0),
+                "tensor-core logits: bf16 landmark rows of a multiple of 32 elements, up to 8 query heads");
   static_assert(kElements % 4 == 0, "q is read as float4");
   static_assert(kC == 1 || kLanesPerRow * kElements == kQueryDims, "two centroids: vector k of a lane is centroid k");
 };
@@ -121,7 +139,7 @@ __host__ __device__ shared_layout shared_layout_for(int tile_rows, int batch) {
   shared_layout layout{};
   layout.rings = 0;
   layout.queries = layout.rings + kWarps * kStages * Split::kSlots * 32 * 16;
-  layout.tile_logits = layout.queries + align16(kG * Split::kQueryDims * 4);
+  layout.tile_logits = layout.queries + align16(Split::kQueryBytes);
   layout.descriptors = layout.tile_logits + align16(2 * kG * tile_rows * 4);
   layout.sequences = layout.descriptors + align16(kDescriptorSlots * static_cast<int>(sizeof(tile_descriptor<kC>)));
   const int entries = (batch + 1 + kSequenceRounding - 1) / kSequenceRounding * kSequenceRounding;
@@ -201,18 +219,27 @@ __device__ tile_descriptor<kC> describe_tile(const sequence_entry<kC>* sequences
 // epilogue: coalesced logit writes and the tile's softmax partial per query head, one warp per head; the copies of
 // the next batches are in flight meanwhile.
 //
+// kMma (bf16 rows of 64 or 128 elements, the default there; dims::logits_fma keeps the lanes' FMAs): a warp's batch is
+// 16 rows, one m16n8k16 MMA's M, and each lane's copies are its A fragments as they stand (row_split: every fourth
+// 16-byte vector of rows g and g + 8). q is the B operand, in three bf16 terms (hi + mid + lo == q, so every product is
+// exact and only the float32 accumulation differs from the FMA sums), staged once per (sequence, head) as ready
+// fragments in shared memory: D / 16 k steps x (one block a quad of heads + one of lo terms) MMAs a batch, ~40
+// instructions a warp per 4 KiB of landmarks where the FMA path issues ~500, so the kernel is left to its bytes.
+// Every row of a batch goes through the same MMAs and the same (hi + mid) + lo additions, so equal landmarks still give
+// bit-equal logits.
+//
 // kC = 2: two-centroid scores (T = e4m3_code, rows of codes; see row_split). The logit of a row is
 // log(w1 e^(s q·ĉ1) + w2 e^(s q·ĉ2)) as in selection/landmark_scoring.cu's tiled kernel (shadowkv/chunk_centroids.hpp),
 // formed by the lane that keeps the row's two sums.
-template <typename T, int kRowBytes, int kG, int kC>
-__global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG, kC>())
+template <typename T, int kRowBytes, int kG, int kC, bool kMma>
+__global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG, kC, kMma>())
     decode_landmark_logits_kernel(const dims d, const layer_view* views, const int* batch_slots, const int layer,
                                   const int batch, const strided_tensor queries, const int tile_rows, const int tiles,
                                   float* logits, float* partials) {
   start_phase_stamps(stamped_kernel::logits);
   wait_for_prior_grids();  // common/dependent_launch.cuh: nothing before the previous kernel is done
   phase_stamp(stamped_kernel::logits, 1);
-  using split = row_split<T, kRowBytes, kG, kC>;
+  using split = row_split<T, kRowBytes, kG, kC, kMma>;
   using sequence_entry = shadowkv::cuda::sequence_entry<kC>;
   using tile_descriptor = shadowkv::cuda::tile_descriptor<kC>;
   constexpr int kLanesPerRow = split::kLanesPerRow;
@@ -280,16 +307,45 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG, kC>(
   // read kLanesPerRow consecutive float4 (no bank conflicts), and the row groups read the same ones (broadcasts).
   // Two centroids: D elements, k = 0 only (both of a lane's vectors meet the same slice of q).
   auto stage_queries = [&](const tile_descriptor& tile) {
+    auto query = [&](int g, int e) {
+      return g < d.group ? load_any(queries.data, queries.type,
+                                    tile.sequence * queries.stride[0] +
+                                        (static_cast<long long>(tile.head) * d.group + g) * queries.stride[2] +
+                                        e * queries.stride[3])
+                         : 0.0F;
+    };
+    if constexpr (kMma) {
+      // The B fragments of every k step and column block, [kKSteps][kBlocks][lane] (uint2: b0, b1). Lane l gives
+      // column n = l / 4 and the k pairs of t = l % 4; k step 2j + h meets the elements 8 (t + 4j) + 4h + 0..3 of
+      // q, as the A fragments of the lane's copies meet the landmark row (row_split).
+      uint2* fragments = reinterpret_cast<uint2*>(q_shared);
+#pragma unroll 1
+      for (int i = threadIdx.x; i < split::kKSteps * split::kBlocks * 32; i += kThreads) {
+        const int l = i % 32;
+        const int block = (i / 32) % split::kBlocks;
+        const int step = i / (32 * split::kBlocks);
+        const int n = l / 4;
+        const bool lo_block = block == split::kHeadQuads;
+        const int g = lo_block ? n / 2 + 4 * (n % 2) : 4 * block + n / 2;
+        const int term = lo_block ? 2 : n % 2;
+        const int e = 8 * (l % 4 + 4 * (step / 2)) + 4 * (step % 2);
+        unsigned low[kBf16Terms];
+        unsigned high[kBf16Terms];
+        split_bf16x2(query(g, e), query(g, e + 1), low);
+        split_bf16x2(query(g, e + 2), query(g, e + 3), high);
+        // (a selection, not an index: the terms stay in registers)
+        auto pick = [term](const unsigned(&terms)[kBf16Terms]) {
+          return term == 0 ? terms[0] : (term == 1 ? terms[1] : terms[2]);
+        };
+        fragments[i] = make_uint2(pick(low), pick(high));
+      }
+      return;
+    }
 #pragma unroll 1
     for (int i = threadIdx.x; i < kG * split::kQueryDims; i += kThreads) {
       const int g = i / split::kQueryDims;
       const int e = i - g * split::kQueryDims;
-      float value = 0.0F;
-      if (g < d.group) {
-        const long long j = static_cast<long long>(tile.head) * d.group + g;
-        value = load_any(queries.data, queries.type,
-                         tile.sequence * queries.stride[0] + j * queries.stride[2] + e * queries.stride[3]);
-      }
+      const float value = query(g, e);
       const int vector = e / split::kElements;
       const int within = e - vector * split::kElements;
       const int k = vector / kLanesPerRow;
@@ -401,7 +457,51 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG, kC>(
       wait_async_copies<kStages - 1>();  // this lane's copies for this step have landed
       const int rows = tile.rows;
       const int first_row = (warp + sub * kWarps) * split::kBatchRows;
-      if (first_row < rows) {
+      if constexpr (kMma) {
+        if (first_row < rows) {
+          // Rows first_row + row_group and 8 further: the A fragments' rows g and g + 8 (row_group == lane / 4).
+          const int row = first_row + row_group;
+          const bool live[2] = {row < rows, row + 8 < rows};
+          const bool outlier[2] = {live[0] && __ldg(tile.outliers + row) != 0,
+                                   live[1] && __ldg(tile.outliers + row + 8) != 0};
+          const uint4* ring = warp_ring + stage * split::kSlots * 32;
+          const uint2* fragments = reinterpret_cast<const uint2*>(q_shared) + lane;
+          float acc[split::kBlocks][4];
+#pragma unroll
+          for (int block = 0; block < split::kBlocks; ++block) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[block][i] = 0.0F;
+          }
+#pragma unroll
+          for (int k = 0; k < kVectorsPerLane; ++k) {
+            // Vector part + 4k of each row: elements 8 (part + 4k) + 0..7, i.e. the lane's k pairs of k steps 2k
+            // (elements 0-3) and 2k + 1 (elements 4-7).
+            const uint4 upper = ring[k * 32];
+            const uint4 lower = ring[(kVectorsPerLane + k) * 32];
+            const unsigned steps[2][4] = {{upper.x, lower.x, upper.y, lower.y}, {upper.z, lower.z, upper.w, lower.w}};
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+#pragma unroll
+              for (int block = 0; block < split::kBlocks; ++block) {
+                const uint2 b = fragments[((2 * k + h) * split::kBlocks + block) * 32];
+                mma_bf16(acc[block], steps[h], b.x, b.y);
+              }
+            }
+          }
+          // Head 4 * quad + part of rows row and row + 8: (hi + mid) + lo, the same additions for every row.
+#pragma unroll
+          for (int quad = 0; quad < split::kHeadQuads; ++quad) {
+            const int g = 4 * quad + part;
+#pragma unroll
+            for (int u = 0; u < 2; ++u) {
+              if (g < d.group && live[u]) {
+                const float sum = (acc[quad][2 * u] + acc[quad][2 * u + 1]) + acc[split::kHeadQuads][2 * u + quad];
+                buffer[g * tile_rows + row + 8 * u] = outlier[u] ? kNegativeInfinity : d.softmax_scale * sum;
+              }
+            }
+          }
+        }
+      } else if (first_row < rows) {
         const int kept_row = first_row + kept_row_offset;
         const bool kept_live = keeps && kept_row < rows;
         // Loaded before the arithmetic so that its latency hides behind it.
@@ -514,11 +614,11 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG, kC>(
 /// value, so concurrent launches of other sizes never see it lowered) and asks for the largest shared-memory carveout,
 /// so that the launch gets the residency the grid is sized for (one CTA short per multiprocessor would leave a
 /// second wave of whole shares).
-template <typename T, int kRowBytes, int kG, int kC>
+template <typename T, int kRowBytes, int kG, int kC, bool kMma>
 int resident_ctas(int shared_bytes) {
   static per_device_cache<int> known;  // (device, shared bytes) -> CTAs per multiprocessor
   return known.get(shared_bytes, [](int device, int bytes) {
-    auto kernel = decode_landmark_logits_kernel<T, kRowBytes, kG, kC>;
+    auto kernel = decode_landmark_logits_kernel<T, kRowBytes, kG, kC, kMma>;
     int optin = 0;
     SHADOWKV_CUDA_TRY(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
     int ctas = 0;
@@ -533,13 +633,13 @@ int resident_ctas(int shared_bytes) {
   });
 }
 
-template <typename T, int kRowBytes, int kG, int kC>
+template <typename T, int kRowBytes, int kG, int kC, bool kMma>
 bool launch_with(const dims& d, const layer_view* views, const int* batch_slots, int layer, int batch,
                  const strided_tensor& queries, int tile_rows, int tiles, int multiprocessors, int beside_ctas,
                  float* logits, float* partials, cudaStream_t stream) {
-  using split = row_split<T, kRowBytes, kG, kC>;
+  using split = row_split<T, kRowBytes, kG, kC, kMma>;
   const shared_layout layout = shared_layout_for<split, kG, kC>(tile_rows, batch);
-  const int per_multiprocessor = resident_ctas<T, kRowBytes, kG, kC>(layout.bytes);
+  const int per_multiprocessor = resident_ctas<T, kRowBytes, kG, kC, kMma>(layout.bytes);
   if (per_multiprocessor < 1) return false;
   // Exactly the resident CTAs (one wave) less those another kernel may hold beside it (each takes the place of one of
   // ours on its multiprocessor), fewer only when there are fewer tiles than that even with every chunk live.
@@ -547,21 +647,21 @@ bool launch_with(const dims& d, const layer_view* views, const int* batch_slots,
   const long long resident = static_cast<long long>(per_multiprocessor) * std::max(multiprocessors, 1);
   const long long ctas = std::min<long long>(
       std::max<long long>(resident - std::max(beside_ctas, 0), std::max(multiprocessors, 1)), most_tiles);
-  launch_after_prior_grid(decode_landmark_logits_kernel<T, kRowBytes, kG, kC>, dim3(static_cast<unsigned>(ctas)),
+  launch_after_prior_grid(decode_landmark_logits_kernel<T, kRowBytes, kG, kC, kMma>, dim3(static_cast<unsigned>(ctas)),
                           dim3(kThreads), static_cast<std::size_t>(layout.bytes), stream, d.programmatic_launch != 0,
                           d, views, batch_slots, layer, batch, queries, tile_rows, tiles, logits, partials);
   return true;
 }
 
-template <typename T, int kRowBytes, int kC>
+template <typename T, int kRowBytes, int kC, bool kMma = false>
 bool launch_for_group(const dims& d, const layer_view* views, const int* batch_slots, int layer, int batch,
                       const strided_tensor& queries, int tile_rows, int tiles, int multiprocessors, int beside_ctas,
                       float* logits, float* partials, cudaStream_t stream) {
   bool launched = false;
   shadowkv_dispatch_head_tile(d.group, [&](auto head_tile) {
-    launched = launch_with<T, kRowBytes, decltype(head_tile)::value, kC>(d, views, batch_slots, layer, batch, queries,
-                                                                         tile_rows, tiles, multiprocessors,
-                                                                         beside_ctas, logits, partials, stream);
+    launched = launch_with<T, kRowBytes, decltype(head_tile)::value, kC, kMma>(
+        d, views, batch_slots, layer, batch, queries, tile_rows, tiles, multiprocessors, beside_ctas, logits, partials,
+        stream);
   });
   return launched;
 }
@@ -591,6 +691,20 @@ bool launch_decode_landmark_logits(const dims& d, int kv_type, const layer_view*
   shadowkv_dispatch_element(kv_type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const int row_bytes = d.head_dim * static_cast<int>(sizeof(T));
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      // bf16 rows of 64 or 128 elements: the tensor-core instantiations, unless dims::logits_fma asks for the lanes'
+      // FMAs (wider rows would need twice the copy ring: one CTA an SM).
+      if (d.logits_fma == 0 && (row_bytes == 128 || row_bytes == 256)) {
+        launched = row_bytes == 128
+                       ? launch_for_group<T, 128, 1, true>(d, views, batch_slots, layer, batch, queries, tile_rows,
+                                                           tiles, multiprocessors, beside_ctas, logits, partials,
+                                                           stream)
+                       : launch_for_group<T, 256, 1, true>(d, views, batch_slots, layer, batch, queries, tile_rows,
+                                                           tiles, multiprocessors, beside_ctas, logits, partials,
+                                                           stream);
+        return;
+      }
+    }
     switch (row_bytes) {
       case 128:
         launched = launch_for_group<T, 128, 1>(d, views, batch_slots, layer, batch, queries, tile_rows, tiles,

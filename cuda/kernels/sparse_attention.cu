@@ -44,6 +44,7 @@
 #include <type_traits>
 
 #include "common/async_copy.cuh"
+#include "common/bf16_mma.cuh"
 #include "common/dependent_launch.cuh"
 #include "common/dispatch.cuh"
 #include "common/element_access.cuh"
@@ -534,7 +535,7 @@ constexpr int kMmaThreads = kMmaWarps * 32;
 constexpr int kMmaStepRows = 16 * kMmaWarps;
 constexpr int kMmaStages = 2;
 constexpr int kMmaHeads = 16;  ///< query heads of a tile: the MMA's M
-constexpr int kMmaTerms = 3;   ///< bf16 terms of a float32 operand (8 + 8 + 8 significand bits)
+constexpr int kMmaTerms = kBf16Terms;  ///< bf16 terms of a float32 operand (common/bf16_mma.cuh)
 /// CTAs the split count aims for with the tensor-core kernel: one wave at 2 CTAs per SM of an H200.
 constexpr int kMmaTargetCtas = 132 * 2;
 
@@ -569,27 +570,6 @@ __device__ __forceinline__ void load_matrix_x4_transposed(unsigned (&r)[4], cons
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(shared_address(row)));
-}
-
-/// d += a b: m16n8k16, bf16 inputs, float32 accumulators (PTX ISA fragment layouts).
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-/// Two floats as three packed bf16x2 terms (hi + mid + lo == x exactly for finite x with no subnormal parts): term t
-/// holds the x0 part in its low half and the x1 part in its high half.
-__device__ __forceinline__ void split_bf16x2(float x0, float x1, unsigned (&terms)[kMmaTerms]) {
-#pragma unroll
-  for (int t = 0; t < kMmaTerms; ++t) {
-    const __nv_bfloat162 part = __floats2bfloat162_rn(x0, x1);
-    terms[t] = *reinterpret_cast<const unsigned*>(&part);
-    x0 -= __low2float(part);
-    x1 -= __high2float(part);
-  }
 }
 
 template <int D, bool kListed>

@@ -75,6 +75,7 @@ struct case_config {
   int select_cluster = 0;        ///< dims::select_cluster: 0 the planner's choice, 1 one CTA, 2/4/8 a cluster
   bool select_merge_all = false;  ///< dims::select_merge_all: a cluster's histograms summed by every CTA
   bool programmatic = false;     ///< dims::programmatic_launch: kernels launched after the previous one's tail
+  bool logits_fma = false;       ///< dims::logits_fma: decode logits summed by the lanes' FMAs, not on bf16 MMAs
 
   [[nodiscard]] std::string describe() const {
     std::ostringstream s;
@@ -85,7 +86,8 @@ struct case_config {
       << " qscale=" << query_scale << " ties=" << tie_fraction << (equal_landmarks ? " equal_landmarks" : "")
       << (warm_cache ? " warm" : "") << (fresh_second ? " fresh_second" : "") << (graph ? " graph" : "")
       << (two_centroids ? " two_centroids" : "") << " select_cluster=" << select_cluster
-      << (select_merge_all ? " merge=all" : "") << (programmatic ? " programmatic" : "");
+      << (select_merge_all ? " merge=all" : "") << (programmatic ? " programmatic" : "")
+      << (logits_fma ? " logits=fma" : "");
     return s.str();
   }
 };
@@ -356,6 +358,7 @@ void run_case(const case_config& cfg) {
   d.select_cluster = cfg.select_cluster;
   d.select_merge_all = cfg.select_merge_all ? 1 : 0;
   d.programmatic_launch = cfg.programmatic ? 1 : 0;
+  d.logits_fma = cfg.logits_fma ? 1 : 0;
 
   // Entries on a shuffled subset of the slots (exercises slot * num_layers + layer indexing).
   std::vector<int> slot_order(static_cast<std::size_t>(slots));
@@ -1077,6 +1080,37 @@ TEST_F(ChunkSelection, LongRaggedContextsGiveEachCtaSeveralTiles) {
     cfg.budget = 256;
     run_case(cfg);
     if (HasFatalFailure()) return;
+  }
+}
+
+TEST_F(ChunkSelection, TensorCoreAndLaneLogitsBothMatchTheModel) {
+  // bf16 landmark rows of 64 and 128 elements take the tensor-core decode logits by default (dims::logits_fma = 0:
+  // q in three bf16 terms, 16 rows a warp) and the lanes' FMAs with dims::logits_fma = 1. Each against the float64
+  // model (scores within the tolerance, selections equal up to near-ties, planted ties bit-equal and won by the
+  // smaller id): every group size of the head tiles (G = 3, 5 and 6 masked, G = 8 with two quads of heads), float32
+  // and bf16 queries, long ragged contexts whose CTAs cross heads and sequences and end inside partial batches.
+  const int shapes[][3] = {{1, 64, 0}, {2, 128, 2}, {3, 128, 0}, {4, 128, 0}, {4, 64, 2}, {5, 128, 0},
+                           {6, 64, 0}, {8, 128, 2}};  // group, head_dim, query type
+  std::uint64_t seed = 97;
+  for (const auto& shape : shapes) {
+    for (const bool fma : {false, true}) {
+      case_config cfg = random_case(seed);
+      cfg.seed = seed++;
+      cfg.batch = 3;
+      cfg.kv_heads = 2;
+      cfg.group = shape[0];
+      cfg.head_dim = shape[1];
+      cfg.kv_type = shadowkv::cuda::element_bf16;
+      cfg.q_type = shape[2];
+      cfg.tokens = 1;
+      cfg.max_chunks = 9000;
+      cfg.max_context = 9000;
+      cfg.budget = 256;
+      cfg.tie_fraction = 0.2;
+      cfg.logits_fma = fma;
+      run_case(cfg);
+      if (HasFatalFailure()) return;
+    }
   }
 }
 
