@@ -10,6 +10,8 @@
 
 #include "common/async_copy.cuh"
 #include "common/bf16_mma.cuh"
+#include "cute/arch/copy_sm90_tma.hpp"
+#include "cutlass/arch/barrier.h"
 #include "common/dependent_launch.cuh"
 #include "common/dispatch.cuh"
 #include "common/element_access.cuh"
@@ -38,6 +40,9 @@ constexpr int min_ctas_per_multiprocessor() {
 // Batches in a warp's copy ring: two are in flight while the warp computes the third, also across tile boundaries,
 // block barriers and tile epilogues.
 constexpr int kStages = 3;
+// Tensor-core instantiations (kMma): whole tiles copied by the TMA's bulk copies, each stage one tile with its
+// transaction barrier; up to kTileStages tiles of a CTA in flight.
+constexpr int kTileStages = 3;
 // Sequence entries in shared memory are reserved in multiples of this, so that the dynamic shared memory size (and
 // the cached occupancy that depends on it) changes only every kSequenceRounding sequences of batch size.
 constexpr int kSequenceRounding = 32;
@@ -52,12 +57,15 @@ constexpr int kSequenceRounding = 32;
 /// and each (row, head) has two sums, one per centroid (index (u * kG + g) * kC + c).
 ///
 /// On tensor cores (kMma, bf16 landmarks; see the kernel): four lanes a row, each reading every fourth 16-byte vector
-/// of it (vectors part, part + 4, ...), and two rows eight apart, so that a batch is 16 rows, one MMA's M, and the
-/// 16 bytes a lane copies are its A fragments as they stand (the MMA's k order permuted, q's alike).
+/// of it (vectors part, part + 4, ...) from the tile in shared memory, and two rows eight apart, so that a batch is 16
+/// rows, one MMA's M, and the 16 bytes a lane reads are its A fragments as they stand (the MMA's k order permuted,
+/// q's alike).
 template <typename T, int kRowBytes, int kG, int kC, bool kMma = false>
 struct row_split {
   static constexpr int kElements = vector16<T>::elements;  // per 16-byte vector
   static constexpr int kDims = kRowBytes / static_cast<int>(sizeof(T));
+  static constexpr bool kTensorCores = kMma;
+  static constexpr int kBytesPerRow = kRowBytes;
   static constexpr int kLanesPerRow = kMma ? 4 : kRowBytes / 32;
   static constexpr int kVectorsPerLane = kRowBytes / 16 / kLanesPerRow;  // of each row
   static constexpr int kRowGroups = 32 / kLanesPerRow;  // rows side by side in one warp-wide copy
@@ -122,10 +130,12 @@ struct tile_descriptor : weights_of<kC> {
 // once: t (its epilogue) to t + kDescribedAhead, six slots of eight.
 constexpr int kDescriptorSlots = 8;
 constexpr int kDescribedAhead = 5;
+static_assert(kTileStages <= kDescribedAhead, "a tile's descriptor is written before its bulk copy is issued");
 
 /// Dynamic shared memory of one CTA: byte offsets, each 16-byte aligned.
 struct shared_layout {
-  int rings;        ///< uint4 [kWarps][kStages][kSlots][32]: each lane's own copy ring
+  int rings;        ///< uint4 [kWarps][kStages][kSlots][32]: each lane's own copy ring; kMma: [kTileStages] tiles
+  int barriers;     ///< kMma: a transaction barrier (uint64) per tile stage
   int queries;      ///< float [kG][kDims], in the order the lanes read them (see stage_queries)
   int tile_logits;  ///< float [2][kG][tile_rows]: this tile's logits and the previous tile's, still being written out
   int descriptors;  ///< tile_descriptor [kDescriptorSlots]
@@ -138,7 +148,9 @@ __host__ __device__ shared_layout shared_layout_for(int tile_rows, int batch) {
   auto align16 = [](int bytes) { return (bytes + 15) / 16 * 16; };
   shared_layout layout{};
   layout.rings = 0;
-  layout.queries = layout.rings + kWarps * kStages * Split::kSlots * 32 * 16;
+  layout.barriers = layout.rings + (Split::kTensorCores ? kTileStages * tile_rows * Split::kBytesPerRow
+                                                : kWarps * kStages * Split::kSlots * 32 * 16);
+  layout.queries = layout.barriers + (Split::kTensorCores ? align16(kTileStages * 8) : 0);
   layout.tile_logits = layout.queries + align16(Split::kQueryBytes);
   layout.descriptors = layout.tile_logits + align16(2 * kG * tile_rows * 4);
   layout.sequences = layout.descriptors + align16(kDescriptorSlots * static_cast<int>(sizeof(tile_descriptor<kC>)));
@@ -270,6 +282,14 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG, kC, 
     }
     sequences[b].outliers = view->is_outlier;
     sequences[b].context_chunks = context_chunks_of(view, d);
+  }
+  using tile_barrier = cutlass::arch::ClusterTransactionBarrier;
+  std::uint64_t* barriers = reinterpret_cast<std::uint64_t*>(shared + layout.barriers);
+  if constexpr (kMma) {
+    if (threadIdx.x == 0) {
+      for (int s = 0; s < kTileStages; ++s) tile_barrier::init(&barriers[s], 1);
+      cutlass::arch::fence_barrier_init();
+    }
   }
   __syncthreads();
   phase_stamp(stamped_kernel::logits, 42);
@@ -424,8 +444,24 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG, kC, 
     commit_async_copies();  // possibly empty: one group per step keeps the wait count fixed
   };
 
+  // kMma: the whole of tile `ordinal` (its rows are contiguous) into its stage, by thread 0; its barrier completes when
+  // the bytes have landed. Called for a stage only after the barrier that ends the tile it held before.
+  auto issue_tile = [&](int ordinal) {
+    const tile_descriptor& tile = descriptors[ordinal % kDescriptorSlots];
+    const int stage_index = ordinal % kTileStages;
+    const int bytes = tile.rows * kRowBytes;
+    tile_barrier::arrive_and_expect_tx(&barriers[stage_index], static_cast<std::uint32_t>(bytes));
+    cute::SM90_BULK_COPY_G2S::copy(tile.source, &barriers[stage_index],
+                                   shared + layout.rings + stage_index * tile_rows * kRowBytes, bytes);
+  };
+  if constexpr (kMma) {
+    if (threadIdx.x == 0) {
+      for (int ordinal = 0; ordinal < kTileStages && ordinal < tiles_here; ++ordinal) issue_tile(ordinal);
+    }
+  } else {
 #pragma unroll
-  for (int stage = 0; stage < kStages - 1; ++stage) issue_copies(stage);
+    for (int stage = 0; stage < kStages - 1; ++stage) issue_copies(stage);
+  }
   stage_queries(descriptors[0]);
   __syncthreads();
   phase_stamp(stamped_kernel::logits, 44);
@@ -451,10 +487,13 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG, kC, 
   for (int ordinal = 0; ordinal < tiles_here; ++ordinal) {
     const tile_descriptor& tile = descriptors[ordinal % kDescriptorSlots];
     float* buffer = tile_logits + (ordinal & 1) * kG * tile_rows;
+    if constexpr (kMma) tile_barrier::wait(&barriers[ordinal % kTileStages], (ordinal / kTileStages) & 1);
     for (int sub = 0; sub < steps_per_tile; ++sub) {
-      // Refills the stage that the previous step read (its values were consumed before this point).
-      issue_copies(stage == 0 ? kStages - 1 : stage - 1);
-      wait_async_copies<kStages - 1>();  // this lane's copies for this step have landed
+      if constexpr (!kMma) {
+        // Refills the stage that the previous step read (its values were consumed before this point).
+        issue_copies(stage == 0 ? kStages - 1 : stage - 1);
+        wait_async_copies<kStages - 1>();  // this lane's copies for this step have landed
+      }
       const int rows = tile.rows;
       const int first_row = (warp + sub * kWarps) * split::kBatchRows;
       if constexpr (kMma) {
@@ -464,7 +503,10 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG, kC, 
           const bool live[2] = {row < rows, row + 8 < rows};
           const bool outlier[2] = {live[0] && __ldg(tile.outliers + row) != 0,
                                    live[1] && __ldg(tile.outliers + row + 8) != 0};
-          const uint4* ring = warp_ring + stage * split::kSlots * 32;
+          // The lane's vectors part + 4k of rows `row` and `row + 8` of the tile (rows past tile.rows hold stale bytes:
+          // an MMA's rows are independent, and theirs are never stored).
+          const unsigned char* row_bytes =
+              shared + layout.rings + (ordinal % kTileStages) * tile_rows * kRowBytes + row * kRowBytes + part * 16;
           const uint2* fragments = reinterpret_cast<const uint2*>(q_shared) + lane;
           float acc[split::kBlocks][4];
 #pragma unroll
@@ -476,8 +518,8 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG, kC, 
           for (int k = 0; k < kVectorsPerLane; ++k) {
             // Vector part + 4k of each row: elements 8 (part + 4k) + 0..7, i.e. the lane's k pairs of k steps 2k
             // (elements 0-3) and 2k + 1 (elements 4-7).
-            const uint4 upper = ring[k * 32];
-            const uint4 lower = ring[(kVectorsPerLane + k) * 32];
+            const uint4 upper = *reinterpret_cast<const uint4*>(row_bytes + k * 64);
+            const uint4 lower = *reinterpret_cast<const uint4*>(row_bytes + 8 * kRowBytes + k * 64);
             const unsigned steps[2][4] = {{upper.x, lower.x, upper.y, lower.y}, {upper.z, lower.z, upper.w, lower.w}};
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
@@ -597,6 +639,9 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG, kC, 
     // (ordinal + kDescribedAhead) % kDescriptorSlots.
     __syncthreads();
     phase_stamp(stamped_kernel::logits, 45);
+    // kMma: every warp is done with this tile's stage; refill it with the tile kTileStages on (its descriptor was
+    // written kDescribedAhead - kTileStages tiles ago).
+    if (kMma && threadIdx.x == 0 && ordinal + kTileStages < tiles_here) issue_tile(ordinal + kTileStages);
     if (threadIdx.x == 0 && ordinal + kDescribedAhead < tiles_here) {
       descriptors[(ordinal + kDescribedAhead) % kDescriptorSlots] =
           describe_tile<split::kDims, T, kC>(sequences, batch, begin + ordinal + kDescribedAhead, tile_rows, d);
@@ -630,6 +675,16 @@ int resident_ctas(int shared_bytes) {
                                                                       static_cast<std::size_t>(bytes)));
     }
     return ctas;
+  });
+}
+
+/// The current device's compute capability (major), asked once per device.
+int compute_capability_major() {
+  static per_device_cache<int> known;
+  return known.get(0, [](int device, int) {
+    int major = 0;
+    SHADOWKV_CUDA_TRY(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    return major;
   });
 }
 
@@ -692,9 +747,10 @@ bool launch_decode_landmark_logits(const dims& d, int kv_type, const layer_view*
     using T = std::remove_pointer_t<decltype(tag)>;
     const int row_bytes = d.head_dim * static_cast<int>(sizeof(T));
     if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-      // bf16 rows of 64 or 128 elements: the tensor-core instantiations, unless dims::logits_fma asks for the lanes'
-      // FMAs (wider rows would need twice the copy ring: one CTA an SM).
-      if (d.logits_fma == 0 && (row_bytes == 128 || row_bytes == 256)) {
+      // bf16 rows of 64 or 128 elements on a device with bulk copies (sm_90 on): the tensor-core instantiations, unless
+      // dims::logits_fma asks for the lanes' FMAs (wider rows would halve the rows a tile: fewer than a warp each).
+      if (d.logits_fma == 0 && (row_bytes == 128 || row_bytes == 256) && tile_rows == 128 &&
+          compute_capability_major() >= 9) {
         launched = row_bytes == 128
                        ? launch_for_group<T, 128, 1, true>(d, views, batch_slots, layer, batch, queries, tile_rows,
                                                            tiles, multiprocessors, beside_ctas, logits, partials,
