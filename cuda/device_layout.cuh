@@ -57,8 +57,9 @@ struct dims {
                          ///< (SHADOWKV_SELECT_MERGE=all), 0: by reduce-scatter then gather (select_kernel.cu)
   int rebuild_rope_shared;  ///< 1: the key rebuild's RoPE always runs over its results in shared memory
                             ///< (SHADOWKV_REBUILD_ROPE=shared), 0: in the accumulators where it can (chunk_rebuild.cu)
-  int logits_fma;  ///< 1: the decode landmark logits always summed by the lanes' FMAs (SHADOWKV_LOGITS=fma), 0: on
-                   ///< tensor cores where that kernel serves the shape (bf16 rows of 64 or 128; landmark_logits.cu)
+  int logits_arithmetic;  ///< the decode landmark logits (SHADOWKV_LOGITS; landmark_logits.cu): 0 = the planner's
+                          ///< choice (tensor cores for bf16 rows of 64 or 128 when the batch has many tiles), 1 = the
+                          ///< lanes' FMAs always, 2 = tensor cores wherever they serve the shape
 };
 
 /// Everything of one (slot, layer) on the device. Row-major, head-major where a kernel reads one head at a time.

@@ -107,11 +107,18 @@ bool tapered_pipeline_split() { return !knob_is("SHADOWKV_PIPELINE_SPLIT", "tape
 // measurement knob for bench/step_benchmark.py's +fma; bench/NOTES.md).
 bool attention_on_fma() { return knob_is("SHADOWKV_ATTENTION", "mma", "fma"); }
 
-// Which arithmetic sums the decode landmark logits where both can: "mma" (the default: bf16 landmark rows of 64 or 128
-// elements on m16n8k16 MMAs, q in three bf16 terms) or "fma" (the lanes' FMAs over q in float32, for every shape).
-// Both form every product exactly and add in float32. SHADOWKV_LOGITS picks one (a measurement knob for
-// bench/step_benchmark.py's +lf; bench/NOTES.md, session 16).
-bool logits_on_fma() { return knob_is("SHADOWKV_LOGITS", "mma", "fma"); }
+// Which arithmetic sums the decode landmark logits: "auto" (the default: bf16 landmark rows of 64 or 128 elements on
+// m16n8k16 MMAs over bulk-copied tiles, q in three bf16 terms, when the batch has many tiles; the lanes' FMAs else),
+// "fma" (the lanes' FMAs over q in float32, for every shape) or "mma" (the MMAs wherever they serve the shape). Both
+// form every product exactly and add in float32. SHADOWKV_LOGITS picks one (a measurement knob for
+// bench/step_benchmark.py's +lf and +lm; bench/NOTES.md, session 16). Returns dims::logits_arithmetic.
+int logits_arithmetic_setting() {
+  const char* text = std::getenv("SHADOWKV_LOGITS");
+  if (text == nullptr || *text == '\0' || std::strcmp(text, "auto") == 0) return 0;
+  if (std::strcmp(text, "fma") == 0) return 1;
+  SHADOWKV_EXPECTS(std::strcmp(text, "mma") == 0, "SHADOWKV_LOGITS must be 'auto', 'fma' or 'mma', got '", text, "'");
+  return 2;
+}
 
 // CTAs per (sequence, KV head) of the select kernel: "auto" (the default: the planner's choice, clusters of up to 8 when
 // the batch leaves multiprocessors idle; selection_plan.cuh) or 1, 2, 4, 8 (forced where clusters may run).
@@ -297,7 +304,7 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   dims_.rebuild_mma_tf32 = rebuild_mma_tf32() ? 1 : 0;
   dims_.select_merge_all = select_merge_all() ? 1 : 0;
   dims_.rebuild_rope_shared = rebuild_rope_shared() ? 1 : 0;
-  dims_.logits_fma = logits_on_fma() ? 1 : 0;
+  dims_.logits_arithmetic = logits_arithmetic_setting();
 
   own_stream_ = make_stream();
   copy_stream_ = make_stream();

@@ -231,9 +231,10 @@ __device__ tile_descriptor<kC> describe_tile(const sequence_entry<kC>* sequences
 // epilogue: coalesced logit writes and the tile's softmax partial per query head, one warp per head; the copies of
 // the next batches are in flight meanwhile.
 //
-// kMma (bf16 rows of 64 or 128 elements, the default there; dims::logits_fma keeps the lanes' FMAs): a warp's batch is
-// 16 rows, one m16n8k16 MMA's M, and each lane's copies are its A fragments as they stand (row_split: every fourth
-// 16-byte vector of rows g and g + 8). q is the B operand, in three bf16 terms (hi + mid + lo == q, so every product is
+// kMma (bf16 rows of 64 or 128 elements when the batch has many tiles; dims::logits_arithmetic): whole tiles land in
+// shared memory by the TMA's bulk copies (thread 0 issues tile t + kTileStages into the stage that tile t frees; a
+// transaction barrier a stage), a warp's batch is 16 rows, one m16n8k16 MMA's M, and each lane's A fragments are
+// 16-byte vectors of the tile as they stand (row_split: every fourth vector of rows g and g + 8). q is the B operand, in three bf16 terms (hi + mid + lo == q, so every product is
 // exact and only the float32 accumulation differs from the FMA sums), staged once per (sequence, head) as ready
 // fragments in shared memory: D / 16 k steps x (one block a quad of heads + one of lo terms) MMAs a batch, ~40
 // instructions a warp per 4 KiB of landmarks where the FMA path issues ~500, so the kernel is left to its bytes.
@@ -747,9 +748,14 @@ bool launch_decode_landmark_logits(const dims& d, int kv_type, const layer_view*
     using T = std::remove_pointer_t<decltype(tag)>;
     const int row_bytes = d.head_dim * static_cast<int>(sizeof(T));
     if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-      // bf16 rows of 64 or 128 elements on a device with bulk copies (sm_90 on): the tensor-core instantiations, unless
-      // dims::logits_fma asks for the lanes' FMAs (wider rows would halve the rows a tile: fewer than a warp each).
-      if (d.logits_fma == 0 && (row_bytes == 128 || row_bytes == 256) && tile_rows == 128 &&
+      // bf16 rows of 64 or 128 elements on a device with bulk copies (sm_90 on): the tensor-core instantiations
+      // (wider rows would halve the rows a tile: fewer than a warp each). The planner takes them when the batch has at
+      // least 16 tiles a multiprocessor even with every chunk live (a choice from dims and the batch only, so the step
+      // stays capturable): measured on the H200 (bench/NOTES.md, session 16), B = 8 and 24 at S = 122880 run 3-6%
+      // faster on them, B = 1 (7 tiles a multiprocessor) 0.8 µs slower, its two CTAs an SM sharing fewer tiles.
+      const bool many_tiles = static_cast<long long>(batch) * d.kv_heads * tiles >= 16LL * multiprocessors;
+      const bool tensor_cores = d.logits_arithmetic == 2 || (d.logits_arithmetic == 0 && many_tiles);
+      if (tensor_cores && (row_bytes == 128 || row_bytes == 256) && tile_rows == 128 &&
           compute_capability_major() >= 9) {
         launched = row_bytes == 128
                        ? launch_for_group<T, 128, 1, true>(d, views, batch_slots, layer, batch, queries, tile_rows,

@@ -75,7 +75,7 @@ struct case_config {
   int select_cluster = 0;        ///< dims::select_cluster: 0 the planner's choice, 1 one CTA, 2/4/8 a cluster
   bool select_merge_all = false;  ///< dims::select_merge_all: a cluster's histograms summed by every CTA
   bool programmatic = false;     ///< dims::programmatic_launch: kernels launched after the previous one's tail
-  bool logits_fma = false;       ///< dims::logits_fma: decode logits summed by the lanes' FMAs, not on bf16 MMAs
+  int logits = 0;                ///< dims::logits_arithmetic: 0 the planner's choice, 1 the lanes' FMAs, 2 bf16 MMAs
 
   [[nodiscard]] std::string describe() const {
     std::ostringstream s;
@@ -87,7 +87,7 @@ struct case_config {
       << (warm_cache ? " warm" : "") << (fresh_second ? " fresh_second" : "") << (graph ? " graph" : "")
       << (two_centroids ? " two_centroids" : "") << " select_cluster=" << select_cluster
       << (select_merge_all ? " merge=all" : "") << (programmatic ? " programmatic" : "")
-      << (logits_fma ? " logits=fma" : "");
+      << (logits == 1 ? " logits=fma" : (logits == 2 ? " logits=mma" : ""));
     return s.str();
   }
 };
@@ -358,7 +358,7 @@ void run_case(const case_config& cfg) {
   d.select_cluster = cfg.select_cluster;
   d.select_merge_all = cfg.select_merge_all ? 1 : 0;
   d.programmatic_launch = cfg.programmatic ? 1 : 0;
-  d.logits_fma = cfg.logits_fma ? 1 : 0;
+  d.logits_arithmetic = cfg.logits;
 
   // Entries on a shuffled subset of the slots (exercises slot * num_layers + layer indexing).
   std::vector<int> slot_order(static_cast<std::size_t>(slots));
@@ -1084,8 +1084,8 @@ TEST_F(ChunkSelection, LongRaggedContextsGiveEachCtaSeveralTiles) {
 }
 
 TEST_F(ChunkSelection, TensorCoreAndLaneLogitsBothMatchTheModel) {
-  // bf16 landmark rows of 64 and 128 elements take the tensor-core decode logits by default (dims::logits_fma = 0:
-  // q in three bf16 terms, 16 rows a warp) and the lanes' FMAs with dims::logits_fma = 1. Each against the float64
+  // bf16 landmark rows of 64 and 128 elements take the tensor-core decode logits with dims::logits_arithmetic = 2
+  // (bulk-copied tiles, q in three bf16 terms, 16 rows a warp) and the lanes' FMAs with 1. Each against the float64
   // model (scores within the tolerance, selections equal up to near-ties, planted ties bit-equal and won by the
   // smaller id): every group size of the head tiles (G = 3, 5 and 6 masked, G = 8 with two quads of heads), float32
   // and bf16 queries, long ragged contexts whose CTAs cross heads and sequences and end inside partial batches.
@@ -1093,7 +1093,7 @@ TEST_F(ChunkSelection, TensorCoreAndLaneLogitsBothMatchTheModel) {
                            {6, 64, 0}, {8, 128, 2}};  // group, head_dim, query type
   std::uint64_t seed = 97;
   for (const auto& shape : shapes) {
-    for (const bool fma : {false, true}) {
+    for (const int logits : {2, 1}) {
       case_config cfg = random_case(seed);
       cfg.seed = seed++;
       cfg.batch = 3;
@@ -1107,7 +1107,7 @@ TEST_F(ChunkSelection, TensorCoreAndLaneLogitsBothMatchTheModel) {
       cfg.max_context = 9000;
       cfg.budget = 256;
       cfg.tie_fraction = 0.2;
-      cfg.logits_fma = fma;
+      cfg.logits = logits;
       run_case(cfg);
       if (HasFatalFailure()) return;
     }

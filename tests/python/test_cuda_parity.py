@@ -569,13 +569,14 @@ def test_cuda_rebuild_mma_changes_keys_only_in_their_last_bits(monkeypatch):
 
 
 def test_cuda_logits_arithmetic_changes_nothing_but_speed(monkeypatch):
-    """The decode landmark logits run on bf16 MMAs with q in three bf16 terms (landmark_logits.cu, the default for bf16
-    rows of 64 or 128 elements), or on the lanes' FMAs with SHADOWKV_LOGITS=fma, read when the store is built. Both
+    """The decode landmark logits run on bf16 MMAs with q in three bf16 terms (landmark_logits.cu; SHADOWKV_LOGITS=mma,
+    or the default for bf16 rows of 64 or 128 elements in batches with many tiles), or on the lanes' FMAs
+    (SHADOWKV_LOGITS=fma, and the default for this small batch), read when the store is built. Both
     form every product exactly and add in float32 in different orders, so a logit may differ in its last bit; the
     selections (and with them outputs and statistics) are identical unless two chunks tie to that bit, which the
     structured keys of this seed never do. With bf16 and fp8 host values and the batch in parts; a setting that is
     neither is refused."""
-    _knob_changes_nothing(monkeypatch, "SHADOWKV_LOGITS", (None, "fma", "mma"), "tf32", 61)
+    _knob_changes_nothing(monkeypatch, "SHADOWKV_LOGITS", (None, "fma", "mma", "auto"), "tf32", 61)
 
 
 def test_cuda_rebuild_rope_place_changes_nothing_but_speed(monkeypatch):
