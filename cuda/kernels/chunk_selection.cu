@@ -16,7 +16,8 @@
 //      partial (max, sum exp) per query head. CTA x takes tiles x, x + gridDim.x, ... below context_chunks; the
 //      number of tiles per CTA is chosen on the host from dims, batch and the device (about one wave of CTAs). The
 //      partials go to workspace.selection_partials: row (b, h) of [G][tiles][2] floats. Decode shapes that the
-//      streaming kernel of landmark_logits.cu covers use that kernel instead (same outputs).
+//      streaming kernel of landmark_logits.cu covers use that kernel instead (same outputs up to the float32 order of
+//      the sums; bf16 rows of 64 or 128 elements in batches with many tiles on tensor cores over bulk-copied tiles).
 //   2. select_kernel (selection/select_kernel.cu), one CTA of 1024 threads per (b, h): merges the tile partials into
 //      one normaliser per query head of the group and scores each chunk from its G logits (selection/group_scores.cuh):
 //      score(c) = max_j p_j(c) = exp2(max_j(x_j(c) * log2 e - offset_j)) (dims::group_mean: the mean of the p_j(c), an
