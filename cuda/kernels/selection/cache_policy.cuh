@@ -35,28 +35,49 @@ __device__ __forceinline__ int update_temporal_cache(int n, int mc, int k, int t
   }
   __syncthreads();
   // 2: free slots in ascending order, parked in miss_slots (miss m takes the m-th free slot).
-  const unsigned free_slots =
-      ordered_pass(k, pass_scratch, [&](int s) -> unsigned { return cache[s] < 0 ? 1U : 0U; },
-                   [&](int s, unsigned f, unsigned before, unsigned) {
-                     if (f != 0) miss_slots[before] = s;
-                   })
-          .x;
+  // ordered_pass calls flag(i) in both of its passes from the same thread, item after item in the same order: a flag
+  // is computed by the first call and kept for the second when the thread has one item (k and take <= 1024, as at
+  // every budget up to 8192 tokens of chunk 8), so the second pass issues no global loads. A thread with more items
+  // recomputes them (the same answer: nothing an emit writes is read by another item's flag).
+  int memo_slot = -1;
+  unsigned memo_free = 0;
+  const unsigned free_slots = ordered_pass(
+                                  k, pass_scratch,
+                                  [&](int s) -> unsigned {
+                                    if (s != memo_slot) {
+                                      memo_free = cache[s] < 0 ? 1U : 0U;
+                                      memo_slot = s;
+                                    }
+                                    return memo_free;
+                                  },
+                                  [&](int s, unsigned f, unsigned before, unsigned) {
+                                    if (f != 0) miss_slots[before] = s;
+                                  })
+                                  .x;
   // 3: misses in ascending chunk id take those slots. A miss's flag reads only its own chunk's slot_of entry
-  // (still -1) and hits' slots, which no emit writes, so both passes agree.
-  const unsigned misses = ordered_pass(
-                              take, pass_scratch,
-                              [&](int i) -> unsigned {
-                                const int c = selected[i];
-                                const int s = slot_of[c];
-                                return s >= 0 && s < k && cache[s] == c ? 0U : 1U;
-                              },
-                              [&](int i, unsigned f, unsigned before, unsigned) {
-                                if (f == 0 || before >= free_slots) return;
-                                const int c = selected[i];
-                                const int s = miss_slots[before];
-                                cache[s] = c;
-                                slot_of[c] = s;
-                              })
+  // (still -1) and hits' slots, which no emit writes, so both passes agree. Its three dependent loads (selected,
+  // slot_of, cache) are made once, as above, and the chunk id is kept for the emit.
+  int memo_item = -1;
+  int memo_chunk = -1;
+  unsigned memo_miss = 0;
+  auto miss_of = [&](int i) -> unsigned {
+    if (i != memo_item) {
+      const int c = selected[i];
+      const int s = slot_of[c];
+      memo_miss = s >= 0 && s < k && cache[s] == c ? 0U : 1U;
+      memo_chunk = c;
+      memo_item = i;
+    }
+    return memo_miss;
+  };
+  const unsigned misses = ordered_pass(take, pass_scratch, miss_of,
+                                       [&](int i, unsigned f, unsigned before, unsigned) {
+                                         if (f == 0 || before >= free_slots) return;
+                                         const int c = i == memo_item ? memo_chunk : selected[i];
+                                         const int s = miss_slots[before];
+                                         cache[s] = c;
+                                         slot_of[c] = s;
+                                       })
                               .x;
   const int filled = static_cast<int>(min(misses, free_slots));
   for (int m = filled + tid; m < k; m += kOrderedPassThreads) miss_slots[m] = -1;

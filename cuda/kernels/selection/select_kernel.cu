@@ -68,9 +68,11 @@ __device__ __forceinline__ select_row row_of(const dims& d, const layer_view* vi
 
 /// Step A of both kernels for chunks [first, end): each chunk's score from its G logits, kScoreBatch chunks a thread
 /// with two heads' loads in flight (8 loads: more spills registers under the 64 that 1024 threads allow), into
-/// row.scores; then a pass over the thread's own scores writes the radix keys (float bits + 1 for candidates, whose
-/// scores are >= 0; 0 for the others) and counts the radix select's first histogram (top 12 bits of every radix
-/// key), saving a pass of its own. Returns the thread's candidates. The caller has written `scoring`'s offsets and
+/// row.scores, with its radix key (float bits + 1 for candidates, whose scores are >= 0; 0 for the others) and its
+/// count in the radix select's first histogram (top 12 bits of every radix key) from the same registers, saving a
+/// pass of its own. (Until session 16 the keys came from a second pass that reread each score from global memory:
+/// one load after a store to the same array, which the compiler keeps in order, so ~15 L2 round trips a thread at
+/// S = 122880, one after another.) Returns the thread's candidates. The caller has written `scoring`'s offsets and
 /// zeroed `histogram`, and synchronised.
 __device__ __forceinline__ int score_chunks(const group_score_rule& scoring, const dims& d, const step_workspace& ws,
                                             const select_row& row, int first, int end, unsigned* radix_keys,
@@ -79,6 +81,7 @@ __device__ __forceinline__ int score_chunks(const group_score_rule& scoring, con
   const int mc = d.max_chunks;
   float* scores = row.scores(d, ws);
   const float* logits_group = row.logits_group(d, ws);
+  int candidates = 0;
   for (int base = first; base < end; base += kSelectThreads * kScoreBatch) {
     const int remaining = end - base - tid;  // chunk base + i * kSelectThreads + tid < end iff i * kSelectThreads < remaining
     float value[kScoreBatch];
@@ -106,23 +109,19 @@ __device__ __forceinline__ int score_chunks(const group_score_rule& scoring, con
     }
 #pragma unroll
     for (int i = 0; i < kScoreBatch; ++i) {
-      // The merged score (>= 0, or -1 for a non-candidate) until the pass below makes it the row's score.
       if (i * kSelectThreads < remaining) {
-        scores[base + i * kSelectThreads + tid] = finish(scoring, value[i], ((candidate_bits >> i) & 1U) != 0U);
+        // The merged score is >= 0, or -1 for a non-candidate.
+        const float merged = finish(scoring, value[i], ((candidate_bits >> i) & 1U) != 0U);
+        const bool candidate = merged >= 0.0F;
+        const float score = candidate ? fmaxf(0.0F, merged) : 0.0F;
+        const int c = base + i * kSelectThreads + tid;
+        candidates += candidate ? 1 : 0;
+        scores[c] = score;
+        const unsigned radix_key = candidate ? __float_as_uint(score) + 1U : 0U;
+        radix_keys[c] = radix_key;
+        atomicAdd(&histogram[radix_key >> (32 - kRadixFirstBits)], 1U);
       }
     }
-  }
-  // Each thread rereads only what it wrote above (same chunks, same thread: no barrier).
-  int candidates = 0;
-  for (int c = first + tid; c < end; c += kSelectThreads) {
-    const float merged = scores[c];
-    const bool candidate = merged >= 0.0F;
-    const float score = candidate ? fmaxf(0.0F, merged) : 0.0F;
-    candidates += candidate ? 1 : 0;
-    scores[c] = score;
-    const unsigned radix_key = candidate ? __float_as_uint(score) + 1U : 0U;
-    radix_keys[c] = radix_key;
-    atomicAdd(&histogram[radix_key >> (32 - kRadixFirstBits)], 1U);
   }
   return candidates;
 }
