@@ -199,7 +199,8 @@ def run_case(args, device, batch, seq_len, budget, value_store, target_hit, band
     ours = (time.perf_counter() - started) / args.steps
     hit = store.stats()["hit_rate"]
     ours_graph = _graph_step_time(store, slots, queries, k_new, v_new) if device.startswith("cuda") else None
-    kernels = _kernel_profile(store, slots, queries, k_new, v_new) if args.profile and device.startswith("cuda") else None
+    kernels, timeline = (_kernel_profile(store, slots, queries, k_new, v_new)
+                         if (args.profile or args.timeline) and device.startswith("cuda") else (None, None))
 
     q_full = queries[-1][:, :, None, :]
     full = _time(lambda: torch.nn.functional.scaled_dot_product_attention(
@@ -229,8 +230,10 @@ def run_case(args, device, batch, seq_len, budget, value_store, target_hit, band
            "ours_over_full": ours / full, "ours_over_floor": ours / floor}
     if ours_graph is not None:
         row.update(ours_graph_ms=ours_graph * 1e3, graph_over_full=ours_graph / full, graph_over_floor=ours_graph / floor)
-    if kernels is not None:
+    if kernels is not None and args.profile:
         row["kernels_us"] = kernels
+    if timeline is not None and args.timeline:
+        row["timeline_us"] = timeline
     return row
 
 
@@ -257,8 +260,10 @@ def _graph_step_time(store, slots, queries, k_new, v_new) -> float:
     return start.elapsed_time(end) / 1e3 / len(queries)
 
 
-def _kernel_profile(store, slots, queries, k_new, v_new) -> dict:
-    """Mean device time per step of each CUDA kernel / copy the eager decode launches (torch.profiler, CUPTI)."""
+def _kernel_profile(store, slots, queries, k_new, v_new) -> tuple:
+    """Mean device time per step of each CUDA kernel / copy the eager decode launches (torch.profiler, CUPTI), and the
+    last step's timeline: its kernels and copies in start order, [name, stream, start, end] in µs from the step's
+    first start (the last len(events) / steps device events; every step launches the same kernels)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -270,10 +275,24 @@ def _kernel_profile(store, slots, queries, k_new, v_new) -> dict:
     for event in prof.events():
         if event.device_type.name != "CUDA":
             continue
-        name = event.name.replace("(anonymous namespace)::", "").replace("shadowkv::cuda::", "").replace("void ", "")
-        name = name.split("(")[0].split("<")[0][:48] or event.name[:48]
+        name = _short_kernel_name(event.name)
         totals[name] = totals.get(name, 0.0) + event.device_time / len(queries)
-    return dict(sorted(totals.items(), key=lambda item: -item[1]))
+    timeline = None
+    try:  # the raw device events carry their stream; FunctionEvent does not
+        raw = [e for e in prof.profiler.kineto_results.events() if e.device_type().name == "CUDA"]
+        raw.sort(key=lambda e: e.start_ns())
+        last = raw[len(raw) - len(raw) // len(queries):]
+        origin = last[0].start_ns()
+        timeline = [[_short_kernel_name(e.name()), int(e.device_resource_id()), (e.start_ns() - origin) / 1e3,
+                     (e.start_ns() + e.duration_ns() - origin) / 1e3] for e in last]
+    except (AttributeError, IndexError, ZeroDivisionError) as error:
+        print(f"timeline: not available from this torch ({error})")
+    return dict(sorted(totals.items(), key=lambda item: -item[1])), timeline
+
+
+def _short_kernel_name(full: str) -> str:
+    name = full.replace("(anonymous namespace)::", "").replace("shadowkv::cuda::", "").replace("void ", "")
+    return name.split("(")[0].split("<")[0][:48] or full[:48]
 
 
 def _parse_config(text: str) -> tuple:
@@ -322,6 +341,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the results here")
     p.add_argument("--profile", action="store_true", help="also print the device time of each kernel per step")
+    p.add_argument("--timeline", action="store_true",
+                   help="also print one profiled step's kernels and copies by stream, with start and end (µs)")
     args = p.parse_args(argv)
 
     info = build_info()
@@ -355,6 +376,11 @@ def main(argv=None) -> int:
             print(f"\nkernels per step, B={r['batch']} S={r['seq_len']} budget={r['budget']} hit {r['hit']:.2f} (µs):")
             for name, us in r["kernels_us"].items():
                 print(f"  {us:9.1f}  {name}")
+        if "timeline_us" in r:
+            print(f"\none step's timeline, B={r['batch']} values {r['value_store']} hit {r['hit']:.2f} "
+                  f"(µs from its first start; stream: start - end  kernel):")
+            for name, stream, start, end in r["timeline_us"]:
+                print(f"  {stream:>4}: {start:8.1f} - {end:8.1f}  {name}")
     graph = any("ours_graph_ms" in r for r in rows)
     print("\n| B | S | budget | values, factors | hit | ours (ms) | ours, graph (ms) | full attn (ms) | floor (ms) | "
           "ours/full | ours/floor |" if graph else
