@@ -34,6 +34,7 @@
 #include "chunk_selection.cuh"
 #include "device_layout.cuh"
 #include "sparse_attention.cuh"
+#include "value_fetch.cuh"
 
 namespace shadowkv::bench {
 namespace {

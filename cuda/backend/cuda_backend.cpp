@@ -18,6 +18,7 @@
 #include "shadowkv/rope.hpp"
 #include "sparse_attention.cuh"
 #include "factor_format.cuh"
+#include "value_fetch.cuh"
 #include "value_format.cuh"
 #include "shape_support.hpp"
 #include "finite_check.cuh"

@@ -1,6 +1,6 @@
-// Decode steps 4 (misses only): rebuild the keys of missed chunks (gather-GEMM A[rows]·B[:, head] + RoPE) on the
-// compute stream, and fetch their values from the pinned value store on the copy stream. Both read the miss lists
-// that launch_select_chunks wrote into the step workspace.
+// Decode step 4 (misses only): rebuild the keys of missed chunks (gather-GEMM A[rows]·B[:, head] + RoPE) on the
+// compute stream, from the miss lists that launch_select_chunks wrote into the step workspace. Their values are
+// fetched beside it on the copy stream (value_fetch.cuh).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -19,15 +19,5 @@ namespace shadowkv::cuda {
 /// chunk_size above 64.
 void launch_rebuild_keys(const dims& d, int kv_type, layer_view* views, const int* batch_slots, int layer, int batch,
                          const step_workspace& workspace, const float* inv_freq, cudaStream_t stream);
-
-/// Values of every missed (entry, head, chunk): one contiguous run of C*D elements from the value store (mapped host
-/// memory, read by the kernel over PCIe, or device memory) into its buffer slot of cache_values; adds the bytes to
-/// counters[3]. A persistent grid of at most `ctas` CTAs (8 warps each) covers every item, whatever the batch: few
-/// CTAs leave the multiprocessors to the kernels that run beside the fetch (the key rebuild, a later part's
-/// selection); the caller sizes it (cuda_backend: enough bytes in flight for PCIe, more for device values).
-/// `priority` is a launch priority (cudaLaunchAttributePriority, as cudaDeviceGetStreamPriorityRange counts: lower is
-/// sooner), or 0 for the stream's own.
-void launch_fetch_values(const dims& d, int kv_type, layer_view* views, const int* batch_slots, int layer, int batch,
-                         const step_workspace& workspace, int ctas, int priority, cudaStream_t stream);
 
 }  // namespace shadowkv::cuda

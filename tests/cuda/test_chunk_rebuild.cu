@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "chunk_rebuild.cuh"
+#include "value_fetch.cuh"
 #include "cuda_test_support.cuh"
 #include "rope_table.cuh"
 #include "device_layout.cuh"
