@@ -1,9 +1,9 @@
 // The value fetch of a decode step (value_fetch.cuh): a persistent grid that walks the missed runs.
 //
-// Work: the flat list of (entry, head, miss) items, pair-major (pair = entry * Hkv + head). A *unit* is up to
-// `unit_items` consecutive misses of one pair (a power of two <= 32, so that a unit's items fit one warp's lanes);
-// warp w of the grid takes units w, w + warps, ...; units past a pair's miss count are skipped in one jump to the next
-// pair. A warp first resolves its unit's items at once, one a lane (miss slot -> cached chunk -> source run, and the
+// Work: the (entry, head, miss) items (pair = entry * Hkv + head). A *unit* is up to `unit_items` consecutive misses
+// of one pair (a power of two <= 32, so that a unit's items fit one warp's lanes), numbered rank-major (unit u is rank
+// u / pairs of pair u % pairs); warp w of the grid takes units w, w + warps, ...; units past a pair's miss count are
+// skipped. A warp first resolves its unit's items at once, one a lane (miss slot -> cached chunk -> source run, and the
 // fp8 scale), then streams the unit's runs as one flat array of 16-byte vectors, kLoads a lane in flight before any
 // is stored, each lane finding its vector's run by a shuffle from the lane that resolved it.
 //
@@ -35,27 +35,28 @@ constexpr unsigned kFullWarp = 0xFFFFFFFFU;
 // kFp8: dims::value_fp8 (the value store holds e4m3 codes). At most 80 registers, so that a fetch CTA fits beside two
 // of the tensor-core attention's (176 registers x 128 threads each).
 template <typename T, bool kFp8>
-__global__ void __launch_bounds__(kFetchWarps * 32, 3) fetch_values_kernel(dims d, layer_view* views, const int* batch_slots, int layer, int batch,
-                                    step_workspace workspace, int unit_items) {
+__global__ void __launch_bounds__(kFetchWarps * 32, 3)
+    fetch_values_kernel(dims d, layer_view* views, const int* batch_slots, int layer, int batch,
+                        step_workspace workspace, int unit_items) {
   const int lane = static_cast<int>(threadIdx.x % 32);
   const long long warps = static_cast<long long>(gridDim.x) * (blockDim.x / 32);
-  const long long units_per_pair = (d.budget + unit_items - 1) / unit_items;
-  const long long units = static_cast<long long>(batch) * d.kv_heads * units_per_pair;
+  const long long pairs = static_cast<long long>(batch) * d.kv_heads;
+  const long long units = pairs * ((d.budget + unit_items - 1) / unit_items);
   constexpr bool fp8 = kFp8;
   const long long run = static_cast<long long>(d.chunk) * d.head_dim;  // values a run
   const long long run_bytes = fp8 ? run : run * static_cast<long long>(sizeof(T));  // read from the value store
   const int vectors = static_cast<int>(run_bytes / 16);  // a run's 16-byte vectors (launch_fetch_values checks)
-  long long unit = static_cast<long long>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
-  while (unit < units) {
-    const long long pair = unit / units_per_pair;
-    const int first = static_cast<int>(unit - pair * units_per_pair) * unit_items;
+  const long long first_unit = static_cast<long long>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  for (long long unit = first_unit; unit < units; unit += warps) {
+    // Units in rank-major order (every pair's first unit, then every pair's second, ...): the misses sit at the
+    // front of each pair's list, so the units that hold any come first and spread over all the warps. (Pair-major,
+    // a grid whose warp count is a multiple of the units per pair gave every warp the same rank in every pair, and
+    // the warps of the late ranks nothing to do.)
+    const long long rank = unit / pairs;
+    const long long pair = unit - rank * pairs;
+    const int first = static_cast<int>(rank) * unit_items;
     const int misses = workspace.miss_counts[pair];
-    // The warp's first unit of the next pair: the smallest unit + j * warps at or past (pair + 1) * units_per_pair.
-    const long long next_pair_unit = unit + ((pair + 1) * units_per_pair - unit + warps - 1) / warps * warps;
-    if (first >= misses) {
-      unit = next_pair_unit;
-      continue;
-    }
+    if (first >= misses) continue;
     const int b = static_cast<int>(pair / d.kv_heads);
     const int h = static_cast<int>(pair - static_cast<long long>(b) * d.kv_heads);
     const layer_view* view = views + static_cast<long long>(batch_slots[b]) * d.num_layers + layer;
@@ -65,8 +66,7 @@ __global__ void __launch_bounds__(kFetchWarps * 32, 3) fetch_values_kernel(dims 
     }
     if (view->values_in_place != 0) {
       // Attention reads these values from the value store: the bytes are counted (the statistics stay the same
-      // whichever way the values are read), nothing is copied; on to the next pair.
-      unit = next_pair_unit;
+      // whichever way the values are read), nothing is copied.
       continue;
     }
     // The unit's items, one a lane: its buffer slot, its run in the value store and (fp8) its scale.
@@ -121,15 +121,17 @@ __global__ void __launch_bounds__(kFetchWarps * 32, 3) fetch_values_kernel(dims 
         }
       }
     }
-    unit += warps;
   }
 }
 
-/// Items a unit: about one unit per warp when every slot of every pair misses (fewer and the warps would idle at
-/// small batches; more and a warp would resolve its items in more, smaller rounds), a power of two in [1, 32].
-int unit_items_for(long long slots, long long warps) {
+/// Items a unit, a power of two in [1, 32]: enough runs to fill a warp's loads (kLoads 16-byte vectors a lane), and
+/// more while every warp would still get kUnitsPerWarp units if every slot of every pair missed, so that the units
+/// stay small next to a warp's share (the grid ends with its most loaded warp) at the hit rates where few miss.
+constexpr long long kUnitsPerWarp = 8;
+int unit_items_for(long long slots, long long warps, long long run_bytes) {
   int items = 1;
-  while (items < kMaxUnitItems && static_cast<long long>(items) * 2 * warps <= slots) items *= 2;
+  while (items < kMaxUnitItems && items * run_bytes < 32LL * kLoads * 16) items *= 2;
+  while (items < kMaxUnitItems && 2LL * items * kUnitsPerWarp * warps <= slots) items *= 2;
   return items;
 }
 
@@ -145,10 +147,6 @@ void launch_fetch_values(const dims& d, int kv_type, layer_view* views, const in
   const long long run = static_cast<long long>(d.chunk) * d.head_dim;
   const long long slots = static_cast<long long>(batch) * d.kv_heads * d.budget;
   if (batch == 0) return;
-  const int unit_items = unit_items_for(slots, static_cast<long long>(ctas) * kFetchWarps);
-  // No more CTAs than there are units for their warps.
-  const long long units = static_cast<long long>(batch) * d.kv_heads * ((d.budget + unit_items - 1) / unit_items);
-  const auto grid = static_cast<unsigned>(std::min<long long>(ctas, (units + kFetchWarps - 1) / kFetchWarps));
   // A plain launch (the fetch starts no programmatic chain), with the caller's priority if it gave one: the block
   // scheduler then places the fetch's CTAs before the pending CTAs of the kernels beside it (bench/NOTES.md, session 13).
   cudaLaunchAttribute sooner{};
@@ -160,6 +158,10 @@ void launch_fetch_values(const dims& d, int kv_type, layer_view* views, const in
     const long long run_bytes = d.value_fp8 != 0 ? run : run * static_cast<long long>(sizeof(T));
     SHADOWKV_EXPECTS(run_bytes % 16 == 0, "value fetch: a run of chunk_size * head_dim = ", run,
                      " values must be a whole number of 16-byte vectors");
+    const int unit_items = unit_items_for(slots, static_cast<long long>(ctas) * kFetchWarps, run_bytes);
+    // No more CTAs than there are units for their warps.
+    const long long units = static_cast<long long>(batch) * d.kv_heads * ((d.budget + unit_items - 1) / unit_items);
+    const auto grid = static_cast<unsigned>(std::min<long long>(ctas, (units + kFetchWarps - 1) / kFetchWarps));
     auto* kernel = d.value_fp8 != 0 ? fetch_values_kernel<T, true> : fetch_values_kernel<T, false>;
     launch_after_prior_grid_with(&sooner, attributes, kernel, dim3(grid), dim3(32 * kFetchWarps), 0,
                                  stream, false, d, views, batch_slots, layer, batch, workspace, unit_items);

@@ -5,7 +5,7 @@
 // bytes read (runs, and their scales for fp8). Entries whose values attention reads in place are counted and not
 // copied.
 //
-// Cases cover the unit sizes the launcher picks (1 to 32 items a warp), a grid of one CTA walking everything, more
+// Cases cover the unit sizes the launcher picks (1 to 32 items a warp, value_fetch.cu's unit_items_for), a grid of one CTA walking everything, more
 // CTAs than units, ragged and empty miss lists, entries out of slot order, every element type, D = 64, 80 and 128,
 // chunk sizes 1 to 16, and value stores in device memory and in pinned mapped host memory (the PCIe path).
 #include <cuda_runtime.h>
@@ -279,6 +279,7 @@ TEST(ValueFetch, CopiesEveryMissedRunAndNothingElse) {
        .pattern = misses::all});
   add({.batch = 4, .kv_heads = 8, .budget = 32, .fp8 = true, .ctas = 8, .pattern = misses::all, .one_in_place = true});
   add({.batch = 3, .kv_heads = 2, .budget = 32, .ctas = 5, .pattern = misses::none});
+  add({.batch = 1, .kv_heads = 2, .budget = 8, .kv_type = element_f32, .ctas = 33});  // 4 KiB runs: a unit of one
   add({.batch = 6, .kv_heads = 2, .budget = 40, .fp8 = true, .host_store = true, .ctas = 2, .one_in_place = true});
   for (const fetch_case& c : cases) run_case(c);
 }
