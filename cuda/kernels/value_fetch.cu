@@ -1,16 +1,7 @@
 // The value fetch of a decode step (value_fetch.cuh): a persistent grid that walks the missed runs.
 //
-// Work: the (entry, head, miss) items (pair = entry * Hkv + head). A *unit* is up to `unit_items` consecutive misses
-// of one pair (a power of two <= 32, so that a unit's items fit one warp's lanes), numbered rank-major (unit u is rank
-// u / pairs of pair u % pairs); warp w of the grid takes units w, w + warps, ...; units past a pair's miss count are
-// skipped. A warp first resolves its unit's items at once, one a lane (miss slot -> cached chunk -> source run, and the
-// fp8 scale), then streams the unit's runs as one flat array of 16-byte vectors, kLoads a lane in flight before any
-// is stored, each lane finding its vector's run by a shuffle from the lane that resolved it.
-//
-// Why so (bench/NOTES.md, session 17): the previous kernel gave each warp one or two runs at a time, each behind its
-// own chain of four dependent loads (miss count, slot, chunk, then the run across PCIe), so a warp had 2 KiB in
-// flight for a fraction of its time and 33 CTAs reached ~45 GB/s of fp8 runs only by holding ~0.5 MiB of slow loads
-// in their multiprocessors, which slowed the kernels beside them there by 40-85%.
+// (Session 17 measured a rewrite that resolved 32 misses a warp at once and kept 4 KiB a warp in flight: slower at
+// every shape, bench/NOTES.md, "Session 17"; this is the kernel that was in chunk_rebuild.cu until then.)
 #include "value_fetch.cuh"
 
 #include <algorithm>
@@ -23,116 +14,120 @@
 #include "common/fp8_vectors.cuh"
 #include "cuda_check.hpp"
 #include "shadowkv/errors.hpp"
+#include "shadowkv/fp8.hpp"
 
 namespace shadowkv::cuda {
 namespace {
 
-constexpr int kFetchWarps = 8;      ///< per CTA
-constexpr int kLoads = 8;           ///< 16-byte loads a lane has in flight: 4 KiB a warp
-constexpr int kMaxUnitItems = 32;   ///< a unit's items are resolved one a lane
-constexpr unsigned kFullWarp = 0xFFFFFFFFU;
+constexpr int kFetchWarps = 8;  // per CTA of the value fetch
 
-// kFp8: dims::value_fp8 (the value store holds e4m3 codes). At most 80 registers, so that a fetch CTA fits beside two
-// of the tensor-core attention's (176 registers x 128 threads each).
-template <typename T, bool kFp8>
-__global__ void __launch_bounds__(kFetchWarps * 32, 3)
-    fetch_values_kernel(dims d, layer_view* views, const int* batch_slots, int layer, int batch,
-                        step_workspace workspace, int unit_items) {
-  const int lane = static_cast<int>(threadIdx.x % 32);
+// A persistent grid of few CTAs (launch_fetch_values): the work is the flat list of (entry, head, miss) items, pair-
+// major (pair = entry * Hkv + head), taken kItemsPerWarp at a time: unit u is items u * kItemsPerWarp ... of one pair
+// (a pair's items are rounded up to whole units), and warp w of the grid takes units w, w + warps, ...; its lanes
+// split into kItemsPerWarp groups, one missed chunk (a contiguous run of C*D values) each, 16-byte reads. Units past a
+// pair's miss count are skipped in one jump to the next pair. The grid is small on purpose: a zero-copy read across
+// PCIe keeps its warp resident for microseconds, so a grid as large as the batch (one CTA per pair, as before) held
+// every multiprocessor for the whole fetch and slowed the key rebuild beside it 2.6x (bench/NOTES.md). fp8 runs are
+// half as long (1 KiB at C = 8, D = 128), so a warp takes two of them: 2 KiB of loads in flight a warp either way.
+template <typename T, int kItemsPerWarp>
+__global__ void fetch_values_kernel(dims d, layer_view* views, const int* batch_slots, int layer, int batch,
+                                    step_workspace workspace) {
+  constexpr int kLanes = 32 / kItemsPerWarp;  // lanes per item
+  const int lane = threadIdx.x % kLanes;
+  const int sub = (threadIdx.x % 32) / kLanes;  // which of the unit's items this lane copies
   const long long warps = static_cast<long long>(gridDim.x) * (blockDim.x / 32);
-  const long long pairs = static_cast<long long>(batch) * d.kv_heads;
-  const long long units = pairs * ((d.budget + unit_items - 1) / unit_items);
-  constexpr bool fp8 = kFp8;
-  const long long run = static_cast<long long>(d.chunk) * d.head_dim;  // values a run
-  const long long run_bytes = fp8 ? run : run * static_cast<long long>(sizeof(T));  // read from the value store
-  const int vectors = static_cast<int>(run_bytes / 16);  // a run's 16-byte vectors (launch_fetch_values checks)
-  const long long first_unit = static_cast<long long>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
-  for (long long unit = first_unit; unit < units; unit += warps) {
-    // Units in rank-major order (every pair's first unit, then every pair's second, ...): the misses sit at the
-    // front of each pair's list, so the units that hold any come first and spread over all the warps. (Pair-major,
-    // a grid whose warp count is a multiple of the units per pair gave every warp the same rank in every pair, and
-    // the warps of the late ranks nothing to do.)
-    const long long rank = unit / pairs;
-    const long long pair = unit - rank * pairs;
-    const int first = static_cast<int>(rank) * unit_items;
+  const long long units_per_pair = (d.budget + kItemsPerWarp - 1) / kItemsPerWarp;
+  const long long units = static_cast<long long>(batch) * d.kv_heads * units_per_pair;
+  const long long run = static_cast<long long>(d.chunk) * d.head_dim;  // elements
+  const bool vectorised = (run * sizeof(T)) % 16 == 0;
+  long long unit = static_cast<long long>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  while (unit < units) {
+    const long long pair = unit / units_per_pair;
+    const int first = static_cast<int>(unit - pair * units_per_pair) * kItemsPerWarp;
     const int misses = workspace.miss_counts[pair];
-    if (first >= misses) continue;
+    // The warp's first unit of the next pair: the smallest unit + j * warps at or past (pair + 1) * units_per_pair.
+    const auto next_pair_unit = [&] { return unit + ((pair + 1) * units_per_pair - unit + warps - 1) / warps * warps; };
+    if (first >= misses) {
+      unit = next_pair_unit();
+      continue;
+    }
     const int b = static_cast<int>(pair / d.kv_heads);
     const int h = static_cast<int>(pair - static_cast<long long>(b) * d.kv_heads);
     const layer_view* view = views + static_cast<long long>(batch_slots[b]) * d.num_layers + layer;
-    if (first == 0 && lane == 0) {
-      const unsigned long long bytes = fp8 ? run_bytes + sizeof(float) : run_bytes;
-      atomicAdd(workspace.counters + 3, static_cast<unsigned long long>(misses) * bytes);
+    if (first == 0 && threadIdx.x % 32 == 0) {
+      const unsigned long long run_bytes = d.value_fp8 != 0 ? run + sizeof(float) : run * sizeof(T);
+      atomicAdd(workspace.counters + 3, static_cast<unsigned long long>(misses) * run_bytes);
     }
     if (view->values_in_place != 0) {
       // Attention reads these values from the value store: the bytes are counted (the statistics stay the same
-      // whichever way the values are read), nothing is copied.
+      // whichever way the values are read), nothing is copied; on to the next pair.
+      unit = next_pair_unit();
       continue;
     }
-    // The unit's items, one a lane: its buffer slot, its run in the value store and (fp8) its scale.
-    const int items = min(unit_items, misses - first);
-    int slot = 0;
-    long long source_run = 0;
-    float scale = 0.0F;
-    if (lane < items) {
-      slot = workspace.miss_slots[pair * d.budget + first + lane];  // k entries per pair, slots in [0, K)
+    const int m = first + sub;
+    if (m < misses) {
+      const int slot = workspace.miss_slots[pair * d.budget + m];  // k entries per pair, slots in [0, K)
       const int chunk = view->cache_chunks[static_cast<long long>(h) * d.cache_slots + slot];
-      source_run = static_cast<long long>(chunk) * d.kv_heads + h;
-      if constexpr (fp8) scale = view->value_scales[source_run];
-    }
-    const auto* source = static_cast<const std::uint8_t*>(view->value_store);
-    T* const target = static_cast<T*>(view->cache_values) + static_cast<long long>(h) * d.cache_slots * run;
-    const int total = items * vectors;  // the unit's vectors, item-major
-    for (int window = 0; window < total; window += 32 * kLoads) {
-      uint4 loaded[kLoads];
+      const long long source_run = static_cast<long long>(chunk) * d.kv_heads + h;
+      T* target = static_cast<T*>(view->cache_values) + (static_cast<long long>(h) * d.cache_slots + slot) * run;
+      if (d.value_fp8 != 0) {
+        // 16 codes (16 bytes) a lane at a time, dequantized and rounded to T (shadowkv/fp8.hpp), stored as 16-byte
+        // vectors (16 * sizeof(T) bytes a lane).
+        const float scale = view->value_scales[source_run];
+        const auto* from = static_cast<const std::uint8_t*>(view->value_store) + source_run * run;
+        if (run % 16 == 0) {
+          // Four 16-byte loads a lane in flight before any store (the source is host memory across PCIe): a 1 KiB
+          // run (C = 8, D = 128) in one round trip of 16 lanes.
+          constexpr long long kStride = 16LL * kLanes;
+          constexpr int kLoads = 4;
+          for (long long i0 = 16LL * lane; i0 < run; i0 += kLoads * kStride) {
+            uint4 packed[kLoads];
 #pragma unroll
-      for (int u = 0; u < kLoads; ++u) {
-        const int f = window + 32 * u + lane;
-        const int item = min(f / vectors, items - 1);
-        const long long from_run = __shfl_sync(kFullWarp, source_run, item);
-        if (f < total) {
-          loaded[u] = *reinterpret_cast<const uint4*>(source + from_run * run_bytes +
-                                                      static_cast<long long>(f - item * vectors) * 16);
-        }
-      }
+            for (int u = 0; u < kLoads; ++u) {
+              if (i0 + u * kStride < run) packed[u] = *reinterpret_cast<const uint4*>(from + i0 + u * kStride);
+            }
 #pragma unroll
-      for (int u = 0; u < kLoads; ++u) {
-        const int f = window + 32 * u + lane;
-        const int item = min(f / vectors, items - 1);
-        const int to_slot = __shfl_sync(kFullWarp, slot, item);
-        const float to_scale = fp8 ? __shfl_sync(kFullWarp, scale, item) : 0.0F;
-        if (f >= total) continue;
-        const long long vector = f - item * vectors;
-        if constexpr (fp8) {
-          // 16 codes dequantised and rounded to T (shadowkv/fp8.hpp's rule), stored as sizeof(T) 16-byte vectors.
-          float codes[16];
-          decode_e4m3x16(loaded[u], codes);
-          union {
-            uint4 vectors[sizeof(T)];
-            T elements[16];
-          } decoded;
+            for (int u = 0; u < kLoads; ++u) {
+              if (i0 + u * kStride >= run) break;
+              float codes[16];
+              decode_e4m3x16(packed[u], codes);  // integer decode, equal to fp8::decode_e4m3 (common/fp8_vectors.cuh)
+              union {
+                uint4 vectors[sizeof(T)];
+                T elements[16];
+              } decoded;
 #pragma unroll
-          for (int k = 0; k < 16; ++k) decoded.elements[k] = from_float<T>(codes[k] * to_scale);
-          auto* to = reinterpret_cast<uint4*>(target + static_cast<long long>(to_slot) * run + vector * 16);
+              for (int k = 0; k < 16; ++k) decoded.elements[k] = from_float<T>(codes[k] * scale);
+              auto* to = reinterpret_cast<uint4*>(target + i0 + u * kStride);
 #pragma unroll
-          for (int v = 0; v < static_cast<int>(sizeof(T)); ++v) to[v] = decoded.vectors[v];
+              for (int v = 0; v < static_cast<int>(sizeof(T)); ++v) to[v] = decoded.vectors[v];
+            }
+          }
         } else {
-          reinterpret_cast<uint4*>(target + static_cast<long long>(to_slot) * run)[vector] = loaded[u];
+          for (long long i = lane; i < run; i += kLanes) target[i] = from_float<T>(fp8::decode_e4m3(from[i]) * scale);
         }
+      } else if (vectorised) {
+        // Four 16-byte loads a lane in flight before any store: a 2 KiB run (C = 8, D = 128, bf16) in one round trip.
+        const long long vectors = run * static_cast<long long>(sizeof(T)) / 16;
+        const int4* from = reinterpret_cast<const int4*>(static_cast<const T*>(view->value_store) + source_run * run);
+        int4* to = reinterpret_cast<int4*>(target);
+        for (long long i0 = lane; i0 < vectors; i0 += 4 * kLanes) {
+          int4 loaded[4];
+#pragma unroll
+          for (int u = 0; u < 4; ++u) {
+            if (i0 + kLanes * u < vectors) loaded[u] = from[i0 + kLanes * u];
+          }
+#pragma unroll
+          for (int u = 0; u < 4; ++u) {
+            if (i0 + kLanes * u < vectors) to[i0 + kLanes * u] = loaded[u];
+          }
+        }
+      } else {
+        const T* source = static_cast<const T*>(view->value_store) + source_run * run;
+        for (long long i = lane; i < run; i += kLanes) target[i] = source[i];
       }
     }
+    unit += warps;
   }
-}
-
-/// Items a unit, a power of two in [1, 32]: enough runs to fill a warp's loads (kLoads 16-byte vectors a lane), and
-/// more while every warp would still get kUnitsPerWarp units if every slot of every pair missed, so that the units
-/// stay small next to a warp's share (the grid ends with its most loaded warp) at the hit rates where few miss.
-constexpr long long kUnitsPerWarp = 8;
-int unit_items_for(long long slots, long long warps, long long run_bytes) {
-  int items = 1;
-  while (items < kMaxUnitItems && items * run_bytes < 32LL * kLoads * 16) items *= 2;
-  while (items < kMaxUnitItems && 2LL * items * kUnitsPerWarp * warps <= slots) items *= 2;
-  return items;
 }
 
 }  // namespace
@@ -144,9 +139,10 @@ void launch_fetch_values(const dims& d, int kv_type, layer_view* views, const in
   SHADOWKV_EXPECTS(d.budget >= 1 && d.cache_slots >= d.budget,
                    "value fetch: need budget >= 1 and cache_slots >= budget, got budget ", d.budget, ", cache_slots ",
                    d.cache_slots);
-  const long long run = static_cast<long long>(d.chunk) * d.head_dim;
-  const long long slots = static_cast<long long>(batch) * d.kv_heads * d.budget;
   if (batch == 0) return;
+  // No more CTAs than there are items for their warps (8 a CTA).
+  const long long items = static_cast<long long>(batch) * d.kv_heads * d.budget;
+  const auto grid = static_cast<unsigned>(std::min<long long>(ctas, (items + kFetchWarps - 1) / kFetchWarps));
   // A plain launch (the fetch starts no programmatic chain), with the caller's priority if it gave one: the block
   // scheduler then places the fetch's CTAs before the pending CTAs of the kernels beside it (bench/NOTES.md, session 13).
   cudaLaunchAttribute sooner{};
@@ -155,18 +151,10 @@ void launch_fetch_values(const dims& d, int kv_type, layer_view* views, const in
   const int attributes = priority != 0 ? 1 : 0;
   shadowkv_dispatch_element(kv_type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    const long long run_bytes = d.value_fp8 != 0 ? run : run * static_cast<long long>(sizeof(T));
-    SHADOWKV_EXPECTS(run_bytes % 16 == 0, "value fetch: a run of chunk_size * head_dim = ", run,
-                     " values must be a whole number of 16-byte vectors");
-    const int unit_items = unit_items_for(slots, static_cast<long long>(ctas) * kFetchWarps, run_bytes);
-    // No more CTAs than there are units for their warps.
-    const long long units = static_cast<long long>(batch) * d.kv_heads * ((d.budget + unit_items - 1) / unit_items);
-    const auto grid = static_cast<unsigned>(std::min<long long>(ctas, (units + kFetchWarps - 1) / kFetchWarps));
-    auto* kernel = d.value_fp8 != 0 ? fetch_values_kernel<T, true> : fetch_values_kernel<T, false>;
-    launch_after_prior_grid_with(&sooner, attributes, kernel, dim3(grid), dim3(32 * kFetchWarps), 0,
-                                 stream, false, d, views, batch_slots, layer, batch, workspace, unit_items);
+    auto* kernel = d.value_fp8 != 0 ? fetch_values_kernel<T, 2> : fetch_values_kernel<T, 1>;
+    launch_after_prior_grid_with(&sooner, attributes, kernel, dim3(grid), dim3(32 * kFetchWarps), 0, stream, false, d,
+                                 views, batch_slots, layer, batch, workspace);
   });
-  SHADOWKV_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace shadowkv::cuda

@@ -15,8 +15,7 @@ namespace shadowkv::cuda {
 /// covers every item, whatever the batch: few CTAs leave the multiprocessors to the kernels that run beside the fetch
 /// (the key rebuild, a later part's selection); the caller sizes it (cuda_backend: enough bytes in flight for PCIe,
 /// more for device values). `priority` is a launch priority (cudaLaunchAttributePriority, as
-/// cudaDeviceGetStreamPriorityRange counts: lower is sooner), or 0 for the stream's own. Throws
-/// shadowkv::invalid_argument when a run is not a whole number of 16-byte vectors (every supported head_dim makes one).
+/// cudaDeviceGetStreamPriorityRange counts: lower is sooner), or 0 for the stream's own.
 void launch_fetch_values(const dims& d, int kv_type, layer_view* views, const int* batch_slots, int layer, int batch,
                          const step_workspace& workspace, int ctas, int priority, cudaStream_t stream);
 

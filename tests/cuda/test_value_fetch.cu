@@ -5,9 +5,9 @@
 // bytes read (runs, and their scales for fp8). Entries whose values attention reads in place are counted and not
 // copied.
 //
-// Cases cover the unit sizes the launcher picks (1 to 32 items a warp, value_fetch.cu's unit_items_for), a grid of one CTA walking everything, more
-// CTAs than units, ragged and empty miss lists, entries out of slot order, every element type, D = 64, 80 and 128,
-// chunk sizes 1 to 16, and value stores in device memory and in pinned mapped host memory (the PCIe path).
+// Cases cover a grid of one CTA walking everything, more CTAs than items, ragged, full and empty miss lists, entries out
+// of slot order, every element type, D = 4 (runs that are not whole 16-byte vectors), 64, 80 and 128, chunk sizes 1 to
+// 16, and value stores in device memory and in pinned mapped host memory (the PCIe path).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -279,22 +279,12 @@ TEST(ValueFetch, CopiesEveryMissedRunAndNothingElse) {
        .pattern = misses::all});
   add({.batch = 4, .kv_heads = 8, .budget = 32, .fp8 = true, .ctas = 8, .pattern = misses::all, .one_in_place = true});
   add({.batch = 3, .kv_heads = 2, .budget = 32, .ctas = 5, .pattern = misses::none});
-  add({.batch = 1, .kv_heads = 2, .budget = 8, .kv_type = element_f32, .ctas = 33});  // 4 KiB runs: a unit of one
+  add({.batch = 1, .kv_heads = 2, .budget = 8, .kv_type = element_f32, .ctas = 33});
+  // Runs that are not whole 16-byte vectors (the kernel's element-wise path).
+  add({.batch = 2, .kv_heads = 3, .head_dim = 4, .chunk = 3, .budget = 11, .ctas = 2});
+  add({.batch = 2, .kv_heads = 3, .head_dim = 4, .chunk = 3, .budget = 11, .fp8 = true, .host_store = true, .ctas = 2});
   add({.batch = 6, .kv_heads = 2, .budget = 40, .fp8 = true, .host_store = true, .ctas = 2, .one_in_place = true});
   for (const fetch_case& c : cases) run_case(c);
-}
-
-TEST(ValueFetch, RejectsRunsThatAreNotWholeVectors) {
-  dims d{};
-  d.kv_heads = 1;
-  d.head_dim = 4;  // 4 bf16 values a run: 8 bytes
-  d.chunk = 1;
-  d.budget = 1;
-  d.cache_slots = 1;
-  const step_workspace ws{};
-  EXPECT_THROW(shadowkv::cuda::launch_fetch_values(d, shadowkv::cuda::element_bf16, nullptr, nullptr, 0, 1, ws, 1, 0,
-                                                   nullptr),
-               shadowkv::invalid_argument);
 }
 
 }  // namespace
