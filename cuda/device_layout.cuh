@@ -57,6 +57,8 @@ struct dims {
                          ///< (SHADOWKV_SELECT_MERGE=all), 0: by reduce-scatter then gather (select_kernel.cu)
   int rebuild_rope_shared;  ///< 1: the key rebuild's RoPE always runs over its results in shared memory
                             ///< (SHADOWKV_REBUILD_ROPE=shared), 0: in the accumulators where it can (chunk_rebuild.cu)
+  int logits_pooled;  ///< 1: a decode logits launch beside the value fetch takes half its tiles from a shared pool
+                      ///< (landmark_logits.cu; SHADOWKV_LOGITS_POOL=on, the default), 0: all in fixed shares
   int logits_arithmetic;  ///< the decode landmark logits (SHADOWKV_LOGITS; landmark_logits.cu): 0 = the planner's
                           ///< choice (tensor cores for bf16 rows of 64 or 128 when the batch has many tiles), 1 = the
                           ///< lanes' FMAs always, 2 = tensor cores wherever they serve the shape
@@ -131,6 +133,8 @@ struct step_workspace {
   float* selection_partials;  ///< [max_batch, Hkv, G, logit tiles, 2]: softmax partials (max, sum exp) per tile
   unsigned* radix_keys;       ///< [max_batch, Hkv, max_chunks]: per-chunk radix keys when they do not fit in the
                               ///< select kernel's shared memory (null when they do)
+  unsigned* logits_claims;    ///< [2], zero between launches: the decode logits' tile pool (claimed tiles, CTAs
+                              ///< done; landmark_logits.cu); null: no pool
   // The store's RoPE coefficients by position (rope_table.cuh), read by the key rebuild; null: none (every row's
   // coefficients are computed, as for positions outside the table).
   const float2* rope_table;       ///< [rope_table_positions, rotary_dim / 2]

@@ -108,6 +108,11 @@ bool tapered_pipeline_split() { return !knob_is("SHADOWKV_PIPELINE_SPLIT", "tape
 // measurement knob for bench/step_benchmark.py's +fma; bench/NOTES.md).
 bool attention_on_fma() { return knob_is("SHADOWKV_ATTENTION", "mma", "fma"); }
 
+// Whether a decode landmark-logits launch beside the value fetch (a pipeline part after the first) takes half of its
+// tiles from a shared pool: "on" (the default) or "off" (every tile in fixed shares, as before session 17).
+// SHADOWKV_LOGITS_POOL picks one (a measurement knob for bench/step_benchmark.py's +lp0; bench/NOTES.md, session 17).
+bool logits_pooled() { return !knob_is("SHADOWKV_LOGITS_POOL", "on", "off"); }
+
 // Which arithmetic sums the decode landmark logits: "auto" (the default: bf16 landmark rows of 64 or 128 elements on
 // m16n8k16 MMAs over bulk-copied tiles, q in three bf16 terms, when the batch has many tiles; the lanes' FMAs else),
 // "fma" (the lanes' FMAs over q in float32, for every shape) or "mma" (the MMAs wherever they serve the shape). Both
@@ -306,6 +311,7 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   dims_.select_merge_all = select_merge_all() ? 1 : 0;
   dims_.rebuild_rope_shared = rebuild_rope_shared() ? 1 : 0;
   dims_.logits_arithmetic = logits_arithmetic_setting();
+  dims_.logits_pooled = logits_pooled() ? 1 : 0;
 
   own_stream_ = make_stream();
   copy_stream_ = make_stream();
@@ -379,6 +385,7 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   const std::size_t lists = align_up(batch * cfg.num_kv_heads * cfg.budget_chunks() * sizeof(int));
   const std::size_t counts = align_up(batch * cfg.num_kv_heads * sizeof(int));
   const std::size_t counters = align_up(4 * sizeof(unsigned long long));
+  const std::size_t claims = align_up(2 * sizeof(unsigned));
   const std::size_t partial =
       align_up(batch * cfg.num_q_heads * workspace_.max_splits * (cfg.head_dim + 2) * sizeof(float));
   // The chunk selection's own rows, as it says it needs them (on this device: the radix keys' place depends on its
@@ -388,8 +395,8 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   const std::size_t radix_keys = align_up(selection.radix_keys);
   const long long table_positions = rope_table_positions(dims_);
   const std::size_t rope_table = align_up(rope_table_bytes(dims_, table_positions));
-  workspace_memory_ = device_buffer(logits + scores + 2 * lists + counts + counters + partial + selection_partials +
-                                        radix_keys + rope_table,
+  workspace_memory_ = device_buffer(logits + scores + 2 * lists + counts + counters + claims + partial +
+                                        selection_partials + radix_keys + rope_table,
                                     own_stream_, resources_->device_memory());
   cursor = static_cast<std::uint8_t*>(workspace_memory_.data());
   workspace_.logits = static_cast<float*>(take(logits));
@@ -398,12 +405,14 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   workspace_.miss_slots = static_cast<int*>(take(lists));
   workspace_.miss_counts = static_cast<int*>(take(counts));
   workspace_.counters = static_cast<unsigned long long*>(take(counters));
+  workspace_.logits_claims = static_cast<unsigned*>(take(claims));
   workspace_.partial = static_cast<float*>(take(partial));
   workspace_.selection_partials = selection_partials > 0 ? static_cast<float*>(take(selection_partials)) : nullptr;
   workspace_.radix_keys = radix_keys > 0 ? static_cast<unsigned*>(take(radix_keys)) : nullptr;
   workspace_.rope_table = rope_table > 0 ? static_cast<const float2*>(take(rope_table)) : nullptr;
   workspace_.rope_table_positions = rope_table > 0 ? table_positions : 0;
   SHADOWKV_CUDA_TRY(cudaMemsetAsync(workspace_.counters, 0, counters, own_stream_));
+  SHADOWKV_CUDA_TRY(cudaMemsetAsync(workspace_.logits_claims, 0, claims, own_stream_));
   SHADOWKV_CUDA_TRY(cudaMemsetAsync(workspace_.miss_counts, 0, counts, own_stream_));
 
   const rope_rotation rope(cfg);

@@ -89,7 +89,8 @@ void plan_and_launch(const dims& d, int kv_type, int element_bytes, const layer_
     const bool decode_kernel =
         tokens == 1 && launch_decode_landmark_logits(d, kv_type, views, batch_slots, layer, batch, queries,
                                                      logit_geo.tile_rows, logit_geo.tiles, limits.multiprocessors,
-                                                     beside_ctas, ws.logits, ws.selection_partials, stream);
+                                                     beside_ctas, ws.logits, ws.selection_partials,
+                                                     ws.logits_claims, stream);
     if (!decode_kernel) {
       selection::launch_landmark_scoring(d, kv_type, views, batch_slots, layer, batch, queries, tokens, logit_geo, ws,
                                          limits, stream);

@@ -130,6 +130,12 @@ struct tile_descriptor : weights_of<kC> {
 // once: t (its epilogue) to t + kDescribedAhead, six slots of eight.
 constexpr int kDescriptorSlots = 8;
 constexpr int kDescribedAhead = 5;
+// With a pool (a launch beside the value fetch, whose CTAs slow the logits CTAs that share their multiprocessors by
+// up to ~1.6x: bench/NOTES.md, session 17), each CTA's fixed share is 1 / kFixedShareDivisor of its even share, and
+// the rest of the tiles are claimed from a shared counter kClaimTiles at a time (consecutive tiles, mostly of one
+// (sequence, head): one staging of q for several tiles), so that the slowed CTAs take fewer.
+constexpr int kFixedShareDivisor = 2;
+constexpr int kClaimTiles = 4;
 static_assert(kTileStages <= kDescribedAhead, "a tile's descriptor is written before its bulk copy is issued");
 
 /// Dynamic shared memory of one CTA: byte offsets, each 16-byte aligned.
@@ -223,7 +229,8 @@ __device__ tile_descriptor<kC> describe_tile(const sequence_entry<kC>* sequences
 
 // A persistent grid: CTA x takes a contiguous share of the batch's live tiles (sequence-major, then head, then tile;
 // the shares differ by at most one tile, whatever the context lengths), so there is no partial last wave and a CTA
-// mostly stays on one (sequence, head) and its q. The 8 warps split each tile into batches of kBatchRows rows
+// mostly stays on one (sequence, head) and its q. With a pool (`claims`: a launch beside the value fetch) the shares
+// cover the first half of the tiles, and thread 0 claims the rest kClaimTiles at a time as its descriptors run out. The 8 warps split each tile into batches of kBatchRows rows
 // (warp w takes batches w, w + 8, ...). Every lane copies its own slices of the rows into its own ring slots with
 // cp.async, kStages - 1 batches ahead, and reads back only what it copied: no barrier guards the ring, and the copies
 // need no registers, so the bytes in flight (2 KiB a batch, two batches a warp) do not compete with the arithmetic
@@ -248,7 +255,7 @@ template <typename T, int kRowBytes, int kG, int kC, bool kMma>
 __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG, kC, kMma>())
     decode_landmark_logits_kernel(const dims d, const layer_view* views, const int* batch_slots, const int layer,
                                   const int batch, const strided_tensor queries, const int tile_rows, const int tiles,
-                                  float* logits, float* partials) {
+                                  float* logits, float* partials, unsigned* claims) {
   start_phase_stamps(stamped_kernel::logits);
   wait_for_prior_grids();  // common/dependent_launch.cuh: nothing before the previous kernel is done
   phase_stamp(stamped_kernel::logits, 1);
@@ -294,9 +301,41 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG, kC, 
   }
   __syncthreads();
   phase_stamp(stamped_kernel::logits, 42);
-  // The CTA's share [share_edge(x), share_edge(x + 1)) of the live tiles, once warp 0 has counted them.
+  // The CTA's fixed share [share_edge(x), share_edge(x + 1)) of the first `fixed_tiles()` live tiles, once warp 0 has
+  // counted them; with a pool (claims), the rest are claimed kClaimTiles at a time (see next_descriptor).
+  auto fixed_tiles = [&] {
+    const int live = sequences[batch].first_tile;
+    return claims != nullptr ? live / kFixedShareDivisor : live;
+  };
   auto share_edge = [&](int cta) {
-    return static_cast<int>(static_cast<long long>(cta) * sequences[batch].first_tile / gridDim.x);
+    return static_cast<int>(static_cast<long long>(cta) * fixed_tiles() / gridDim.x);
+  };
+  // Thread 0's cursor over the CTA's tiles: its fixed share, then claims from the pool until it is empty. Each call
+  // describes the CTA's next tile, or returns rows == 0 when there is none (and so on every later call).
+  int fixed_next = 0;
+  int fixed_end = 0;
+  int claim_next = 0;
+  int claim_end = 0;
+  bool pool_empty = claims == nullptr;
+  auto next_descriptor = [&]() {
+    int live = -1;
+    if (fixed_next < fixed_end) {
+      live = fixed_next++;
+    } else if (!pool_empty) {
+      if (claim_next == claim_end) {
+        const int total = sequences[batch].first_tile;
+        claim_next = fixed_tiles() + static_cast<int>(atomicAdd(claims, static_cast<unsigned>(kClaimTiles)));
+        claim_end = min(claim_next + kClaimTiles, total);
+        if (claim_next >= total) {
+          pool_empty = true;
+          claim_next = claim_end;
+        }
+      }
+      if (claim_next < claim_end) live = claim_next++;
+    }
+    tile_descriptor tile{};
+    if (live >= 0) tile = describe_tile<split::kDims, T, kC>(sequences, batch, live, tile_rows, d);
+    return tile;
   };
   if (warp == 0) {
     int before = 0;
@@ -313,16 +352,17 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG, kC, 
       before += __shfl_sync(0xffffffffU, inclusive, 31);
     }
     __syncwarp();
-    const int begin = share_edge(blockIdx.x);
-    if (lane < kDescribedAhead && begin + lane < share_edge(blockIdx.x + 1)) {
-      descriptors[lane] = describe_tile<split::kDims, T, kC>(sequences, batch, begin + lane, tile_rows, d);
+    if (lane == 0) {
+      fixed_next = share_edge(blockIdx.x);
+      fixed_end = share_edge(blockIdx.x + 1);
+      for (int i = 0; i < kDescribedAhead; ++i) descriptors[i] = next_descriptor();
     }
   }
   __syncthreads();
   phase_stamp(stamped_kernel::logits, 43);
-  const int begin = share_edge(blockIdx.x);
-  const int tiles_here = share_edge(blockIdx.x + 1) - begin;
-  if (tiles_here == 0) return;
+  // Whether the CTA's tile `ordinal` exists (its descriptor, written kDescribedAhead tiles ahead, has rows): every
+  // thread sees the same answer once a block barrier has followed the write.
+  auto has_tile = [&](int ordinal) { return descriptors[ordinal % kDescriptorSlots].rows > 0; };
 
   // q of (sequence, head) as float, ordered [g][k][quad][part][4]: for one (g, k, quad) the lanes of a row group
   // read kLanesPerRow consecutive float4 (no bank conflicts), and the row groups read the same ones (broadcasts).
@@ -417,7 +457,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG, kC, 
   int copy_ordinal = 0;
   int copy_sub = 0;  // the warp's batch within the tile
   auto issue_copies = [&](int copy_stage) {
-    if (copy_ordinal < tiles_here) {
+    if (has_tile(copy_ordinal)) {
       const tile_descriptor& tile = descriptors[copy_ordinal % kDescriptorSlots];
       const int rows = tile.rows;
       const int first_row = (warp + copy_sub * kWarps) * split::kBatchRows;
@@ -457,13 +497,13 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG, kC, 
   };
   if constexpr (kMma) {
     if (threadIdx.x == 0) {
-      for (int ordinal = 0; ordinal < kTileStages && ordinal < tiles_here; ++ordinal) issue_tile(ordinal);
+      for (int ordinal = 0; ordinal < kTileStages && has_tile(ordinal); ++ordinal) issue_tile(ordinal);
     }
   } else {
 #pragma unroll
     for (int stage = 0; stage < kStages - 1; ++stage) issue_copies(stage);
   }
-  stage_queries(descriptors[0]);
+  if (has_tile(0)) stage_queries(descriptors[0]);
   __syncthreads();
   phase_stamp(stamped_kernel::logits, 44);
 
@@ -485,7 +525,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG, kC, 
   const int kept_row_offset = (kept_first / (kG * kC)) * split::kRowGroups + row_group;
 
   int stage = 0;
-  for (int ordinal = 0; ordinal < tiles_here; ++ordinal) {
+  for (int ordinal = 0; has_tile(ordinal); ++ordinal) {
     const tile_descriptor& tile = descriptors[ordinal % kDescriptorSlots];
     float* buffer = tile_logits + (ordinal & 1) * kG * tile_rows;
     if constexpr (kMma) tile_barrier::wait(&barriers[ordinal % kTileStages], (ordinal / kTileStages) & 1);
@@ -632,7 +672,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG, kC, 
       stage = stage + 1 == kStages ? 0 : stage + 1;
     }
 
-    const bool more = ordinal + 1 < tiles_here;
+    const bool more = has_tile(ordinal + 1);
     const tile_descriptor& next = descriptors[(ordinal + 1) % kDescriptorSlots];
     const bool new_queries = more && (next.sequence != tile.sequence || next.head != tile.head);
     // Every warp's rows of this tile are in `buffer`; every warp is done with q_shared, with the epilogue of the
@@ -642,14 +682,19 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG, kC, 
     phase_stamp(stamped_kernel::logits, 45);
     // kMma: every warp is done with this tile's stage; refill it with the tile kTileStages on (its descriptor was
     // written kDescribedAhead - kTileStages tiles ago).
-    if (kMma && threadIdx.x == 0 && ordinal + kTileStages < tiles_here) issue_tile(ordinal + kTileStages);
-    if (threadIdx.x == 0 && ordinal + kDescribedAhead < tiles_here) {
-      descriptors[(ordinal + kDescribedAhead) % kDescriptorSlots] =
-          describe_tile<split::kDims, T, kC>(sequences, batch, begin + ordinal + kDescribedAhead, tile_rows, d);
-    }
+    if (kMma && threadIdx.x == 0 && has_tile(ordinal + kTileStages)) issue_tile(ordinal + kTileStages);
+    if (threadIdx.x == 0) descriptors[(ordinal + kDescribedAhead) % kDescriptorSlots] = next_descriptor();
     if (new_queries) stage_queries(next);
     write_tile(tile, buffer);
     if (new_queries) __syncthreads();
+  }
+  if (claims != nullptr && threadIdx.x == 0) {
+    // The last CTA to finish puts the pool's counters back to zero for the next launch (every CTA has made its last
+    // claim before it counts itself done; the next launch reads them after this grid has completed).
+    if (atomicAdd(claims + 1, 1U) == gridDim.x - 1) {
+      atomicExch(claims, 0U);
+      atomicExch(claims + 1, 0U);
+    }
   }
   finish_phase_stamps(stamped_kernel::logits, 49);
 }
@@ -692,7 +737,7 @@ int compute_capability_major() {
 template <typename T, int kRowBytes, int kG, int kC, bool kMma>
 bool launch_with(const dims& d, const layer_view* views, const int* batch_slots, int layer, int batch,
                  const strided_tensor& queries, int tile_rows, int tiles, int multiprocessors, int beside_ctas,
-                 float* logits, float* partials, cudaStream_t stream) {
+                 float* logits, float* partials, unsigned* claims, cudaStream_t stream) {
   using split = row_split<T, kRowBytes, kG, kC, kMma>;
   const shared_layout layout = shared_layout_for<split, kG, kC>(tile_rows, batch);
   const int per_multiprocessor = resident_ctas<T, kRowBytes, kG, kC, kMma>(layout.bytes);
@@ -705,18 +750,18 @@ bool launch_with(const dims& d, const layer_view* views, const int* batch_slots,
       std::max<long long>(resident - std::max(beside_ctas, 0), std::max(multiprocessors, 1)), most_tiles);
   launch_after_prior_grid(decode_landmark_logits_kernel<T, kRowBytes, kG, kC, kMma>, dim3(static_cast<unsigned>(ctas)),
                           dim3(kThreads), static_cast<std::size_t>(layout.bytes), stream, d.programmatic_launch != 0,
-                          d, views, batch_slots, layer, batch, queries, tile_rows, tiles, logits, partials);
+                          d, views, batch_slots, layer, batch, queries, tile_rows, tiles, logits, partials, claims);
   return true;
 }
 
 template <typename T, int kRowBytes, int kC, bool kMma = false>
 bool launch_for_group(const dims& d, const layer_view* views, const int* batch_slots, int layer, int batch,
                       const strided_tensor& queries, int tile_rows, int tiles, int multiprocessors, int beside_ctas,
-                      float* logits, float* partials, cudaStream_t stream) {
+                      float* logits, float* partials, unsigned* claims, cudaStream_t stream) {
   bool launched = false;
   shadowkv_dispatch_head_tile(d.group, [&](auto head_tile) {
     launched = launch_with<T, kRowBytes, decltype(head_tile)::value, kC, kMma>(
-        d, views, batch_slots, layer, batch, queries, tile_rows, tiles, multiprocessors, beside_ctas, logits, partials,
+        d, views, batch_slots, layer, batch, queries, tile_rows, tiles, multiprocessors, beside_ctas, logits, partials, claims,
         stream);
   });
   return launched;
@@ -727,14 +772,16 @@ bool launch_for_group(const dims& d, const layer_view* views, const int* batch_s
 bool launch_decode_landmark_logits(const dims& d, int kv_type, const layer_view* views, const int* batch_slots,
                                    int layer, int batch, const strided_tensor& queries, int tile_rows, int tiles,
                                    int multiprocessors, int beside_ctas, float* logits, float* partials,
-                                   cudaStream_t stream) {
+                                   unsigned* claims, cudaStream_t stream) {
   if (d.group < 1 || d.group > 8 || batch <= 0 || tiles <= 0 || tile_rows <= 0) return false;
+  // The tile pool only where another kernel may slow some of the CTAs (dims::logits_pooled).
+  if (beside_ctas <= 0 || d.logits_pooled == 0) claims = nullptr;
   if (d.chunk_centroids != 0) {
     // Rows of 2·D codes, whatever the store's element type.
     auto launch = [&](auto row_bytes) {
       return launch_for_group<e4m3_code, decltype(row_bytes)::value, 2>(d, views, batch_slots, layer, batch, queries,
                                                                          tile_rows, tiles, multiprocessors,
-                                                                         beside_ctas, logits, partials, stream);
+                                                                         beside_ctas, logits, partials, claims, stream);
     };
     switch (2 * d.head_dim) {
       case 128: return launch(std::integral_constant<int, 128>{});
@@ -759,10 +806,10 @@ bool launch_decode_landmark_logits(const dims& d, int kv_type, const layer_view*
           compute_capability_major() >= 9) {
         launched = row_bytes == 128
                        ? launch_for_group<T, 128, 1, true>(d, views, batch_slots, layer, batch, queries, tile_rows,
-                                                           tiles, multiprocessors, beside_ctas, logits, partials,
+                                                           tiles, multiprocessors, beside_ctas, logits, partials, claims,
                                                            stream)
                        : launch_for_group<T, 256, 1, true>(d, views, batch_slots, layer, batch, queries, tile_rows,
-                                                           tiles, multiprocessors, beside_ctas, logits, partials,
+                                                           tiles, multiprocessors, beside_ctas, logits, partials, claims,
                                                            stream);
         return;
       }
@@ -770,15 +817,15 @@ bool launch_decode_landmark_logits(const dims& d, int kv_type, const layer_view*
     switch (row_bytes) {
       case 128:
         launched = launch_for_group<T, 128, 1>(d, views, batch_slots, layer, batch, queries, tile_rows, tiles,
-                                            multiprocessors, beside_ctas, logits, partials, stream);
+                                            multiprocessors, beside_ctas, logits, partials, claims, stream);
         break;
       case 256:
         launched = launch_for_group<T, 256, 1>(d, views, batch_slots, layer, batch, queries, tile_rows, tiles,
-                                            multiprocessors, beside_ctas, logits, partials, stream);
+                                            multiprocessors, beside_ctas, logits, partials, claims, stream);
         break;
       case 512:
         launched = launch_for_group<T, 512, 1>(d, views, batch_slots, layer, batch, queries, tile_rows, tiles,
-                                            multiprocessors, beside_ctas, logits, partials, stream);
+                                            multiprocessors, beside_ctas, logits, partials, claims, stream);
         break;
       default: break;
     }

@@ -76,6 +76,8 @@ struct case_config {
   bool select_merge_all = false;  ///< dims::select_merge_all: a cluster's histograms summed by every CTA
   bool programmatic = false;     ///< dims::programmatic_launch: kernels launched after the previous one's tail
   int logits = 0;                ///< dims::logits_arithmetic: 0 the planner's choice, 1 the lanes' FMAs, 2 bf16 MMAs
+  int beside = 0;                ///< launch_select_chunks' beside_ctas: > 0 gives the decode logits their tile pool
+  bool pooled = true;            ///< dims::logits_pooled
 
   [[nodiscard]] std::string describe() const {
     std::ostringstream s;
@@ -87,7 +89,8 @@ struct case_config {
       << (warm_cache ? " warm" : "") << (fresh_second ? " fresh_second" : "") << (graph ? " graph" : "")
       << (two_centroids ? " two_centroids" : "") << " select_cluster=" << select_cluster
       << (select_merge_all ? " merge=all" : "") << (programmatic ? " programmatic" : "")
-      << (logits == 1 ? " logits=fma" : (logits == 2 ? " logits=mma" : ""));
+      << (logits == 1 ? " logits=fma" : (logits == 2 ? " logits=mma" : "")) << " beside=" << beside
+      << (pooled ? "" : " pool=off");
     return s.str();
   }
 };
@@ -359,6 +362,7 @@ void run_case(const case_config& cfg) {
   d.select_merge_all = cfg.select_merge_all ? 1 : 0;
   d.programmatic_launch = cfg.programmatic ? 1 : 0;
   d.logits_arithmetic = cfg.logits;
+  d.logits_pooled = cfg.pooled ? 1 : 0;
 
   // Entries on a shuffled subset of the slots (exercises slot * num_layers + layer indexing).
   std::vector<int> slot_order(static_cast<std::size_t>(slots));
@@ -533,6 +537,11 @@ void run_case(const case_config& cfg) {
   CUDA_OK(cudaMemset(radix_keys.get(), 0x55, std::max<std::size_t>(own.radix_keys, 1)));
   ws.selection_partials = selection_partials.get<float>();
   ws.radix_keys = own.radix_keys > 0 ? radix_keys.get<unsigned>() : nullptr;
+  // The logits' tile pool: zero, and zero again after every launch.
+  device_buffer claims(2 * sizeof(unsigned));
+  ASSERT_TRUE(claims.ok());
+  CUDA_OK(cudaMemset(claims.get(), 0, 2 * sizeof(unsigned)));
+  ws.logits_claims = claims.get<unsigned>();
   // max_chunks = 70000 cannot keep its radix keys in shared memory on any device this runs on.
   if (mc >= 70000) EXPECT_GT(own.radix_keys, 0U) << "the radix keys should need the workspace at max_chunks " << mc;
 
@@ -590,14 +599,15 @@ void run_case(const case_config& cfg) {
     queries.stride[3] = 1;
     if (!cfg.graph) {
       ASSERT_NO_THROW(shadowkv::cuda::launch_select_chunks(d, cfg.kv_type, views_device.get<layer_view>(),
-                                                            slots_device.get<int>(), layer, B, queries, Tq, ws, 0, stream));
+                                                            slots_device.get<int>(), layer, B, queries, Tq, ws,
+                                                            cfg.beside, stream));
     } else {
       // One graph for all steps: the context length changes on the device only.
       if (step == 0) {
         CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
         ASSERT_NO_THROW(shadowkv::cuda::launch_select_chunks(d, cfg.kv_type, views_device.get<layer_view>(),
-                                                              slots_device.get<int>(), layer, B, queries, Tq, ws, 0,
-                                                              stream));
+                                                              slots_device.get<int>(), layer, B, queries, Tq, ws,
+                                                              cfg.beside, stream));
         cudaGraph_t graph = nullptr;
         CUDA_OK(cudaStreamEndCapture(stream, &graph));
         CUDA_OK(cudaGraphInstantiate(&graph_exec, graph, 0));
@@ -606,6 +616,10 @@ void run_case(const case_config& cfg) {
       CUDA_OK(cudaGraphLaunch(graph_exec, stream));
     }
     CUDA_OK(cudaStreamSynchronize(stream));
+    std::vector<unsigned> claims_after;
+    CUDA_OK(download(claims_after, ws.logits_claims, 2));
+    EXPECT_EQ(claims_after[0], 0U) << "step " << step << ": the tile pool's claim counter was not reset";
+    EXPECT_EQ(claims_after[1], 0U) << "step " << step << ": the tile pool's done counter was not reset";
 
     std::vector<float> gpu_scores_all;
     std::vector<int> gpu_selected_all;
@@ -1110,6 +1124,37 @@ TEST_F(ChunkSelection, TensorCoreAndLaneLogitsBothMatchTheModel) {
       cfg.logits = logits;
       run_case(cfg);
       if (HasFatalFailure()) return;
+    }
+  }
+}
+
+TEST_F(ChunkSelection, PooledLogitTilesMatchTheModel) {
+  // A launch beside another kernel (beside_ctas > 0) takes half of the decode logits' tiles in fixed shares and the
+  // rest from the pool, kClaimTiles at a time; every tile must still be computed once, whichever CTA claims it: long
+  // ragged contexts (claims that cross heads and sequences, CTAs with no fixed tile), tensor cores and FMA lanes, a
+  // graph replayed for both steps (the counters reset by the last CTA), and with the pool switched off.
+  std::uint64_t seed = 301;
+  for (const int logits : {2, 1}) {
+    for (const int beside : {40, 250}) {
+      for (const bool graph : {false, true}) {
+        case_config cfg = random_case(seed);
+        cfg.seed = seed++;
+        cfg.batch = 4;
+        cfg.kv_heads = 2;
+        cfg.group = 4;
+        cfg.head_dim = 128;
+        cfg.kv_type = shadowkv::cuda::element_bf16;
+        cfg.tokens = 1;
+        cfg.max_chunks = 9000;
+        cfg.max_context = 9000;
+        cfg.budget = 256;
+        cfg.logits = logits;
+        cfg.beside = beside;
+        cfg.graph = graph;
+        cfg.pooled = !(graph && beside == 250);
+        run_case(cfg);
+        if (HasFatalFailure()) return;
+      }
     }
   }
 }
