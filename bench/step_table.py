@@ -46,6 +46,7 @@ def table(path: str) -> str:
                      f"{' (select merge by every CTA)' if r.get('select_merge') == 'all' else ''}"
                      f"{' (rebuild RoPE in shared memory)' if r.get('rebuild_rope') == 'shared' else ''}"
                      f"{' (' + r['logits'].upper() + ' landmark logits)' if r.get('logits') in ('fma', 'mma') else ''}"
+                     f"{' (no logits tile pool)' if r.get('logits_pool') is False else ''}"
                      f"{' (fetch CTAs ' + str(r['fetch_ctas']) + ')' if r.get('fetch_ctas') else ''}"
                      f"{' (cache ' + str(r['cache_tokens']) + ' tokens)' if r.get('cache_tokens') else ''} | {r['hit']:.2f} | "
                      f"{r['ours_ms']:.3f} | {graph} | {r['full_ms']:.3f} | {r['floor_ms']:.3f} | "

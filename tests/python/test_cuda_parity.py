@@ -579,6 +579,15 @@ def test_cuda_logits_arithmetic_changes_nothing_but_speed(monkeypatch):
     _knob_changes_nothing(monkeypatch, "SHADOWKV_LOGITS", (None, "fma", "mma", "auto"), "tf32", 61)
 
 
+def test_cuda_logits_pool_changes_nothing_but_speed(monkeypatch):
+    """A decode landmark-logits launch beside the value fetch (a pipeline part after the first) takes half of its tiles
+    in fixed shares and claims the rest from a pool (landmark_logits.cu; SHADOWKV_LOGITS_POOL=off keeps every tile in
+    fixed shares), read when the store is built. A tile's logits are the same whichever CTA computes them, so outputs,
+    selections and statistics are bit-identical, with bf16 and fp8 host values and the batch in parts (where the pool
+    is used); a setting that is neither is refused."""
+    _knob_changes_nothing(monkeypatch, "SHADOWKV_LOGITS_POOL", (None, "off", "on"), "sometimes", 67)
+
+
 def test_cuda_rebuild_rope_place_changes_nothing_but_speed(monkeypatch):
     """The key rebuild rotates its keys in the MMA accumulators where every thread holds both dims of its pairs
     (chunk_rebuild.cu, rope_in_registers), or over its results in shared memory with SHADOWKV_REBUILD_ROPE=shared, read
