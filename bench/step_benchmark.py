@@ -25,7 +25,9 @@ SHADOWKV_SELECT_MERGE=all, instead of by reduce-scatter) and/or +rs (the key reb
 memory, SHADOWKV_REBUILD_ROPE=shared, instead of in the MMA accumulators) and/or +lf / +lm (the decode landmark logits
 always summed by the lanes' FMAs, SHADOWKV_LOGITS=fma, or always on bf16 MMAs, =mma, instead of the planner's choice)
 and/or +lp0 (the landmark logits beside the value fetch with every tile in fixed shares, SHADOWKV_LOGITS_POOL=off,
-instead of half of them claimed from a pool).
+instead of half of them claimed from a pool) and/or +sh0 (select clusters always run the full radix select,
+SHADOWKV_SELECT_HINT=off, instead of starting from the previous selection's hint) and/or +ck (a combine kernel merges
+the attention's split partials, SHADOWKV_ATTENTION_COMBINE=kernel, instead of the last attention CTA).
 
 For each configuration (batch B, context S, budget) and target temporal hit rate it reports:
   ours        mean time of store.decode for one layer (selection, rebuild, fetch, attention), B sequences
@@ -139,7 +141,9 @@ def run_case(args, device, batch, seq_len, budget, value_store, target_hit, band
              "SHADOWKV_SELECT_MERGE": "all" if "sma" in options else None,
              "SHADOWKV_REBUILD_ROPE": "shared" if "rs" in options else None,
              "SHADOWKV_LOGITS": "fma" if "lf" in options else ("mma" if "lm" in options else None),
-             "SHADOWKV_LOGITS_POOL": "off" if "lp0" in options else None}
+             "SHADOWKV_LOGITS_POOL": "off" if "lp0" in options else None,
+             "SHADOWKV_SELECT_HINT": "off" if "sh0" in options else None,
+             "SHADOWKV_ATTENTION_COMBINE": "kernel" if "ck" in options else None}
     with _environment(knobs):
         store = KVStore(1, hq, hkv, dim, max_batch=batch, max_seq_len=capacity, rank=args.rank, chunk_size=chunk,
                         budget=budget, outlier_chunks=48, local_chunks=4, generation_window=256, dtype="bfloat16",
@@ -204,6 +208,8 @@ def run_case(args, device, batch, seq_len, budget, value_store, target_hit, band
     ours_graph = _graph_step_time(store, slots, queries, k_new, v_new) if device.startswith("cuda") else None
     kernels, timeline = (_kernel_profile(store, slots, queries, k_new, v_new)
                          if (args.profile or args.timeline) and device.startswith("cuda") else (None, None))
+    graph_timeline = (_graph_timeline(store, slots, queries, k_new, v_new)
+                      if args.graph_timeline and device.startswith("cuda") else None)
 
     q_full = queries[-1][:, :, None, :]
     full = _time(lambda: torch.nn.functional.scaled_dot_product_attention(
@@ -228,7 +234,8 @@ def run_case(args, device, batch, seq_len, budget, value_store, target_hit, band
            "rebuild_mma": "tf32" if "mt" in options else "bf16", "select_merge": "all" if "sma" in options else "scatter",
            "rebuild_rope": "shared" if "rs" in options else "registers",
            "logits": "fma" if "lf" in options else ("mma" if "lm" in options else "auto"),
-           "logits_pool": "lp0" not in options,
+           "logits_pool": "lp0" not in options, "select_hint": "sh0" not in options,
+           "attention_combine": "kernel" if "ck" in options else "fused",
            "target_hit": target_hit, "hit": hit,
            "query_correlation": a, "ours_ms": ours * 1e3, "full_ms": full * 1e3, "floor_ms": floor * 1e3,
            "ours_over_full": ours / full, "ours_over_floor": ours / floor}
@@ -238,6 +245,8 @@ def run_case(args, device, batch, seq_len, budget, value_store, target_hit, band
         row["kernels_us"] = kernels
     if timeline is not None and args.timeline:
         row["timeline_us"] = timeline
+    if graph_timeline is not None:
+        row["graph_timeline_us"] = graph_timeline
     return row
 
 
@@ -262,6 +271,40 @@ def _graph_step_time(store, slots, queries, k_new, v_new) -> float:
     torch.cuda.synchronize()
     store.account_replayed_steps(0, slots, len(queries) + 2)
     return start.elapsed_time(end) / 1e3 / len(queries)
+
+
+def _graph_timeline(store, slots, queries, k_new, v_new):
+    """The last of several graph replays of one step (as _graph_step_time times them) under torch.profiler: its
+    kernels and copies in start order, [name, stream, start, end] in µs from the replay's first start (the query's
+    copy into the captured input first). None where this torch gives no raw device events."""
+    from torch.profiler import ProfilerActivity, profile
+
+    q_static = queries[0].clone()
+    store.decode(0, slots, q_static, k_new, v_new)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        store.decode(0, slots, q_static, k_new, v_new)
+    replays = queries[:6]
+    for q in replays[:2]:
+        q_static.copy_(q)
+        graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for q in replays:
+            q_static.copy_(q)
+            graph.replay()
+        torch.cuda.synchronize()
+    store.account_replayed_steps(0, slots, len(replays) + 2)
+    try:
+        raw = [e for e in prof.profiler.kineto_results.events() if e.device_type().name == "CUDA"]
+        raw.sort(key=lambda e: e.start_ns())
+        last = raw[len(raw) - len(raw) // len(replays):]
+        origin = last[0].start_ns()
+        return [[_short_kernel_name(e.name()), int(e.device_resource_id()), (e.start_ns() - origin) / 1e3,
+                 (e.start_ns() + e.duration_ns() - origin) / 1e3] for e in last]
+    except (AttributeError, IndexError, ZeroDivisionError) as error:
+        print(f"graph timeline: not available from this torch ({error})")
+        return None
 
 
 def _kernel_profile(store, slots, queries, k_new, v_new) -> tuple:
@@ -306,14 +349,14 @@ def _parse_config(text: str) -> tuple:
     batch, seq_len, budget = (int(x) for x in shape.split("x"))
     place, *options = value_store.split("+")
     if place not in ("", "host", "device", "host_fp8", "device_fp8") or not all(
-            o in ("f32", "max", "tc", "ip", "tp", "ev", "fma", "pl0", "np", "rt0", "mt", "sma", "rs", "lf", "lm", "lp0") or (o[:1] in ("p", "c", "k") and o[1:].isdigit())
+            o in ("f32", "max", "tc", "ip", "tp", "ev", "fma", "pl0", "np", "rt0", "mt", "sma", "rs", "lf", "lm", "lp0", "sh0", "ck") or (o[:1] in ("p", "c", "k") and o[1:].isdigit())
             or o in ("s1", "s2", "s4", "s8") for o in options) or any(o[:1] == "k" and int(o[1:]) < 1 for o in options):
         raise SystemExit(f"--config {text}: the value store must be :host, :device, :host_fp8 or :device_fp8, "
                          f"optionally followed by +f32 (float32 factors), +pN (pipeline parts), +max (group_score max), +tc "
                          f"(two-centroid chunk scores), +ip (device values read in place), +ev (even pipeline parts), +fma (CUDA-core attention), "
                          f"+cN (value fetch CTAs), +kN (a selection cache of N >= 1 times the budget), +sN (select kernel on "
                          f"N = 1, 2, 4 or 8 CTAs a head), +pl0 (plain kernel launches), +np (fetch at normal priority), +rt0 (no RoPE table), "
-                         f"+mt (rebuild on TF32 MMAs), +sma (select merge by every CTA), +rs (rebuild RoPE in shared memory), +lf / +lm (FMA / MMA landmark logits) and/or +lp0 (no logits tile pool)")
+                         f"+mt (rebuild on TF32 MMAs), +sma (select merge by every CTA), +rs (rebuild RoPE in shared memory), +lf / +lm (FMA / MMA landmark logits), +lp0 (no logits tile pool), +sh0 (no select hint) and/or +ck (combine kernel)")
     return batch, seq_len, budget, "+".join([place or "host", *options])
 
 
@@ -347,6 +390,8 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true", help="also print the device time of each kernel per step")
     p.add_argument("--timeline", action="store_true",
                    help="also print one profiled step's kernels and copies by stream, with start and end (µs)")
+    p.add_argument("--graph-timeline", action="store_true",
+                   help="also print the same for one graph replay of the step (no host launches between kernels)")
     args = p.parse_args(argv)
 
     info = build_info()
@@ -385,6 +430,11 @@ def main(argv=None) -> int:
                   f"(µs from its first start; stream: start - end  kernel):")
             for name, stream, start, end in r["timeline_us"]:
                 print(f"  {stream:>4}: {start:8.1f} - {end:8.1f}  {name}")
+        if "graph_timeline_us" in r:
+            print(f"\none graph replay's timeline, B={r['batch']} values {r['value_store']} hit {r['hit']:.2f} "
+                  f"(µs from its first start; stream: start - end  kernel):")
+            for name, stream, start, end in r["graph_timeline_us"]:
+                print(f"  {stream:>4}: {start:8.1f} - {end:8.1f}  {name}")
     graph = any("ours_graph_ms" in r for r in rows)
     print("\n| B | S | budget | values, factors | hit | ours (ms) | ours, graph (ms) | full attn (ms) | floor (ms) | "
           "ours/full | ours/floor |" if graph else
@@ -394,7 +444,7 @@ def main(argv=None) -> int:
     for r in rows:
         g = f" {r['ours_graph_ms']:.3f} |" if graph else ""
         best = min(r["ours_ms"], r.get("ours_graph_ms", r["ours_ms"]))
-        print(f"| {r['batch']} | {r['seq_len']} | {r['budget']} | {r['value_store']}, {r['factor_dtype']}{', ' + r['group_score'] if r.get('group_score', 'mean') != 'mean' else ''}{', two centroids' if r.get('chunk_score') == 'two_centroids' else ''}{', values in place' if r.get('device_values') == 'in_place' else ''}{', even parts' if r.get('pipeline_split') == 'even' else ''}{', FMA attention' if r.get('attention') == 'fma' else ''}{', select on ' + str(r['select_cluster']) + ' CTAs' if r.get('select_cluster') else ''}{', plain launches' if r.get('programmatic_launch') is False else ''}{', fetch at normal priority' if r.get('fetch_priority') == 'normal' else ''}{', no RoPE table' if r.get('rope_table') is False else ''}{', rebuild on TF32 MMAs' if r.get('rebuild_mma') == 'tf32' else ''}{', select merge by every CTA' if r.get('select_merge') == 'all' else ''}{', rebuild RoPE in shared memory' if r.get('rebuild_rope') == 'shared' else ''}{', ' + r['logits'].upper() + ' logits' if r.get('logits') in ('fma', 'mma') else ''}{', no logits pool' if r.get('logits_pool') is False else ''}{', parts ' + str(r['decode_pipeline_parts']) if r.get('decode_pipeline_parts') else ''}{', fetch CTAs ' + str(r['fetch_ctas']) if r.get('fetch_ctas') else ''}{', cache ' + str(r['cache_tokens']) if r.get('cache_tokens') else ''} | {r['hit']:.2f} | {r['ours_ms']:.3f} |{g} "
+        print(f"| {r['batch']} | {r['seq_len']} | {r['budget']} | {r['value_store']}, {r['factor_dtype']}{', ' + r['group_score'] if r.get('group_score', 'mean') != 'mean' else ''}{', two centroids' if r.get('chunk_score') == 'two_centroids' else ''}{', values in place' if r.get('device_values') == 'in_place' else ''}{', even parts' if r.get('pipeline_split') == 'even' else ''}{', FMA attention' if r.get('attention') == 'fma' else ''}{', select on ' + str(r['select_cluster']) + ' CTAs' if r.get('select_cluster') else ''}{', plain launches' if r.get('programmatic_launch') is False else ''}{', fetch at normal priority' if r.get('fetch_priority') == 'normal' else ''}{', no RoPE table' if r.get('rope_table') is False else ''}{', rebuild on TF32 MMAs' if r.get('rebuild_mma') == 'tf32' else ''}{', select merge by every CTA' if r.get('select_merge') == 'all' else ''}{', rebuild RoPE in shared memory' if r.get('rebuild_rope') == 'shared' else ''}{', ' + r['logits'].upper() + ' logits' if r.get('logits') in ('fma', 'mma') else ''}{', no logits pool' if r.get('logits_pool') is False else ''}{', no select hint' if r.get('select_hint') is False else ''}{', combine kernel' if r.get('attention_combine') == 'kernel' else ''}{', parts ' + str(r['decode_pipeline_parts']) if r.get('decode_pipeline_parts') else ''}{', fetch CTAs ' + str(r['fetch_ctas']) if r.get('fetch_ctas') else ''}{', cache ' + str(r['cache_tokens']) if r.get('cache_tokens') else ''} | {r['hit']:.2f} | {r['ours_ms']:.3f} |{g} "
               f"{r['full_ms']:.3f} | {r['floor_ms']:.3f} | {best / r['full_ms']:.2f} | {best * 1e3 / (r['floor_ms'] * 1e3):.1f} |")
     if graph:
         print("ratios use the faster of eager and graph-replayed steps")

@@ -62,6 +62,8 @@ struct dims {
   int logits_arithmetic;  ///< the decode landmark logits (SHADOWKV_LOGITS; landmark_logits.cu): 0 = the planner's
                           ///< choice (tensor cores for bf16 rows of 64 or 128 when the batch has many tiles), 1 = the
                           ///< lanes' FMAs always, 2 = tensor cores wherever they serve the shape
+  int select_hint;  ///< 1: a select cluster starts from layer_view::selection_hint when it can (select_kernel.cu;
+                    ///< SHADOWKV_SELECT_HINT=on, the default), 0: always the full radix select
 };
 
 /// Everything of one (slot, layer) on the device. Row-major, head-major where a kernel reads one head at a time.
@@ -112,6 +114,9 @@ struct layer_view {
   // SHADOWKV_DEVICE_VALUES=in_place), and the value fetch only counts their bytes; 0: from cache_values, filled by the
   // fetch (issue 15 item 1 asks for both, measured).
   int values_in_place;
+  // [Hkv] radix key where the last selection's scores put the count from the top at 2k (select_kernel.cu's hint
+  // path; 0: none). Only a place to start from: any value gives the same selection. Null: no hints.
+  unsigned* selection_hint;
 };
 
 /// Ring row of the i-th oldest generated token (0 <= i < generated_exact_len) in the exact region.
@@ -135,6 +140,11 @@ struct step_workspace {
                               ///< select kernel's shared memory (null when they do)
   unsigned* logits_claims;    ///< [2], zero between launches: the decode logits' tile pool (claimed tiles, CTAs
                               ///< done; landmark_logits.cu); null: no pool
+  unsigned long long* hinted_selections;  ///< [1] or null: selections that took the select cluster's hint path
+                                          ///< (accumulated; tests and measurements)
+  unsigned* attention_arrivals;  ///< [max_batch, Hkv], zero between launches: the attention CTAs of each (entry, KV
+                                 ///< head) that have written their split partials (sparse_attention.cu); null: the
+                                 ///< combine kernel merges them
   // The store's RoPE coefficients by position (rope_table.cuh), read by the key rebuild; null: none (every row's
   // coefficients are computed, as for positions outside the table).
   const float2* rope_table;       ///< [rope_table_positions, rotary_dim / 2]

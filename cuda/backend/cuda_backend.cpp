@@ -113,6 +113,19 @@ bool attention_on_fma() { return knob_is("SHADOWKV_ATTENTION", "mma", "fma"); }
 // SHADOWKV_LOGITS_POOL picks one (a measurement knob for bench/step_benchmark.py's +lp0; bench/NOTES.md, session 17).
 bool logits_pooled() { return !knob_is("SHADOWKV_LOGITS_POOL", "on", "off"); }
 
+// Whether a select cluster (small batches) starts from the hint its previous selection of the same (sequence, layer,
+// head) left: "on" (the default; the keys at or above the hint ranked alone when more than k and at most 2048 of them
+// lie there, skipping the radix passes over every chunk and their cluster merges) or "off" (always the full radix
+// select). Both select the same chunks. SHADOWKV_SELECT_HINT picks one (a measurement knob for
+// bench/step_benchmark.py's +sh0; bench/NOTES.md, session 18).
+bool select_hint_setting() { return !knob_is("SHADOWKV_SELECT_HINT", "on", "off"); }
+
+// Who merges the sparse attention's split partials: "fused" (the default: the attention CTA that finishes last for its
+// (sequence, KV head), counted in step_workspace::attention_arrivals) or "kernel" (a combine kernel after the
+// attention, as before session 18). Both give the same output bit for bit. SHADOWKV_ATTENTION_COMBINE picks one (a
+// measurement knob for bench/step_benchmark.py's +ck; bench/NOTES.md, session 18).
+bool fused_attention_combine() { return !knob_is("SHADOWKV_ATTENTION_COMBINE", "fused", "kernel"); }
+
 // Which arithmetic sums the decode landmark logits: "auto" (the default: bf16 landmark rows of 64 or 128 elements on
 // m16n8k16 MMAs over bulk-copied tiles, q in three bf16 terms, when the batch has many tiles; the lanes' FMAs else),
 // "fma" (the lanes' FMAs over q in float32, for every shape) or "mma" (the MMAs wherever they serve the shape). Both
@@ -182,6 +195,9 @@ int part_start(int p, int count, int batch, bool tapered) {
 }
 
 constexpr std::size_t kAlignment = 256;
+/// step_workspace::counters: hits, misses, selections and bytes fetched (selection_stats), then the selections that
+/// took the select cluster's hint path (step_workspace::hinted_selections).
+constexpr std::size_t kWorkspaceCounters = 5;
 
 std::size_t align_up(std::size_t bytes) { return (bytes + kAlignment - 1) / kAlignment * kAlignment; }
 
@@ -228,7 +244,7 @@ class device_guard {
 struct cuda_backend::layer_sizes {
   std::size_t basis, coefficients, context_positions, landmarks, centroid_codes, centroid_scales, first_counts,
       is_outlier, outlier, exact, exact_positions, cache_chunks, slot_of_chunk, cache, cache_last_used,
-      selection_clock, selected_slots, value_store, value_codes;
+      selection_clock, selected_slots, selection_hint, value_store, value_codes;
 
   explicit layer_sizes(const dims& d, std::size_t element) {
     const std::size_t width = static_cast<std::size_t>(d.kv_heads) * d.head_dim;
@@ -257,6 +273,7 @@ struct cuda_backend::layer_sizes {
     cache_last_used = lru ? align_up(static_cast<std::size_t>(d.kv_heads) * d.cache_slots * sizeof(long long)) : 0;
     selection_clock = lru ? align_up(static_cast<std::size_t>(d.kv_heads) * sizeof(long long)) : 0;
     selected_slots = lru ? align_up(static_cast<std::size_t>(d.kv_heads) * d.budget * sizeof(int)) : 0;
+    selection_hint = align_up(static_cast<std::size_t>(d.kv_heads) * sizeof(unsigned));
     // The value store: T [max_chunks, Hkv, C, D], or fp8 codes of the same shape then float scales [max_chunks, Hkv].
     value_codes = align_up(context_tokens * width * (d.value_fp8 != 0 ? 1 : element));
     value_store = value_codes +
@@ -266,7 +283,7 @@ struct cuda_backend::layer_sizes {
     return basis + coefficients + context_positions + landmarks + centroid_codes + centroid_scales + first_counts +
            is_outlier + 2 * outlier + 2 * exact +
            exact_positions + cache_chunks + slot_of_chunk + 2 * cache + cache_last_used + selection_clock +
-           selected_slots;
+           selected_slots + selection_hint;
   }
 };
 
@@ -312,6 +329,7 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   dims_.rebuild_rope_shared = rebuild_rope_shared() ? 1 : 0;
   dims_.logits_arithmetic = logits_arithmetic_setting();
   dims_.logits_pooled = logits_pooled() ? 1 : 0;
+  dims_.select_hint = select_hint_setting() ? 1 : 0;
 
   own_stream_ = make_stream();
   copy_stream_ = make_stream();
@@ -326,6 +344,7 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   fetch_priority_host_ = fetch_priority_for_host_values();
   values_in_place_ = device_values_in_place();
   tapered_split_ = tapered_pipeline_split();
+  fused_combine_ = fused_attention_combine();
 
   // Reserve everything up front.
   const std::size_t element = dtype_size(cfg.kv_dtype);
@@ -372,6 +391,7 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
       v.selection_clock = static_cast<long long*>(take(sizes.selection_clock));
       v.selected_slots = static_cast<int*>(take(sizes.selected_slots));
     }
+    v.selection_hint = static_cast<unsigned*>(take(sizes.selection_hint));
     v.value_store = nullptr;  // set when a sequence joins the slot
   }
   SHADOWKV_CUDA_TRY(cudaMemcpyAsync(views_.data(), host_views_.data(), sizeof(layer_view) * layers,
@@ -384,8 +404,9 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   const std::size_t scores = align_up(batch * cfg.num_kv_heads * dims_.max_chunks * sizeof(float));
   const std::size_t lists = align_up(batch * cfg.num_kv_heads * cfg.budget_chunks() * sizeof(int));
   const std::size_t counts = align_up(batch * cfg.num_kv_heads * sizeof(int));
-  const std::size_t counters = align_up(4 * sizeof(unsigned long long));
+  const std::size_t counters = align_up(kWorkspaceCounters * sizeof(unsigned long long));
   const std::size_t claims = align_up(2 * sizeof(unsigned));
+  const std::size_t arrivals = align_up(batch * cfg.num_kv_heads * sizeof(unsigned));
   const std::size_t partial =
       align_up(batch * cfg.num_q_heads * workspace_.max_splits * (cfg.head_dim + 2) * sizeof(float));
   // The chunk selection's own rows, as it says it needs them (on this device: the radix keys' place depends on its
@@ -395,7 +416,7 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   const std::size_t radix_keys = align_up(selection.radix_keys);
   const long long table_positions = rope_table_positions(dims_);
   const std::size_t rope_table = align_up(rope_table_bytes(dims_, table_positions));
-  workspace_memory_ = device_buffer(logits + scores + 2 * lists + counts + counters + claims + partial +
+  workspace_memory_ = device_buffer(logits + scores + 2 * lists + counts + counters + claims + arrivals + partial +
                                         selection_partials + radix_keys + rope_table,
                                     own_stream_, resources_->device_memory());
   cursor = static_cast<std::uint8_t*>(workspace_memory_.data());
@@ -405,7 +426,9 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   workspace_.miss_slots = static_cast<int*>(take(lists));
   workspace_.miss_counts = static_cast<int*>(take(counts));
   workspace_.counters = static_cast<unsigned long long*>(take(counters));
+  workspace_.hinted_selections = workspace_.counters + 4;
   workspace_.logits_claims = static_cast<unsigned*>(take(claims));
+  workspace_.attention_arrivals = static_cast<unsigned*>(take(arrivals));
   workspace_.partial = static_cast<float*>(take(partial));
   workspace_.selection_partials = selection_partials > 0 ? static_cast<float*>(take(selection_partials)) : nullptr;
   workspace_.radix_keys = radix_keys > 0 ? static_cast<unsigned*>(take(radix_keys)) : nullptr;
@@ -413,6 +436,7 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   workspace_.rope_table_positions = rope_table > 0 ? table_positions : 0;
   SHADOWKV_CUDA_TRY(cudaMemsetAsync(workspace_.counters, 0, counters, own_stream_));
   SHADOWKV_CUDA_TRY(cudaMemsetAsync(workspace_.logits_claims, 0, claims, own_stream_));
+  SHADOWKV_CUDA_TRY(cudaMemsetAsync(workspace_.attention_arrivals, 0, arrivals, own_stream_));
   SHADOWKV_CUDA_TRY(cudaMemsetAsync(workspace_.miss_counts, 0, counts, own_stream_));
 
   const rope_rotation rope(cfg);
@@ -827,6 +851,9 @@ void cuda_backend::prefill_one(int layer, std::span<const batch_entry> entries, 
   SHADOWKV_CUDA_TRY(cudaMemsetAsync(view.slot_of_chunk, 0xff,
                                     static_cast<std::size_t>(config_.num_kv_heads) * dims_.max_chunks * sizeof(int),
                                     stream_));
+  // No hint from an earlier sequence of the slot (any hint would select the same; this one starts on the full path).
+  SHADOWKV_CUDA_TRY(cudaMemsetAsync(view.selection_hint, 0, static_cast<std::size_t>(config_.num_kv_heads) * sizeof(unsigned),
+                                    stream_));
   launch_set_prefill_counters(device_view(entry.slot, layer), len, chunks, outliers,
                               static_cast<int>(state.local_len), static_cast<const long long*>(positions.data()), len,
                               stream_);
@@ -990,6 +1017,7 @@ step_workspace cuda_backend::workspace_from(int first) const {
   part.miss_slots += b * config_.num_kv_heads * config_.budget_chunks();
   part.miss_counts += b * config_.num_kv_heads;
   part.partial += b * config_.num_q_heads * workspace_.max_splits * (config_.head_dim + 2);
+  if (part.attention_arrivals != nullptr) part.attention_arrivals += b * config_.num_kv_heads;
   return part;
 }
 
@@ -1081,7 +1109,7 @@ void cuda_backend::attend(int layer, std::span<const batch_entry> entries, const
     launch_sparse_attention(dims_, kv_type_, static_cast<const layer_view*>(views_.data()),
                             static_cast<const int*>(batch_slots_.data()) + part.first, layer, part.count,
                             part_queries, part_out, workspace_from(part.first).partial, workspace_.max_splits,
-                            stream_);
+                            stream_, fused_combine_ ? workspace_from(part.first).attention_arrivals : nullptr);
   }
 }
 
@@ -1188,7 +1216,7 @@ void cuda_backend::reset_selection_stats() noexcept {
   (void)cudaSetDevice(device_);
   (void)cudaStreamSynchronize(stream_);
   (void)cudaStreamSynchronize(copy_stream_);
-  (void)cudaMemsetAsync(workspace_.counters, 0, 4 * sizeof(unsigned long long), own_stream_);
+  (void)cudaMemsetAsync(workspace_.counters, 0, kWorkspaceCounters * sizeof(unsigned long long), own_stream_);
   (void)cudaStreamSynchronize(own_stream_);
 }
 

@@ -28,7 +28,10 @@
 //    For bf16 keys and values with D <= 128 the tensor-core split kernel (sparse_attention_mma_kernel, below) takes
 //    its place: same grid, row walk and partials, Q K^T and P V on mma.sync (dims::attention_fma keeps the FMA one).
 // 2. combine kernel, grid (query head, entry): weights 2^(max_s - max) per split, out = sum_s w_s acc_s / sum_s w_s l_s
-//    written in out.type with out.stride (0 when no row at all exists).
+//    written in out.type with out.stride (0 when no row at all exists). Or, with an arrivals count per (entry, KV
+//    head) (the backend's default, SHADOWKV_ATTENTION_COMBINE=fused), the same merge by the split kernel's CTA that
+//    finishes last for its (entry, KV head) (combine_if_last): one kernel less on the step's chain, whose launch and
+//    ramp (~5 µs at B = 1) outweighed its bytes.
 //
 // Requires 16-byte aligned key/value arrays (the store's arenas are); rows are then aligned too since
 // D * sizeof(T) is a multiple of 16 for every supported D.
@@ -251,13 +254,115 @@ __device__ __forceinline__ row_walk<T, D, kListed> begin_row_walk(const dims& d,
 /// exp2(x - m) for a merge weight; 0 when m is -inf (then x is -inf too: nothing was seen).
 __device__ __forceinline__ float merge_weight(float x, float m) { return m == -INFINITY ? 0.0F : exp2f(x - m); }
 
+// ---- The merge of one query head's split partials (the combine kernel's, and the last attention CTA's) ----------
+// source: partial[b, j, 0 .. splits) of D + 2 floats each. Loads bypass L1 (__ldcg): in the attention kernel the
+// partials were written by other CTAs of the same launch.
+
+/// The splits' weights 2^(max_s - max) into weights[0, splits) and 1 / sum_s w_s l_s into *inverse_total. Called by
+/// the 32 lanes of one warp.
+__device__ __forceinline__ void split_weights_warp(const float* source, int splits, long long entry, float* weights,
+                                                   float* inverse_total) {
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  float global_max = -INFINITY;
+  for (int s = lane; s < splits; s += 32) global_max = fmaxf(global_max, __ldcg(source + s * entry));
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    global_max = fmaxf(global_max, __shfl_xor_sync(0xFFFFFFFFU, global_max, offset));
+  }
+  float total = 0.0F;
+  for (int s = lane; s < splits; s += 32) {
+    const float weight = merge_weight(__ldcg(source + s * entry), global_max);
+    weights[s] = weight;
+    total += weight * __ldcg(source + s * entry + 1);
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) total += __shfl_xor_sync(0xFFFFFFFFU, total, offset);
+  // A NaN anywhere in the head's rows (a non-finite q, key or value the caller chose not to check) makes its
+  // partial sum NaN, and that NaN reaches the output as on the CPU backend: the splits' weights alone would drop it
+  // (a split whose scores are all NaN keeps max = -inf and so weight 0). No rows at all (total 0) give zeros.
+  if (lane == 0) *inverse_total = total > 0.0F ? 1.0F / total : (total == total ? 0.0F : total);
+}
+
+/// sum_s w_s acc_s[dim] in split order, one FMA a split; the loads of kCombineBatch splits are issued before their
+/// FMAs. (One load, then its FMA, split after split, kept one L2 round trip in flight per thread: 14 µs for the ~43
+/// splits of a B=1 step in ncu, against ~1 µs of bytes.) A split with weight 0 (no rows, or all scores NaN) is
+/// skipped: its acc is not read.
+__device__ __forceinline__ float merged_element(const float* source, int splits, long long entry, const float* weights,
+                                                int dim) {
+  float value = 0.0F;
+  for (int first = 0; first < splits; first += kCombineBatch) {
+    float loaded[kCombineBatch];
+#pragma unroll
+    for (int i = 0; i < kCombineBatch; ++i) {
+      const int s = first + i;
+      loaded[i] = s < splits && weights[s] != 0.0F ? __ldcg(source + s * entry + 2 + dim) : 0.0F;
+    }
+#pragma unroll
+    for (int i = 0; i < kCombineBatch; ++i) {
+      const int s = first + i;
+      if (s < splits && weights[s] != 0.0F) value = fmaf(weights[s], loaded[i], value);
+    }
+  }
+  return value;
+}
+
+/// Shared bytes combine_if_last needs of the attention CTA's dynamic storage (free once its partials are written).
+constexpr int combine_scratch_bytes(int threads) { return (threads / 32) * (kMaxSplits + 1) * 4 + 16; }
+
+/// The attention's own combine (launch_sparse_attention with `arrivals`): called by every thread of an attention CTA
+/// of kCtaThreads threads once its partials are written and the block has synchronised. The CTA that counts the
+/// last split of (b, h) in arrivals[b * Hkv + h] merges the group's G query heads into `out`, with the combine
+/// kernel's arithmetic (the same two functions above), and puts the count back to zero for the next launch.
+template <int kCtaThreads>
+__device__ __forceinline__ void combine_if_last(const dims& d, int b, int h, int splits, int max_splits,
+                                                const float* partial, strided_tensor out, unsigned* arrivals,
+                                                unsigned char* scratch) {
+  constexpr int kCtaWarps = kCtaThreads / 32;
+  float (*const weights)[kMaxSplits] = reinterpret_cast<float (*)[kMaxSplits]>(scratch);
+  float* const inverse_totals = reinterpret_cast<float*>(scratch + kCtaWarps * kMaxSplits * 4);
+  int* const last = reinterpret_cast<int*>(scratch + kCtaWarps * (kMaxSplits + 1) * 4);
+  const int tid = static_cast<int>(threadIdx.x);
+  __threadfence();  // this thread's partial stores, device-wide, before the CTA's arrival
+  __syncthreads();
+  unsigned* const count = arrivals + static_cast<long long>(b) * d.kv_heads + h;
+  if (tid == 0) *last = atomicAdd(count, 1U) == static_cast<unsigned>(splits - 1) ? 1 : 0;
+  __syncthreads();
+  if (*last == 0) return;
+  __threadfence();  // the other CTAs' partials, seen through their arrivals
+  const long long entry = static_cast<long long>(d.head_dim) + 2;
+  const int warp = tid / 32;
+  void* target = const_cast<void*>(out.data);  // strided_tensor carries a const pointer; out is ours to write
+  for (int first = 0; first < d.group; first += kCtaWarps) {
+    const int heads = min(kCtaWarps, d.group - first);
+    const long long j0 = static_cast<long long>(h) * d.group + first;
+    if (warp < heads) {
+      split_weights_warp(partial + (static_cast<long long>(b) * d.q_heads + j0 + warp) * max_splits * entry, splits,
+                         entry, weights[warp], inverse_totals + warp);
+    }
+    __syncthreads();
+    for (int index = tid; index < heads * d.head_dim; index += kCtaThreads) {
+      const int w = index / d.head_dim;
+      const int dim = index % d.head_dim;
+      const long long j = j0 + w;
+      const float value =
+          merged_element(partial + (static_cast<long long>(b) * d.q_heads + j) * max_splits * entry, splits, entry,
+                         weights[w], dim);
+      store_any(target, out.type, static_cast<long long>(b) * out.stride[0] + j * out.stride[1] + dim * out.stride[2],
+                value * inverse_totals[w]);
+    }
+    __syncthreads();
+  }
+  if (tid == 0) *count = 0U;
+}
+
 // At most 170 registers: 3 CTAs (12 warps) per SM. kListed: the cache is larger than the budget (K > k) and its part
 // of the row list goes through selected_slots; a template parameter, so that the default cache (K == k) compiles to
 // the code it had before larger caches existed.
 template <typename T, int D, int HeadTile, bool kListed>
 __global__ void __launch_bounds__(kThreads, 3)
     sparse_attention_split_kernel(dims d, const layer_view* views, const int* batch_slots, int layer, strided_tensor q,
-                                  float* partial, int splits, int max_splits) {
+                                  float* partial, int splits, int max_splits, strided_tensor out,
+                                  unsigned* arrivals) {
   wait_for_prior_grids();  // common/dependent_launch.cuh: nothing before the previous kernel is done
   using layout = cta_layout<T, D, HeadTile>;
   constexpr int kLanes = layout::lanes;
@@ -514,6 +619,8 @@ __global__ void __launch_bounds__(kThreads, 3)
     }
     __syncthreads();  // the next tile refills the stages
   }
+  static_assert(layout::shared_bytes >= combine_scratch_bytes(kThreads), "the combine's scratch is the stages' storage");
+  if (arrivals != nullptr) combine_if_last<kThreads>(d, b, h, splits, max_splits, partial, out, arrivals, storage);
 }
 
 // ---- The tensor-core split kernel (bf16 keys and values, D <= 128) -----------------------------------------------
@@ -575,7 +682,7 @@ __device__ __forceinline__ void load_matrix_x4_transposed(unsigned (&r)[4], cons
 template <int D, bool kListed>
 __global__ void __launch_bounds__(kMmaThreads, 2)
     sparse_attention_mma_kernel(dims d, const layer_view* views, const int* batch_slots, int layer, strided_tensor q,
-                                float* partial, int splits, int max_splits) {
+                                float* partial, int splits, int max_splits, strided_tensor out, unsigned* arrivals) {
   start_phase_stamps(stamped_kernel::attention);
   wait_for_prior_grids();  // common/dependent_launch.cuh: nothing before the previous kernel is done
   phase_stamp(stamped_kernel::attention, 1);
@@ -824,6 +931,9 @@ __global__ void __launch_bounds__(kMmaThreads, 2)
     }
     __syncthreads();  // the next tile refills the stages and Q
   }
+  static_assert(layout::shared_bytes >= combine_scratch_bytes(kMmaThreads),
+                "the combine's scratch is the stages' storage");
+  if (arrivals != nullptr) combine_if_last<kMmaThreads>(d, b, h, splits, max_splits, partial, out, arrivals, storage);
   finish_phase_stamps(stamped_kernel::attention, 69);
 }
 
@@ -837,52 +947,13 @@ __global__ void __launch_bounds__(kCombineThreads)
   const int b = static_cast<int>(blockIdx.y);
   const long long entry = static_cast<long long>(head_dim) + 2;
   const float* source = partial + (static_cast<long long>(b) * q_heads + j) * max_splits * entry;
-
-  if (threadIdx.x < 32) {
-    const int lane = static_cast<int>(threadIdx.x);
-    float global_max = -INFINITY;
-    for (int s = lane; s < splits; s += 32) global_max = fmaxf(global_max, source[s * entry]);
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) {
-      global_max = fmaxf(global_max, __shfl_xor_sync(0xFFFFFFFFU, global_max, offset));
-    }
-    float total = 0.0F;
-    for (int s = lane; s < splits; s += 32) {
-      const float weight = merge_weight(source[s * entry], global_max);
-      weights[s] = weight;
-      total += weight * source[s * entry + 1];
-    }
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) total += __shfl_xor_sync(0xFFFFFFFFU, total, offset);
-    // A NaN anywhere in the head's rows (a non-finite q, key or value the caller chose not to check) makes its
-    // partial sum NaN, and that NaN reaches the output as on the CPU backend: the splits' weights alone would drop it
-    // (a split whose scores are all NaN keeps max = -inf and so weight 0). No rows at all (total 0) give zeros.
-    if (lane == 0) inverse_total = total > 0.0F ? 1.0F / total : (total == total ? 0.0F : total);
-  }
+  if (threadIdx.x < 32) split_weights_warp(source, splits, entry, weights, &inverse_total);
   __syncthreads();
-
   void* target = const_cast<void*>(out.data);  // strided_tensor carries a const pointer; out is ours to write
   const long long head_offset = static_cast<long long>(b) * out.stride[0] + static_cast<long long>(j) * out.stride[1];
-  // The sum over splits in split order, one FMA per split as before; the loads of kCombineBatch splits are issued
-  // before their FMAs. (One load, then its FMA, split after split, kept one L2 round trip in flight per thread: 14 µs
-  // for the ~43 splits of a B=1 step in ncu, against ~1 µs of bytes.)
   for (int dim = static_cast<int>(threadIdx.x); dim < head_dim; dim += kCombineThreads) {
-    float value = 0.0F;
-    for (int first = 0; first < splits; first += kCombineBatch) {
-      float loaded[kCombineBatch];
-#pragma unroll
-      for (int i = 0; i < kCombineBatch; ++i) {
-        const int s = first + i;
-        // A split with weight 0 (no rows, or all scores NaN) is skipped: its acc is not read.
-        loaded[i] = s < splits && weights[s] != 0.0F ? source[s * entry + 2 + dim] : 0.0F;
-      }
-#pragma unroll
-      for (int i = 0; i < kCombineBatch; ++i) {
-        const int s = first + i;
-        if (s < splits && weights[s] != 0.0F) value = fmaf(weights[s], loaded[i], value);
-      }
-    }
-    store_any(target, out.type, head_offset + dim * out.stride[2], value * inverse_total);
+    store_any(target, out.type, head_offset + dim * out.stride[2],
+              merged_element(source, splits, entry, weights, dim) * inverse_total);
   }
 }
 
@@ -907,6 +978,8 @@ struct split_launch {
   float* partial;
   int splits;
   int max_splits;
+  strided_tensor out;
+  unsigned* arrivals;  ///< null: the combine kernel merges the splits
   cudaStream_t stream;
 };
 
@@ -918,7 +991,7 @@ void launch_mma_split(const split_launch& a) {
   const dim3 grid(static_cast<unsigned>(a.splits), static_cast<unsigned>(a.d.kv_heads), static_cast<unsigned>(a.batch));
   launch_after_prior_grid(sparse_attention_mma_kernel<D, kListed>, grid, dim3(kMmaThreads), layout::shared_bytes,
                           a.stream, a.d.programmatic_launch != 0, a.d, a.views, a.batch_slots, a.layer, a.q, a.partial,
-                          a.splits, a.max_splits);
+                          a.splits, a.max_splits, a.out, a.arrivals);
 }
 
 /// Whether the tensor-core kernel serves these dims and element type: bf16 keys and values, D <= 128 (its float32
@@ -937,7 +1010,7 @@ void launch_split(const split_launch& a) {
   const dim3 grid(static_cast<unsigned>(a.splits), static_cast<unsigned>(a.d.kv_heads), static_cast<unsigned>(a.batch));
   launch_after_prior_grid(sparse_attention_split_kernel<T, D, HeadTile, kListed>, grid, dim3(kThreads),
                           layout::shared_bytes, a.stream, a.d.programmatic_launch != 0, a.d, a.views, a.batch_slots,
-                          a.layer, a.q, a.partial, a.splits, a.max_splits);
+                          a.layer, a.q, a.partial, a.splits, a.max_splits, a.out, a.arrivals);
 }
 
 }  // namespace
@@ -952,7 +1025,7 @@ int sparse_attention_max_splits(const dims& d) {
 
 void launch_sparse_attention(const dims& d, int kv_type, const layer_view* views, const int* batch_slots, int layer,
                              int batch, strided_tensor q, strided_tensor out, float* partial, int max_splits,
-                             cudaStream_t stream) {
+                             cudaStream_t stream, unsigned* arrivals) {
   SHADOWKV_EXPECTS(supported_head_dim(d.head_dim), "sparse attention supports head_dim 64, 80, 96, 128 or 256, got ",
                    d.head_dim);
   SHADOWKV_EXPECTS(d.kv_heads >= 1 && d.kv_heads <= 65535 && d.group >= 1 && d.q_heads == d.kv_heads * d.group,
@@ -978,7 +1051,7 @@ void launch_sparse_attention(const dims& d, int kv_type, const layer_view* views
 
   const bool tensor_cores = mma_kernel_serves(d, kv_type);
   const int splits = choose_splits(d, batch, max_splits, tensor_cores ? kMmaTargetCtas : kTargetCtas);
-  const split_launch launch{d, views, batch_slots, layer, batch, q, partial, splits, max_splits, stream};
+  const split_launch launch{d, views, batch_slots, layer, batch, q, partial, splits, max_splits, out, arrivals, stream};
   shadowkv_dispatch_element(kv_type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     shadowkv_dispatch_head_dim(d.head_dim, "sparse attention", [&](auto head_dim) {
@@ -1004,6 +1077,7 @@ void launch_sparse_attention(const dims& d, int kv_type, const layer_view* views
       });
     });
   });
+  if (arrivals != nullptr) return;  // the last CTA of each (sequence, KV head) merged its splits
   launch_after_prior_grid(sparse_attention_combine_kernel,
                           dim3(static_cast<unsigned>(d.q_heads), static_cast<unsigned>(batch)), dim3(kCombineThreads),
                           0, stream, d.programmatic_launch != 0, d.head_dim, d.q_heads, partial, splits, max_splits,

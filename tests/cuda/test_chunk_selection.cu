@@ -78,6 +78,9 @@ struct case_config {
   int logits = 0;                ///< dims::logits_arithmetic: 0 the planner's choice, 1 the lanes' FMAs, 2 bf16 MMAs
   int beside = 0;                ///< launch_select_chunks' beside_ctas: > 0 gives the decode logits their tile pool
   bool pooled = true;            ///< dims::logits_pooled
+  /// layer_view::selection_hint: 0 none (null, dims::select_hint off), 1 zeroed at the start and then kept by the
+  /// select clusters (their hint path from the second step), 2 random values at the start (stale hints of any kind)
+  int hints = 1;
 
   [[nodiscard]] std::string describe() const {
     std::ostringstream s;
@@ -90,7 +93,7 @@ struct case_config {
       << (two_centroids ? " two_centroids" : "") << " select_cluster=" << select_cluster
       << (select_merge_all ? " merge=all" : "") << (programmatic ? " programmatic" : "")
       << (logits == 1 ? " logits=fma" : (logits == 2 ? " logits=mma" : "")) << " beside=" << beside
-      << (pooled ? "" : " pool=off");
+      << (pooled ? "" : " pool=off") << " hints=" << hints;
     return s.str();
   }
 };
@@ -113,6 +116,7 @@ struct host_entry {
   device_buffer landmarks_device, outlier_device, cache_device, slot_of_device;
   device_buffer codes_device, scales_device, counts_device;  // two centroids only
   device_buffer last_used_device, clock_device, selected_slots_device;  // K > k only
+  device_buffer hint_device;  // [Hkv] layer_view::selection_hint (case_config::hints > 0)
 };
 
 /// cpp/src/lru_selection_cache.hpp's assign_lru_slots for one head (K = cache.size() slots), with slot_of kept as
@@ -316,7 +320,9 @@ void draw_centroids(const case_config& cfg, host_entry& e, int h, int n, std::mt
   }
 }
 
-void run_case(const case_config& cfg) {
+/// Runs the case's steps against the model; `hinted` (if given) gets the selections that took the select cluster's
+/// hint path (ASSERT_ needs a void function).
+void run_case(const case_config& cfg, unsigned long long* hinted = nullptr) {
   SCOPED_TRACE(cfg.describe());
   std::printf("[ chunk_selection ] %s\n", cfg.describe().c_str());
   std::mt19937_64 rng(cfg.seed);
@@ -363,6 +369,7 @@ void run_case(const case_config& cfg) {
   d.programmatic_launch = cfg.programmatic ? 1 : 0;
   d.logits_arithmetic = cfg.logits;
   d.logits_pooled = cfg.pooled ? 1 : 0;
+  d.select_hint = cfg.hints > 0 ? 1 : 0;
 
   // Entries on a shuffled subset of the slots (exercises slot * num_layers + layer indexing).
   std::vector<int> slot_order(static_cast<std::size_t>(slots));
@@ -497,6 +504,16 @@ void run_case(const case_config& cfg) {
       view.selection_clock = e.clock_device.get<long long>();
       view.selected_slots = e.selected_slots_device.get<int>();
     }
+    if (cfg.hints > 0) {
+      std::vector<unsigned> hints(static_cast<std::size_t>(Hkv), 0U);
+      if (cfg.hints == 2) {
+        for (unsigned& x : hints) x = static_cast<unsigned>(rng());
+      }
+      e.hint_device = device_buffer(hints.size() * sizeof(unsigned));
+      ASSERT_TRUE(e.hint_device.ok());
+      CUDA_OK(upload(e.hint_device, hints));
+      view.selection_hint = e.hint_device.get<unsigned>();
+    }
   }
 
   device_buffer views_device(views.size() * sizeof(layer_view));
@@ -511,14 +528,14 @@ void run_case(const case_config& cfg) {
   device_buffer selected(static_cast<std::size_t>(max_batch) * Hkv * k * sizeof(int));
   device_buffer miss_slots(static_cast<std::size_t>(max_batch) * Hkv * k * sizeof(int));
   device_buffer miss_counts(static_cast<std::size_t>(max_batch) * Hkv * sizeof(int));
-  device_buffer counters(4 * sizeof(unsigned long long));
+  device_buffer counters(5 * sizeof(unsigned long long));
   ASSERT_TRUE(logits.ok() && scores.ok() && selected.ok() && miss_slots.ok() && miss_counts.ok() && counters.ok());
   CUDA_OK(cudaMemset(logits.get(), 0x7f, static_cast<std::size_t>(max_batch) * Hq * std::max(mc, 1) * sizeof(float)));
   CUDA_OK(cudaMemset(scores.get(), 0x7f, static_cast<std::size_t>(max_batch) * Hkv * std::max(mc, 1) * sizeof(float)));
   CUDA_OK(cudaMemset(selected.get(), 0x55, static_cast<std::size_t>(max_batch) * Hkv * k * sizeof(int)));
   CUDA_OK(cudaMemset(miss_slots.get(), 0x55, static_cast<std::size_t>(max_batch) * Hkv * k * sizeof(int)));
   CUDA_OK(cudaMemset(miss_counts.get(), 0x55, static_cast<std::size_t>(max_batch) * Hkv * sizeof(int)));
-  const std::vector<unsigned long long> counters_start = {0, 0, 0, 777};
+  const std::vector<unsigned long long> counters_start = {0, 0, 0, 777, 0};
   CUDA_OK(upload(counters, counters_start));
   step_workspace ws{};
   ws.logits = logits.get<float>();
@@ -527,6 +544,7 @@ void run_case(const case_config& cfg) {
   ws.miss_slots = miss_slots.get<int>();
   ws.miss_counts = miss_counts.get<int>();
   ws.counters = counters.get<unsigned long long>();
+  ws.hinted_selections = ws.counters + 4;
   // The selection's own rows, as its query sizes them (poisoned too).
   const shadowkv::cuda::selection_workspace_bytes own = shadowkv::cuda::chunk_selection_workspace(d, cfg.kv_type,
                                                                                                   max_batch);
@@ -796,13 +814,16 @@ void run_case(const case_config& cfg) {
   }
 
   std::vector<unsigned long long> counters_end;
-  CUDA_OK(download(counters_end, ws.counters, 4));
+  CUDA_OK(download(counters_end, ws.counters, 5));
   EXPECT_EQ(counters_end[0], expected_hits);
   EXPECT_EQ(counters_end[1], expected_misses);
   EXPECT_EQ(counters_end[2], static_cast<unsigned long long>(cfg.steps) * static_cast<unsigned long long>(B));
   EXPECT_EQ(counters_end[3], 777ULL);
-  std::printf("[ chunk_selection ]   hits %llu misses %llu, %zu selections differ from float64 at near-ties\n",
-              expected_hits, expected_misses, ambiguous);
+  if (hinted != nullptr) *hinted = counters_end[4];
+  if (cfg.hints == 0 || cfg.select_cluster == 1) EXPECT_EQ(counters_end[4], 0ULL) << "a hint path without hints or clusters";
+  std::printf("[ chunk_selection ]   hits %llu misses %llu, %zu selections differ from float64 at near-ties, %llu by "
+              "the hint path\n",
+              expected_hits, expected_misses, ambiguous, counters_end[4]);
   (void)hits_seen;
   if (graph_exec != nullptr) CUDA_OK(cudaGraphExecDestroy(graph_exec));
   CUDA_OK(cudaStreamDestroy(stream));
@@ -911,6 +932,54 @@ TEST_F(ChunkSelection, ClustersOfEverySizeRankLikeOneCta) {
       }
     }
   }
+}
+
+TEST_F(ChunkSelection, HintPathSelectsWhatTheFullRadixSelectDoes) {
+  // A select cluster starts from the hint its previous selection left (select_kernel.cu): when more than k and at most
+  // 2048 radix keys lie at or above it, it ranks those alone. Every step is checked against the model as in every
+  // case; here the steps are many and close (each query a small perturbation of the last), so that the hint path runs,
+  // with planted ties at the threshold, the default cache and one of 3 x the budget, a graph replay, budgets with
+  // room for 2k keys under the 2048 and one without (1200), and random stale hints at the
+  // start. With hints off (dims::select_hint 0 and no array) nothing takes the path. (At k = 1200 the next hint's
+  // count, 2k, is past the 2048: the path runs only when the scores drop enough to bring it under.)
+  unsigned long long hinted_total = 0;
+  for (const int cluster : {2, 8}) {
+    for (const int budget : {64, 300, 1200}) {
+      for (const int hints : {0, 1, 2}) {
+        case_config cfg;
+        cfg.seed = 0x4157ULL + static_cast<std::uint64_t>(cluster * 100 + budget + hints);
+        cfg.batch = 2;
+        cfg.kv_heads = 3;
+        cfg.group = 4;
+        cfg.head_dim = 128;
+        cfg.max_chunks = 9000;
+        cfg.max_context = 8500;
+        cfg.budget = budget;
+        cfg.max_outliers = 48;
+        cfg.tie_fraction = 0.3;
+        cfg.warm_cache = true;
+        cfg.select_cluster = cluster;
+        cfg.steps = 5;
+        cfg.hints = hints;
+        unsigned long long hinted = 0;
+        run_case(cfg, &hinted);
+        if (HasFatalFailure()) return;
+        if (hints == 0) EXPECT_EQ(hinted, 0ULL) << cfg.describe();
+        if (hints == 1 && budget != 1200) {
+          // Steps 2-4 at least of the entries with a context above 2k (the first step has no hint yet).
+          EXPECT_GT(hinted, 0ULL) << cfg.describe() << ": the hint path never ran";
+        }
+        hinted_total += hinted;
+        cfg.cache_slots = 3 * budget;
+        cfg.graph = true;
+        run_case(cfg, &hinted);
+        if (HasFatalFailure()) return;
+        if (hints == 0) EXPECT_EQ(hinted, 0ULL) << cfg.describe();
+        hinted_total += hinted;
+      }
+    }
+  }
+  std::printf("[ chunk_selection ] %llu selections by the hint path\n", hinted_total);
 }
 
 TEST_F(ChunkSelection, LargerCacheShapes) {

@@ -26,7 +26,13 @@ struct radix_threshold {
   unsigned prefix;
   unsigned mask;
   unsigned need_ties;
+  /// With a hint target: the first digit's bin at which the count from the top reaches it (~0U: not reached, or no
+  /// target). Its smallest key is where a later selection of similar scores may start (select_cluster_kernel).
+  unsigned hint_bin;
 };
+
+/// "Not found" for radix_threshold::hint_bin.
+constexpr unsigned kNoHintBin = ~0U;
 
 /// One digit of the MSB-first radix select: digits of 12, 11 and 9 bits. 12 bits first (exponent and 3 mantissa
 /// bits) spread probabilities over many bins, so plain shared atomics rarely collide; after it only a few dozen keys
@@ -47,19 +53,31 @@ __device__ __forceinline__ radix_digit radix_digit_of_pass(int pass) {
 /// whose (key & mask) == prefix, ready to read by every thread (pass 0: prefix and mask are 0, the whole set). A
 /// block counts its own keys (find_radix_threshold); a cluster merges the counts of its blocks (select_cluster_kernel).
 /// The bin is found with one block scan; every thread of the block of kThreads threads calls this alike, with
-/// `radix_found` (3 unsigned, shared).
+/// `radix_found` (3 unsigned, shared; 4 with a hint target).
+///
+/// `exact`: every digit is searched, so the rule's mask covers the whole key (prefix = the k-th largest key itself).
+/// Without it the search stops at the first digit whose bin is taken whole; both rules take the same items of the set
+/// counted, but only the exact one is right for a larger set of which the counted keys are the largest (the select
+/// cluster's hint path: the keys at or above a hint). `hint_target` > 0: the first digit's bin where the count from
+/// the top reaches it is returned in hint_bin.
 template <int kThreads, typename HistogramOf>
 __device__ __forceinline__ radix_threshold radix_threshold_from(int candidates, int k, HistogramOf&& histogram_of,
                                                                typename radix_digit_scan<kThreads>::TempStorage& scan_storage,
-                                                               unsigned* radix_found) {
+                                                               unsigned* radix_found, bool exact = false,
+                                                               unsigned hint_target = 0) {
   static_assert(4 * kThreads >= (1 << kRadixFirstBits), "a thread owns 4 bins of the largest digit");
   const int tid = threadIdx.x;
   unsigned prefix = 0;
   unsigned mask = 0xffffffffU;
   unsigned need_ties = 0;
+  unsigned hint_bin = kNoHintBin;
   if (candidates > k) {
     mask = 0;
     unsigned remaining = static_cast<unsigned>(k);
+    if (hint_target > 0) {
+      if (tid == 0) radix_found[3] = kNoHintBin;
+      __syncthreads();
+    }
     for (int pass = 0; pass < 3; ++pass) {
       const radix_digit digit = radix_digit_of_pass(pass);
       const int bins = digit.bins();
@@ -84,17 +102,21 @@ __device__ __forceinline__ radix_threshold radix_threshold_from(int candidates, 
           radix_found[1] = before;
           radix_found[2] = count[i];
         }
+        if (pass == 0 && hint_target > 0 && before < hint_target && before + count[i] >= hint_target) {
+          radix_found[3] = static_cast<unsigned>(bins - 1 - (4 * tid + i));
+        }
         before += count[i];
       }
       __syncthreads();
+      if (pass == 0 && hint_target > 0) hint_bin = radix_found[3];
       prefix |= radix_found[0] << digit.shift;
       mask |= static_cast<unsigned>(bins - 1) << digit.shift;
       remaining -= radix_found[1];
-      if (radix_found[2] == remaining) break;  // the whole bin is taken: no tie to break below this digit
+      if (!exact && radix_found[2] == remaining) break;  // the whole bin is taken: no tie to break below this digit
     }
     need_ties = remaining;
   }
-  return radix_threshold{prefix, mask, need_ties};
+  return radix_threshold{prefix, mask, need_ties, hint_bin};
 }
 
 /// The rule that takes the k largest of radix_keys[0, n), of which `candidates` are nonzero, by one block. Called by

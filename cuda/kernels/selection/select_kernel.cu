@@ -28,6 +28,11 @@ constexpr int kSelectThreads = 1024;  // one CTA per (b, h): at B=1 only Hkv CTA
 constexpr int kSelectWarps = kSelectThreads / 32;
 static_assert(kSelectThreads == kOrderedPassThreads, "ordered_pass (ordered_compaction.cuh) needs 1024 threads");
 constexpr int kScoreBatch = 4;  // chunks per thread whose logits are loaded together, two query heads at a time
+/// select_cluster_kernel's hint path: at most this many keys at or above the hint (own_second's entries; each CTA
+/// gathers them all into its `merged`, 1 << kRadixFirstBits entries).
+constexpr int kHintKeys = 1 << 11;
+/// The next hint sits where the count from the top reaches this many times k (kHintKeys / 4 at k = 256).
+constexpr int kHintTargetFactor = 2;
 
 /// select_kernel's static shared arrays, in the order it declares them.
 constexpr std::size_t kSelectStaticShared = sizeof(radix_digit_scan<kSelectThreads>::TempStorage) +
@@ -74,9 +79,13 @@ __device__ __forceinline__ select_row row_of(const dims& d, const layer_view* vi
 /// one load after a store to the same array, which the compiler keeps in order, so ~15 L2 round trips a thread at
 /// S = 122880, one after another.) Returns the thread's candidates. The caller has written `scoring`'s offsets and
 /// zeroed `histogram`, and synchronised.
+///
+/// `hint` > 0 (select_cluster_kernel's hint path): the radix keys >= hint are also appended to hint_keys (at most
+/// hint_capacity of them; *hint_count counts them all, beyond the capacity too).
 __device__ __forceinline__ int score_chunks(const group_score_rule& scoring, const dims& d, const step_workspace& ws,
                                             const select_row& row, int first, int end, unsigned* radix_keys,
-                                            unsigned* histogram) {
+                                            unsigned* histogram, unsigned hint = 0, unsigned* hint_keys = nullptr,
+                                            int hint_capacity = 0, int* hint_count = nullptr) {
   const int tid = threadIdx.x;
   const int mc = d.max_chunks;
   float* scores = row.scores(d, ws);
@@ -120,6 +129,10 @@ __device__ __forceinline__ int score_chunks(const group_score_rule& scoring, con
         const unsigned radix_key = candidate ? __float_as_uint(score) + 1U : 0U;
         radix_keys[c] = radix_key;
         atomicAdd(&histogram[radix_key >> (32 - kRadixFirstBits)], 1U);
+        if (hint != 0U && radix_key >= hint) {
+          const int at = atomicAdd(hint_count, 1);
+          if (at < hint_capacity) hint_keys[at] = radix_key;
+        }
       }
     }
   }
@@ -249,8 +262,10 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_cluster_kernel(const
   __shared__ unsigned own_second[1 << 11];                  // of digit 1: a second array, see below
   __shared__ unsigned merged[1 << kRadixFirstBits];         // the cluster's counts of the digit
   __shared__ unsigned pass_scratch[2 * kSelectWarps];
-  __shared__ unsigned radix_found[3];
+  __shared__ unsigned radix_found[4];
   __shared__ int candidate_count;  // this CTA's (read by the cluster)
+  __shared__ int hint_count;       // this CTA's radix keys >= the hint (read by the cluster)
+  __shared__ int hint_counts[kMaxSelectCluster];  // every rank's, copied here for the gather of the hint path
   __shared__ uint2 block_totals;   // this CTA's compaction counts (read by the CTAs after it)
   extern __shared__ __align__(16) unsigned char select_shared[];
 
@@ -267,21 +282,77 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_cluster_kernel(const
   float* offsets = reinterpret_cast<float*>(select_shared);  // [G]
   const group_score_rule scoring{input == score_input::summed_probabilities, d.group_mean != 0, d.group, offsets};
 
+  // The hint: where the previous selection of this (sequence, layer, head) says the take-th largest key may lie
+  // (0: none). Read by every CTA before the first cluster barrier; the first CTA writes the next one after the last.
+  const bool hints = d.select_hint != 0 && row.view->selection_hint != nullptr;
+  const unsigned hint = hints ? row.view->selection_hint[h] : 0U;
+
   // --- A. this CTA's slice --------------------------------------------------------------------------------------
+  // own_second (digit 1's counts on the full path) holds the slice's keys >= hint meanwhile.
+  if (tid == 0) hint_count = 0;
   start_scoring(scoring, ws, row, tile_rows, tiles, own_histogram, &candidate_count);
   phase_stamp(stamped_kernel::select, 2);
-  count_candidates(score_chunks(scoring, d, ws, row, first, end, radix_keys, own_histogram), &candidate_count);
+  count_candidates(score_chunks(scoring, d, ws, row, first, end, radix_keys, own_histogram, hint, own_second,
+                                kHintKeys, &hint_count),
+                   &candidate_count);
   phase_stamp(stamped_kernel::select, 3);
   cluster.sync();
   phase_stamp(stamped_kernel::select, 4);
   int candidates = 0;
   for (int r = 0; r < ctas; ++r) candidates += *cluster.map_shared_rank(&candidate_count, r);
   const int take = min(d.budget, candidates);
+  int hinted = 0;  // the cluster's keys >= hint
+  if (hint != 0U) {
+    if (tid < ctas) hint_counts[tid] = *cluster.map_shared_rank(&hint_count, tid);
+    __syncthreads();
+    for (int r = 0; r < ctas; ++r) hinted += hint_counts[r];
+  }
+  // The hint path, when more than k keys and at most kHintKeys lie at or above the hint: the take-th largest key is
+  // then among them, and so is every key the selection could take (counting only them finds the same rule, searched
+  // to the last digit). Every CTA decides alike from the cluster's counts.
+  const bool hint_path = hint != 0U && candidates > d.budget && hinted > d.budget && hinted <= kHintKeys;
+  // The next hint: the smallest key of the first digit's bin where the count from the top reaches kHintTargetFactor
+  // x k (radix_threshold::hint_bin), so that next step's count above it lands between k and kHintKeys while the
+  // scores move by less than a bin or two.
+  const unsigned hint_target = hints ? static_cast<unsigned>(kHintTargetFactor * d.budget) : 0U;
 
-  // --- B. the threshold from the cluster's histograms ------------------------------------------------------------
+  // --- B. the threshold: from the keys at or above the hint, or from the cluster's histograms --------------------
+  radix_threshold rule{};
+  if (hint_path) {
+    // Every CTA gathers the cluster's keys >= hint into its `merged` (a remote load each) and counts their first
+    // digit on the way; then it finds the rule alone, with no further cluster barrier. (The ranks' own_second are
+    // read until the cluster barrier of the compaction; nothing writes them on this path.)
+    for (int i = tid; i < (1 << kRadixFirstBits); i += kSelectThreads) own_histogram[i] = 0;
+    __syncthreads();
+    for (int i = tid; i < hinted; i += kSelectThreads) {
+      int r = 0;
+      int start = 0;
+      while (start + hint_counts[r] <= i) start += hint_counts[r++];
+      const unsigned key = cluster.map_shared_rank(own_second, r)[i - start];
+      merged[i] = key;
+      atomicAdd(&own_histogram[key >> (32 - kRadixFirstBits)], 1U);
+    }
+    __syncthreads();
+    phase_stamp(stamped_kernel::select, 30);
+    rule = radix_threshold_from<kSelectThreads>(
+        hinted, d.budget,
+        [&](int pass, radix_digit digit, unsigned prefix, unsigned mask) -> const unsigned* {
+          if (pass > 0) {
+            for (int i = tid; i < digit.bins(); i += kSelectThreads) own_histogram[i] = 0;
+            __syncthreads();
+            for (int i = tid; i < hinted; i += kSelectThreads) {
+              const unsigned key = merged[i];
+              if ((key & mask) == prefix) atomicAdd(&own_histogram[digit.of(key)], 1U);
+            }
+            __syncthreads();
+          }
+          return own_histogram;
+        },
+        scan_storage, radix_found, true, hint_target);
+  } else {
   // Digit 1 is counted into own_second, digit 2 into own_histogram again: a CTA clears own_histogram for digit 2 only
   // after the cluster barrier that follows digit 1's counting, which every CTA reaches after its merge of digit 0.
-  const radix_threshold rule = radix_threshold_from<kSelectThreads>(
+  rule = radix_threshold_from<kSelectThreads>(
       candidates, d.budget,
       [&](int pass, radix_digit digit, unsigned prefix, unsigned mask) -> const unsigned* {
         unsigned* own = pass == 1 ? own_second : own_histogram;
@@ -329,7 +400,8 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_cluster_kernel(const
         phase_stamp(stamped_kernel::select, 10 + pass);
         return merged;
       },
-      scan_storage, radix_found);
+      scan_storage, radix_found, false, hint_target);
+  }
   phase_stamp(stamped_kernel::select, 8);
 
   // --- C. compaction: this CTA's ids go after those of the CTAs before it ----------------------------------------
@@ -352,6 +424,11 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_cluster_kernel(const
 
   // --- D. temporal cache, by the cluster's first CTA --------------------------------------------------------------
   update_cache<kLru>(d, ws, row, h, take, radix_keys, own_histogram, scan_storage, radix_found, pass_scratch);
+  if (tid == 0 && hints) {
+    // Not reached on the hint path (fewer than the target at or above the hint): the hint stays, it found k.
+    row.view->selection_hint[h] = rule.hint_bin != kNoHintBin ? rule.hint_bin << (32 - kRadixFirstBits) : (hint_path ? hint : 0U);
+    if (hint_path && ws.hinted_selections != nullptr) atomicAdd(ws.hinted_selections, 1ULL);
+  }
   finish_phase_stamps(stamped_kernel::select, 18);
 }
 
