@@ -124,7 +124,7 @@ def run_case(args, device, batch, seq_len, budget, value_store, target_hit, band
     values_on, *options = value_store.split("+")
     place, _, fp8 = values_on.partition("_")
     parts = next((int(o[1:]) for o in options if o.startswith("p") and o[1:].isdigit()), 0)
-    fetch_ctas = next((o[1:] for o in options if o.startswith("c")), None)
+    fetch_ctas = next((o[1:] for o in options if o.startswith("c") and o[1:].isdigit()), None)
     cache_multiple = next((int(o[1:]) for o in options if o.startswith("k")), 0)
     select_cluster = next((o[1:] for o in options if o.startswith("s") and o[1:].isdigit()), None)
     cache_tokens = cache_multiple * budget  # 0: the default cache of exactly the budget
