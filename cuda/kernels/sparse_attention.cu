@@ -64,7 +64,7 @@ namespace {
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kCombineThreads = 128;
-constexpr int kCombineBatch = 8;  // splits whose partial accumulators one combine thread loads together
+constexpr int kCombineBatch = 16;  // splits whose partial accumulators one merging thread loads together
 /// Upper bound of sparse_attention_max_splits (the combine kernel keeps one weight per split in shared memory).
 constexpr int kMaxSplits = 64;
 /// A split should have at least this many rows of the largest possible row list: below it the CTA's fixed costs
@@ -259,21 +259,31 @@ __device__ __forceinline__ float merge_weight(float x, float m) { return m == -I
 // partials were written by other CTAs of the same launch.
 
 /// The splits' weights 2^(max_s - max) into weights[0, splits) and 1 / sum_s w_s l_s into *inverse_total. Called by
-/// the 32 lanes of one warp.
+/// the 32 lanes of one warp; each loads the (max, sum) pairs of its two splits at once (splits <= kMaxSplits = 64).
 __device__ __forceinline__ void split_weights_warp(const float* source, int splits, long long entry, float* weights,
                                                    float* inverse_total) {
+  static_assert(kMaxSplits <= 64, "two splits a lane");
   const int lane = static_cast<int>(threadIdx.x % 32);
-  float global_max = -INFINITY;
-  for (int s = lane; s < splits; s += 32) global_max = fmaxf(global_max, __ldcg(source + s * entry));
+  float2 stats[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int s = lane + 32 * i;
+    stats[i] = s < splits ? __ldcg(reinterpret_cast<const float2*>(source + s * entry)) : make_float2(-INFINITY, 0.0F);
+  }
+  float global_max = fmaxf(stats[0].x, stats[1].x);
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) {
     global_max = fmaxf(global_max, __shfl_xor_sync(0xFFFFFFFFU, global_max, offset));
   }
   float total = 0.0F;
-  for (int s = lane; s < splits; s += 32) {
-    const float weight = merge_weight(__ldcg(source + s * entry), global_max);
-    weights[s] = weight;
-    total += weight * __ldcg(source + s * entry + 1);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int s = lane + 32 * i;
+    if (s < splits) {
+      const float weight = merge_weight(stats[i].x, global_max);
+      weights[s] = weight;
+      total += weight * stats[i].y;
+    }
   }
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) total += __shfl_xor_sync(0xFFFFFFFFU, total, offset);
@@ -283,27 +293,41 @@ __device__ __forceinline__ void split_weights_warp(const float* source, int spli
   if (lane == 0) *inverse_total = total > 0.0F ? 1.0F / total : (total == total ? 0.0F : total);
 }
 
-/// sum_s w_s acc_s[dim] in split order, one FMA a split; the loads of kCombineBatch splits are issued before their
-/// FMAs. (One load, then its FMA, split after split, kept one L2 round trip in flight per thread: 14 µs for the ~43
-/// splits of a B=1 step in ncu, against ~1 µs of bytes.) A split with weight 0 (no rows, or all scores NaN) is
-/// skipped: its acc is not read.
-__device__ __forceinline__ float merged_element(const float* source, int splits, long long entry, const float* weights,
-                                                int dim) {
-  float value = 0.0F;
-  for (int first = 0; first < splits; first += kCombineBatch) {
-    float loaded[kCombineBatch];
+/// One output pair: elements dim, dim + 1 (dim even) of sum_s w_s acc_s, in split order, one FMA a split and
+/// element. kItems pairs a thread at once (sources, weights and dims per item): the loads of kCombineBatch splits of
+/// every item are issued before their FMAs, so a thread waits ceil(splits / kCombineBatch) round trips in all. (One
+/// load, then its FMA, split after split, kept one L2 round trip in flight per thread: 14 µs for the ~43 splits of a
+/// B=1 step in ncu, against ~1 µs of bytes.) A split with weight 0 (no rows, or all scores NaN) is not read.
+template <int kItems>
+__device__ __forceinline__ void merged_pairs(const float* const (&sources)[kItems], const float* const (&weights)[kItems],
+                                             const int (&dims)[kItems], const bool (&active)[kItems], int splits,
+                                             long long entry, float2 (&values)[kItems]) {
 #pragma unroll
-    for (int i = 0; i < kCombineBatch; ++i) {
-      const int s = first + i;
-      loaded[i] = s < splits && weights[s] != 0.0F ? __ldcg(source + s * entry + 2 + dim) : 0.0F;
+  for (int t = 0; t < kItems; ++t) values[t] = make_float2(0.0F, 0.0F);
+  for (int first = 0; first < splits; first += kCombineBatch) {
+    float2 loaded[kItems][kCombineBatch];
+#pragma unroll
+    for (int t = 0; t < kItems; ++t) {
+#pragma unroll
+      for (int i = 0; i < kCombineBatch; ++i) {
+        const int s = first + i;
+        loaded[t][i] = active[t] && s < splits && weights[t][s] != 0.0F
+                           ? __ldcg(reinterpret_cast<const float2*>(sources[t] + s * entry + 2 + dims[t]))
+                           : make_float2(0.0F, 0.0F);
+      }
     }
 #pragma unroll
-    for (int i = 0; i < kCombineBatch; ++i) {
-      const int s = first + i;
-      if (s < splits && weights[s] != 0.0F) value = fmaf(weights[s], loaded[i], value);
+    for (int t = 0; t < kItems; ++t) {
+#pragma unroll
+      for (int i = 0; i < kCombineBatch; ++i) {
+        const int s = first + i;
+        if (active[t] && s < splits && weights[t][s] != 0.0F) {
+          values[t].x = fmaf(weights[t][s], loaded[t][i].x, values[t].x);
+          values[t].y = fmaf(weights[t][s], loaded[t][i].y, values[t].y);
+        }
+      }
     }
   }
-  return value;
 }
 
 /// Shared bytes combine_if_last needs of the attention CTA's dynamic storage (free once its partials are written).
@@ -332,6 +356,9 @@ __device__ __forceinline__ void combine_if_last(const dims& d, int b, int h, int
   const long long entry = static_cast<long long>(d.head_dim) + 2;
   const int warp = tid / 32;
   void* target = const_cast<void*>(out.data);  // strided_tensor carries a const pointer; out is ours to write
+  // Each round merges up to kCtaWarps heads (a warp's weights each), their D / 2 output pairs spread over the
+  // threads kMergePairs at a time.
+  constexpr int kMergePairs = 2;
   for (int first = 0; first < d.group; first += kCtaWarps) {
     const int heads = min(kCtaWarps, d.group - first);
     const long long j0 = static_cast<long long>(h) * d.group + first;
@@ -340,15 +367,32 @@ __device__ __forceinline__ void combine_if_last(const dims& d, int b, int h, int
                          entry, weights[warp], inverse_totals + warp);
     }
     __syncthreads();
-    for (int index = tid; index < heads * d.head_dim; index += kCtaThreads) {
-      const int w = index / d.head_dim;
-      const int dim = index % d.head_dim;
-      const long long j = j0 + w;
-      const float value =
-          merged_element(partial + (static_cast<long long>(b) * d.q_heads + j) * max_splits * entry, splits, entry,
-                         weights[w], dim);
-      store_any(target, out.type, static_cast<long long>(b) * out.stride[0] + j * out.stride[1] + dim * out.stride[2],
-                value * inverse_totals[w]);
+    const int pairs = heads * d.head_dim / 2;
+    for (int base = tid; base < pairs; base += kMergePairs * kCtaThreads) {
+      const float* sources[kMergePairs];
+      const float* pair_weights[kMergePairs];
+      int pair_dims[kMergePairs];
+      bool active[kMergePairs];
+      int heads_of[kMergePairs];
+#pragma unroll
+      for (int t = 0; t < kMergePairs; ++t) {
+        const int pair = base + t * kCtaThreads;
+        active[t] = pair < pairs;
+        heads_of[t] = active[t] ? pair / (d.head_dim / 2) : 0;
+        pair_dims[t] = active[t] ? 2 * (pair % (d.head_dim / 2)) : 0;
+        sources[t] = partial + (static_cast<long long>(b) * d.q_heads + j0 + heads_of[t]) * max_splits * entry;
+        pair_weights[t] = weights[heads_of[t]];
+      }
+      float2 values[kMergePairs];
+      merged_pairs<kMergePairs>(sources, pair_weights, pair_dims, active, splits, entry, values);
+#pragma unroll
+      for (int t = 0; t < kMergePairs; ++t) {
+        if (!active[t]) continue;
+        const long long at = static_cast<long long>(b) * out.stride[0] + (j0 + heads_of[t]) * out.stride[1];
+        const float scale = inverse_totals[heads_of[t]];
+        store_any(target, out.type, at + pair_dims[t] * out.stride[2], values[t].x * scale);
+        store_any(target, out.type, at + (pair_dims[t] + 1) * out.stride[2], values[t].y * scale);
+      }
     }
     __syncthreads();
   }
@@ -951,9 +995,15 @@ __global__ void __launch_bounds__(kCombineThreads)
   __syncthreads();
   void* target = const_cast<void*>(out.data);  // strided_tensor carries a const pointer; out is ours to write
   const long long head_offset = static_cast<long long>(b) * out.stride[0] + static_cast<long long>(j) * out.stride[1];
-  for (int dim = static_cast<int>(threadIdx.x); dim < head_dim; dim += kCombineThreads) {
-    store_any(target, out.type, head_offset + dim * out.stride[2],
-              merged_element(source, splits, entry, weights, dim) * inverse_total);
+  for (int dim = 2 * static_cast<int>(threadIdx.x); dim < head_dim; dim += 2 * kCombineThreads) {
+    const float* const sources[1] = {source};
+    const float* const pair_weights[1] = {weights};
+    const int pair_dims[1] = {dim};
+    const bool active[1] = {true};
+    float2 values[1];
+    merged_pairs<1>(sources, pair_weights, pair_dims, active, splits, entry, values);
+    store_any(target, out.type, head_offset + dim * out.stride[2], values[0].x * inverse_total);
+    store_any(target, out.type, head_offset + (dim + 1) * out.stride[2], values[0].y * inverse_total);
   }
 }
 
