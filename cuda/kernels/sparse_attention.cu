@@ -65,6 +65,11 @@ constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kCombineThreads = 128;
 constexpr int kCombineBatch = 16;  // splits whose partial accumulators one merging thread loads together
+/// The most splits a head that the attention's last CTA merges itself (launch_sparse_attention with `arrivals`); more
+/// go to the combine kernel. Measured on the H200 (bench/NOTES.md, session 18; graph replay): B = 8 device values,
+/// 4 splits, 0.208 ms merged by the last CTA against 0.213 with the combine kernel; B = 1, 33 splits, 0.087 against
+/// 0.082 (the attention kernel 22.9 µs against 12.6 + 5.1 for the combine).
+constexpr int kFusedCombineMaxSplits = 8;
 /// Upper bound of sparse_attention_max_splits (the combine kernel keeps one weight per split in shared memory).
 constexpr int kMaxSplits = 64;
 /// A split should have at least this many rows of the largest possible row list: below it the CTA's fixed costs
@@ -1101,6 +1106,9 @@ void launch_sparse_attention(const dims& d, int kv_type, const layer_view* views
 
   const bool tensor_cores = mma_kernel_serves(d, kv_type);
   const int splits = choose_splits(d, batch, max_splits, tensor_cores ? kMmaTargetCtas : kTargetCtas);
+  // The last CTA merges only a few splits: with many (B = 1: 33 a head) its merge took longer than the combine kernel
+  // it replaces (bench/NOTES.md, session 18).
+  if (splits > kFusedCombineMaxSplits) arrivals = nullptr;
   const split_launch launch{d, views, batch_slots, layer, batch, q, partial, splits, max_splits, out, arrivals, stream};
   shadowkv_dispatch_element(kv_type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
