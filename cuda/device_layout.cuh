@@ -142,9 +142,6 @@ struct step_workspace {
                               ///< done; landmark_logits.cu); null: no pool
   unsigned long long* hinted_selections;  ///< [1] or null: selections that took the select cluster's hint path
                                           ///< (accumulated; tests and measurements)
-  unsigned* attention_arrivals;  ///< [max_batch, Hkv], zero between launches: the attention CTAs of each (entry, KV
-                                 ///< head) that have written their split partials (sparse_attention.cu); null: the
-                                 ///< combine kernel merges them
   // The store's RoPE coefficients by position (rope_table.cuh), read by the key rebuild; null: none (every row's
   // coefficients are computed, as for positions outside the table).
   const float2* rope_table;       ///< [rope_table_positions, rotary_dim / 2]

@@ -120,12 +120,6 @@ bool logits_pooled() { return !knob_is("SHADOWKV_LOGITS_POOL", "on", "off"); }
 // bench/step_benchmark.py's +sh0; bench/NOTES.md, session 18).
 bool select_hint_setting() { return !knob_is("SHADOWKV_SELECT_HINT", "on", "off"); }
 
-// Who merges the sparse attention's split partials: "fused" (the default: the attention CTA that finishes last for its
-// (sequence, KV head), counted in step_workspace::attention_arrivals) or "kernel" (a combine kernel after the
-// attention, as before session 18). Both give the same output bit for bit. SHADOWKV_ATTENTION_COMBINE picks one (a
-// measurement knob for bench/step_benchmark.py's +ck; bench/NOTES.md, session 18).
-bool fused_attention_combine() { return !knob_is("SHADOWKV_ATTENTION_COMBINE", "fused", "kernel"); }
-
 // Which arithmetic sums the decode landmark logits: "auto" (the default: bf16 landmark rows of 64 or 128 elements on
 // m16n8k16 MMAs over bulk-copied tiles, q in three bf16 terms, when the batch has many tiles; the lanes' FMAs else),
 // "fma" (the lanes' FMAs over q in float32, for every shape) or "mma" (the MMAs wherever they serve the shape). Both
@@ -344,7 +338,6 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   fetch_priority_host_ = fetch_priority_for_host_values();
   values_in_place_ = device_values_in_place();
   tapered_split_ = tapered_pipeline_split();
-  fused_combine_ = fused_attention_combine();
 
   // Reserve everything up front.
   const std::size_t element = dtype_size(cfg.kv_dtype);
@@ -406,7 +399,6 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   const std::size_t counts = align_up(batch * cfg.num_kv_heads * sizeof(int));
   const std::size_t counters = align_up(kWorkspaceCounters * sizeof(unsigned long long));
   const std::size_t claims = align_up(2 * sizeof(unsigned));
-  const std::size_t arrivals = align_up(batch * cfg.num_kv_heads * sizeof(unsigned));
   const std::size_t partial =
       align_up(batch * cfg.num_q_heads * workspace_.max_splits * (cfg.head_dim + 2) * sizeof(float));
   // The chunk selection's own rows, as it says it needs them (on this device: the radix keys' place depends on its
@@ -416,7 +408,7 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   const std::size_t radix_keys = align_up(selection.radix_keys);
   const long long table_positions = rope_table_positions(dims_);
   const std::size_t rope_table = align_up(rope_table_bytes(dims_, table_positions));
-  workspace_memory_ = device_buffer(logits + scores + 2 * lists + counts + counters + claims + arrivals + partial +
+  workspace_memory_ = device_buffer(logits + scores + 2 * lists + counts + counters + claims + partial +
                                         selection_partials + radix_keys + rope_table,
                                     own_stream_, resources_->device_memory());
   cursor = static_cast<std::uint8_t*>(workspace_memory_.data());
@@ -428,7 +420,6 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   workspace_.counters = static_cast<unsigned long long*>(take(counters));
   workspace_.hinted_selections = workspace_.counters + 4;
   workspace_.logits_claims = static_cast<unsigned*>(take(claims));
-  workspace_.attention_arrivals = static_cast<unsigned*>(take(arrivals));
   workspace_.partial = static_cast<float*>(take(partial));
   workspace_.selection_partials = selection_partials > 0 ? static_cast<float*>(take(selection_partials)) : nullptr;
   workspace_.radix_keys = radix_keys > 0 ? static_cast<unsigned*>(take(radix_keys)) : nullptr;
@@ -436,7 +427,6 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   workspace_.rope_table_positions = rope_table > 0 ? table_positions : 0;
   SHADOWKV_CUDA_TRY(cudaMemsetAsync(workspace_.counters, 0, counters, own_stream_));
   SHADOWKV_CUDA_TRY(cudaMemsetAsync(workspace_.logits_claims, 0, claims, own_stream_));
-  SHADOWKV_CUDA_TRY(cudaMemsetAsync(workspace_.attention_arrivals, 0, arrivals, own_stream_));
   SHADOWKV_CUDA_TRY(cudaMemsetAsync(workspace_.miss_counts, 0, counts, own_stream_));
 
   const rope_rotation rope(cfg);
@@ -1017,7 +1007,6 @@ step_workspace cuda_backend::workspace_from(int first) const {
   part.miss_slots += b * config_.num_kv_heads * config_.budget_chunks();
   part.miss_counts += b * config_.num_kv_heads;
   part.partial += b * config_.num_q_heads * workspace_.max_splits * (config_.head_dim + 2);
-  if (part.attention_arrivals != nullptr) part.attention_arrivals += b * config_.num_kv_heads;
   return part;
 }
 
@@ -1109,7 +1098,7 @@ void cuda_backend::attend(int layer, std::span<const batch_entry> entries, const
     launch_sparse_attention(dims_, kv_type_, static_cast<const layer_view*>(views_.data()),
                             static_cast<const int*>(batch_slots_.data()) + part.first, layer, part.count,
                             part_queries, part_out, workspace_from(part.first).partial, workspace_.max_splits,
-                            stream_, fused_combine_ ? workspace_from(part.first).attention_arrivals : nullptr);
+                            stream_);
   }
 }
 

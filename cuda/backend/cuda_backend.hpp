@@ -164,7 +164,6 @@ class cuda_backend final : public backend {
   int fetch_priority_host_ = 0;         ///< launch priority of a fetch across PCIe (fetch_priority_for_host_values)
   bool values_in_place_ = false;        ///< SHADOWKV_DEVICE_VALUES=in_place (layer_view::values_in_place)
   bool tapered_split_ = true;           ///< SHADOWKV_PIPELINE_SPLIT (tapered unless "even"; pipeline_parts)
-  bool fused_combine_ = true;           ///< SHADOWKV_ATTENTION_COMBINE (the last attention CTA merges unless "kernel")
   cudaStream_t stream_ = nullptr;       ///< the current call's compute stream (caller's or own_stream_)
   bool caller_stream_ = false;
   // Handles before buffers: members are destroyed in reverse order, so the buffers (freed on own_stream_) go first.

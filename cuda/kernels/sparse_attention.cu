@@ -28,10 +28,9 @@
 //    For bf16 keys and values with D <= 128 the tensor-core split kernel (sparse_attention_mma_kernel, below) takes
 //    its place: same grid, row walk and partials, Q K^T and P V on mma.sync (dims::attention_fma keeps the FMA one).
 // 2. combine kernel, grid (query head, entry): weights 2^(max_s - max) per split, out = sum_s w_s acc_s / sum_s w_s l_s
-//    written in out.type with out.stride (0 when no row at all exists). Or, with an arrivals count per (entry, KV
-//    head) (the backend's default, SHADOWKV_ATTENTION_COMBINE=fused), the same merge by the split kernel's CTA that
-//    finishes last for its (entry, KV head) (combine_if_last): one kernel less on the step's chain, whose launch and
-//    ramp (~5 µs at B = 1) outweighed its bytes.
+//    written in out.type with out.stride (0 when no row at all exists). (The same merge by the split kernel's CTA
+//    that finished last for its (entry, KV head), counted in a workspace array, measured no faster on the H200: slower
+//    at B = 1's 33 splits a head, level at B = 8 and 24; bench/NOTES.md, session 18.)
 //
 // Requires 16-byte aligned key/value arrays (the store's arenas are); rows are then aligned too since
 // D * sizeof(T) is a multiple of 16 for every supported D.
@@ -65,11 +64,6 @@ constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kCombineThreads = 128;
 constexpr int kCombineBatch = 16;  // splits whose partial accumulators one merging thread loads together
-/// The most splits a head that the attention's last CTA merges itself (launch_sparse_attention with `arrivals`); more
-/// go to the combine kernel. Measured on the H200 (bench/NOTES.md, session 18; graph replay): B = 8 device values,
-/// 4 splits, 0.208 ms merged by the last CTA against 0.213 with the combine kernel; B = 1, 33 splits, 0.087 against
-/// 0.082 (the attention kernel 22.9 µs against 12.6 + 5.1 for the combine).
-constexpr int kFusedCombineMaxSplits = 8;
 /// Upper bound of sparse_attention_max_splits (the combine kernel keeps one weight per split in shared memory).
 constexpr int kMaxSplits = 64;
 /// A split should have at least this many rows of the largest possible row list: below it the CTA's fixed costs
@@ -259,9 +253,9 @@ __device__ __forceinline__ row_walk<T, D, kListed> begin_row_walk(const dims& d,
 /// exp2(x - m) for a merge weight; 0 when m is -inf (then x is -inf too: nothing was seen).
 __device__ __forceinline__ float merge_weight(float x, float m) { return m == -INFINITY ? 0.0F : exp2f(x - m); }
 
-// ---- The merge of one query head's split partials (the combine kernel's, and the last attention CTA's) ----------
-// source: partial[b, j, 0 .. splits) of D + 2 floats each. Loads bypass L1 (__ldcg): in the attention kernel the
-// partials were written by other CTAs of the same launch.
+// ---- The merge of one query head's split partials (the combine kernel) -------------------------------------------
+// source: partial[b, j, 0 .. splits) of D + 2 floats each (an entry is 8-byte aligned: (max, sum) and the accumulator's
+// element pairs load as float2). Loads bypass L1 (__ldcg): the partials were written by other CTAs.
 
 /// The splits' weights 2^(max_s - max) into weights[0, splits) and 1 / sum_s w_s l_s into *inverse_total. Called by
 /// the 32 lanes of one warp; each loads the (max, sum) pairs of its two splits at once (splits <= kMaxSplits = 64).
@@ -335,83 +329,13 @@ __device__ __forceinline__ void merged_pairs(const float* const (&sources)[kItem
   }
 }
 
-/// Shared bytes combine_if_last needs of the attention CTA's dynamic storage (free once its partials are written).
-constexpr int combine_scratch_bytes(int threads) { return (threads / 32) * (kMaxSplits + 1) * 4 + 16; }
-
-/// The attention's own combine (launch_sparse_attention with `arrivals`): called by every thread of an attention CTA
-/// of kCtaThreads threads once its partials are written and the block has synchronised. The CTA that counts the
-/// last split of (b, h) in arrivals[b * Hkv + h] merges the group's G query heads into `out`, with the combine
-/// kernel's arithmetic (the same two functions above), and puts the count back to zero for the next launch.
-template <int kCtaThreads>
-__device__ __forceinline__ void combine_if_last(const dims& d, int b, int h, int splits, int max_splits,
-                                                const float* partial, strided_tensor out, unsigned* arrivals,
-                                                unsigned char* scratch) {
-  constexpr int kCtaWarps = kCtaThreads / 32;
-  float (*const weights)[kMaxSplits] = reinterpret_cast<float (*)[kMaxSplits]>(scratch);
-  float* const inverse_totals = reinterpret_cast<float*>(scratch + kCtaWarps * kMaxSplits * 4);
-  int* const last = reinterpret_cast<int*>(scratch + kCtaWarps * (kMaxSplits + 1) * 4);
-  const int tid = static_cast<int>(threadIdx.x);
-  __threadfence();  // this thread's partial stores, device-wide, before the CTA's arrival
-  __syncthreads();
-  unsigned* const count = arrivals + static_cast<long long>(b) * d.kv_heads + h;
-  if (tid == 0) *last = atomicAdd(count, 1U) == static_cast<unsigned>(splits - 1) ? 1 : 0;
-  __syncthreads();
-  if (*last == 0) return;
-  __threadfence();  // the other CTAs' partials, seen through their arrivals
-  const long long entry = static_cast<long long>(d.head_dim) + 2;
-  const int warp = tid / 32;
-  void* target = const_cast<void*>(out.data);  // strided_tensor carries a const pointer; out is ours to write
-  // Each round merges up to kCtaWarps heads (a warp's weights each), their D / 2 output pairs spread over the
-  // threads kMergePairs at a time.
-  constexpr int kMergePairs = 2;
-  for (int first = 0; first < d.group; first += kCtaWarps) {
-    const int heads = min(kCtaWarps, d.group - first);
-    const long long j0 = static_cast<long long>(h) * d.group + first;
-    if (warp < heads) {
-      split_weights_warp(partial + (static_cast<long long>(b) * d.q_heads + j0 + warp) * max_splits * entry, splits,
-                         entry, weights[warp], inverse_totals + warp);
-    }
-    __syncthreads();
-    const int pairs = heads * d.head_dim / 2;
-    for (int base = tid; base < pairs; base += kMergePairs * kCtaThreads) {
-      const float* sources[kMergePairs];
-      const float* pair_weights[kMergePairs];
-      int pair_dims[kMergePairs];
-      bool active[kMergePairs];
-      int heads_of[kMergePairs];
-#pragma unroll
-      for (int t = 0; t < kMergePairs; ++t) {
-        const int pair = base + t * kCtaThreads;
-        active[t] = pair < pairs;
-        heads_of[t] = active[t] ? pair / (d.head_dim / 2) : 0;
-        pair_dims[t] = active[t] ? 2 * (pair % (d.head_dim / 2)) : 0;
-        sources[t] = partial + (static_cast<long long>(b) * d.q_heads + j0 + heads_of[t]) * max_splits * entry;
-        pair_weights[t] = weights[heads_of[t]];
-      }
-      float2 values[kMergePairs];
-      merged_pairs<kMergePairs>(sources, pair_weights, pair_dims, active, splits, entry, values);
-#pragma unroll
-      for (int t = 0; t < kMergePairs; ++t) {
-        if (!active[t]) continue;
-        const long long at = static_cast<long long>(b) * out.stride[0] + (j0 + heads_of[t]) * out.stride[1];
-        const float scale = inverse_totals[heads_of[t]];
-        store_any(target, out.type, at + pair_dims[t] * out.stride[2], values[t].x * scale);
-        store_any(target, out.type, at + (pair_dims[t] + 1) * out.stride[2], values[t].y * scale);
-      }
-    }
-    __syncthreads();
-  }
-  if (tid == 0) *count = 0U;
-}
-
 // At most 170 registers: 3 CTAs (12 warps) per SM. kListed: the cache is larger than the budget (K > k) and its part
 // of the row list goes through selected_slots; a template parameter, so that the default cache (K == k) compiles to
 // the code it had before larger caches existed.
 template <typename T, int D, int HeadTile, bool kListed>
 __global__ void __launch_bounds__(kThreads, 3)
     sparse_attention_split_kernel(dims d, const layer_view* views, const int* batch_slots, int layer, strided_tensor q,
-                                  float* partial, int splits, int max_splits, strided_tensor out,
-                                  unsigned* arrivals) {
+                                  float* partial, int splits, int max_splits) {
   wait_for_prior_grids();  // common/dependent_launch.cuh: nothing before the previous kernel is done
   using layout = cta_layout<T, D, HeadTile>;
   constexpr int kLanes = layout::lanes;
@@ -668,8 +592,6 @@ __global__ void __launch_bounds__(kThreads, 3)
     }
     __syncthreads();  // the next tile refills the stages
   }
-  static_assert(layout::shared_bytes >= combine_scratch_bytes(kThreads), "the combine's scratch is the stages' storage");
-  if (arrivals != nullptr) combine_if_last<kThreads>(d, b, h, splits, max_splits, partial, out, arrivals, storage);
 }
 
 // ---- The tensor-core split kernel (bf16 keys and values, D <= 128) -----------------------------------------------
@@ -731,7 +653,7 @@ __device__ __forceinline__ void load_matrix_x4_transposed(unsigned (&r)[4], cons
 template <int D, bool kListed>
 __global__ void __launch_bounds__(kMmaThreads, 2)
     sparse_attention_mma_kernel(dims d, const layer_view* views, const int* batch_slots, int layer, strided_tensor q,
-                                float* partial, int splits, int max_splits, strided_tensor out, unsigned* arrivals) {
+                                float* partial, int splits, int max_splits) {
   start_phase_stamps(stamped_kernel::attention);
   wait_for_prior_grids();  // common/dependent_launch.cuh: nothing before the previous kernel is done
   phase_stamp(stamped_kernel::attention, 1);
@@ -980,9 +902,6 @@ __global__ void __launch_bounds__(kMmaThreads, 2)
     }
     __syncthreads();  // the next tile refills the stages and Q
   }
-  static_assert(layout::shared_bytes >= combine_scratch_bytes(kMmaThreads),
-                "the combine's scratch is the stages' storage");
-  if (arrivals != nullptr) combine_if_last<kMmaThreads>(d, b, h, splits, max_splits, partial, out, arrivals, storage);
   finish_phase_stamps(stamped_kernel::attention, 69);
 }
 
@@ -1033,8 +952,6 @@ struct split_launch {
   float* partial;
   int splits;
   int max_splits;
-  strided_tensor out;
-  unsigned* arrivals;  ///< null: the combine kernel merges the splits
   cudaStream_t stream;
 };
 
@@ -1046,7 +963,7 @@ void launch_mma_split(const split_launch& a) {
   const dim3 grid(static_cast<unsigned>(a.splits), static_cast<unsigned>(a.d.kv_heads), static_cast<unsigned>(a.batch));
   launch_after_prior_grid(sparse_attention_mma_kernel<D, kListed>, grid, dim3(kMmaThreads), layout::shared_bytes,
                           a.stream, a.d.programmatic_launch != 0, a.d, a.views, a.batch_slots, a.layer, a.q, a.partial,
-                          a.splits, a.max_splits, a.out, a.arrivals);
+                          a.splits, a.max_splits);
 }
 
 /// Whether the tensor-core kernel serves these dims and element type: bf16 keys and values, D <= 128 (its float32
@@ -1065,7 +982,7 @@ void launch_split(const split_launch& a) {
   const dim3 grid(static_cast<unsigned>(a.splits), static_cast<unsigned>(a.d.kv_heads), static_cast<unsigned>(a.batch));
   launch_after_prior_grid(sparse_attention_split_kernel<T, D, HeadTile, kListed>, grid, dim3(kThreads),
                           layout::shared_bytes, a.stream, a.d.programmatic_launch != 0, a.d, a.views, a.batch_slots,
-                          a.layer, a.q, a.partial, a.splits, a.max_splits, a.out, a.arrivals);
+                          a.layer, a.q, a.partial, a.splits, a.max_splits);
 }
 
 }  // namespace
@@ -1080,7 +997,7 @@ int sparse_attention_max_splits(const dims& d) {
 
 void launch_sparse_attention(const dims& d, int kv_type, const layer_view* views, const int* batch_slots, int layer,
                              int batch, strided_tensor q, strided_tensor out, float* partial, int max_splits,
-                             cudaStream_t stream, unsigned* arrivals) {
+                             cudaStream_t stream) {
   SHADOWKV_EXPECTS(supported_head_dim(d.head_dim), "sparse attention supports head_dim 64, 80, 96, 128 or 256, got ",
                    d.head_dim);
   SHADOWKV_EXPECTS(d.kv_heads >= 1 && d.kv_heads <= 65535 && d.group >= 1 && d.q_heads == d.kv_heads * d.group,
@@ -1106,10 +1023,7 @@ void launch_sparse_attention(const dims& d, int kv_type, const layer_view* views
 
   const bool tensor_cores = mma_kernel_serves(d, kv_type);
   const int splits = choose_splits(d, batch, max_splits, tensor_cores ? kMmaTargetCtas : kTargetCtas);
-  // The last CTA merges only a few splits: with many (B = 1: 33 a head) its merge took longer than the combine kernel
-  // it replaces (bench/NOTES.md, session 18).
-  if (splits > kFusedCombineMaxSplits) arrivals = nullptr;
-  const split_launch launch{d, views, batch_slots, layer, batch, q, partial, splits, max_splits, out, arrivals, stream};
+  const split_launch launch{d, views, batch_slots, layer, batch, q, partial, splits, max_splits, stream};
   shadowkv_dispatch_element(kv_type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     shadowkv_dispatch_head_dim(d.head_dim, "sparse attention", [&](auto head_dim) {
@@ -1135,7 +1049,6 @@ void launch_sparse_attention(const dims& d, int kv_type, const layer_view* views
       });
     });
   });
-  if (arrivals != nullptr) return;  // the last CTA of each (sequence, KV head) merged its splits
   launch_after_prior_grid(sparse_attention_combine_kernel,
                           dim3(static_cast<unsigned>(d.q_heads), static_cast<unsigned>(batch)), dim3(kCombineThreads),
                           0, stream, d.programmatic_launch != 0, d.head_dim, d.q_heads, partial, splits, max_splits,

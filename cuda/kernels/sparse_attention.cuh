@@ -22,13 +22,8 @@ int sparse_attention_max_splits(const dims& d);
 
 /// q: [B, Hq, D] (strides in q.stride[0..2]); out: [B, Hq, D] written in out.type. T = the store's element type
 /// (element_type code `kv_type`). Never allocates; throws shadowkv::cuda_error on a launch failure.
-///
-/// `arrivals` ([batch, Hkv] counts, zero between launches; step_workspace::attention_arrivals): where the launch has
-/// few splits a head (at most 8), the attention CTA that writes the last split of a (sequence, KV head) merges its
-/// splits into `out` and zeroes the count, in place of a second (combine) kernel; the output is the same bit for bit.
-/// Null, or more splits: the combine kernel.
 void launch_sparse_attention(const dims& d, int kv_type, const layer_view* views, const int* batch_slots, int layer,
                              int batch, strided_tensor q, strided_tensor out, float* partial, int max_splits,
-                             cudaStream_t stream, unsigned* arrivals = nullptr);
+                             cudaStream_t stream);
 
 }  // namespace shadowkv::cuda

@@ -599,15 +599,6 @@ def test_cuda_select_hint_changes_nothing_but_speed(monkeypatch):
     _knob_changes_nothing(monkeypatch, "SHADOWKV_SELECT_HINT", (None, "off", "on"), "sometimes", 71)
 
 
-def test_cuda_attention_combine_changes_nothing(monkeypatch):
-    """The sparse attention's split partials are merged by the attention CTA that finishes last for its (sequence,
-    KV head) (sparse_attention.cu, combine_if_last; the default) or by a combine kernel after it
-    (SHADOWKV_ATTENTION_COMBINE=kernel), read when the store is built: the same arithmetic, so outputs, selections and
-    statistics are bit-identical, with bf16 and fp8 host values and the batch in parts (each part's launch with its own
-    counts); a setting that is neither is refused."""
-    _knob_changes_nothing(monkeypatch, "SHADOWKV_ATTENTION_COMBINE", (None, "kernel", "fused"), "later", 73)
-
-
 def test_cuda_rebuild_rope_place_changes_nothing_but_speed(monkeypatch):
     """The key rebuild rotates its keys in the MMA accumulators where every thread holds both dims of its pairs
     (chunk_rebuild.cu, rope_in_registers), or over its results in shared memory with SHADOWKV_REBUILD_ROPE=shared, read

@@ -53,18 +53,12 @@ __device__ __forceinline__ radix_digit radix_digit_of_pass(int pass) {
 /// whose (key & mask) == prefix, ready to read by every thread (pass 0: prefix and mask are 0, the whole set). A
 /// block counts its own keys (find_radix_threshold); a cluster merges the counts of its blocks (select_cluster_kernel).
 /// The bin is found with one block scan; every thread of the block of kThreads threads calls this alike, with
-/// `radix_found` (3 unsigned, shared; 4 with a hint target).
-///
-/// `exact`: every digit is searched, so the rule's mask covers the whole key (prefix = the k-th largest key itself).
-/// Without it the search stops at the first digit whose bin is taken whole; both rules take the same items of the set
-/// counted, but only the exact one is right for a larger set of which the counted keys are the largest (the select
-/// cluster's hint path: the keys at or above a hint). `hint_target` > 0: the first digit's bin where the count from
-/// the top reaches it is returned in hint_bin.
+/// `radix_found` (3 unsigned, shared; 4 with a hint target). `hint_target` > 0: the first digit's bin where the count
+/// from the top reaches it is returned in hint_bin (select_cluster_kernel's next hint).
 template <int kThreads, typename HistogramOf>
 __device__ __forceinline__ radix_threshold radix_threshold_from(int candidates, int k, HistogramOf&& histogram_of,
                                                                typename radix_digit_scan<kThreads>::TempStorage& scan_storage,
-                                                               unsigned* radix_found, bool exact = false,
-                                                               unsigned hint_target = 0) {
+                                                               unsigned* radix_found, unsigned hint_target = 0) {
   static_assert(4 * kThreads >= (1 << kRadixFirstBits), "a thread owns 4 bins of the largest digit");
   const int tid = threadIdx.x;
   unsigned prefix = 0;
@@ -112,7 +106,7 @@ __device__ __forceinline__ radix_threshold radix_threshold_from(int candidates, 
       prefix |= radix_found[0] << digit.shift;
       mask |= static_cast<unsigned>(bins - 1) << digit.shift;
       remaining -= radix_found[1];
-      if (!exact && radix_found[2] == remaining) break;  // the whole bin is taken: no tie to break below this digit
+      if (radix_found[2] == remaining) break;  // the whole bin is taken: no tie to break below this digit
     }
     need_ties = remaining;
   }

@@ -28,9 +28,10 @@ constexpr int kSelectThreads = 1024;  // one CTA per (b, h): at B=1 only Hkv CTA
 constexpr int kSelectWarps = kSelectThreads / 32;
 static_assert(kSelectThreads == kOrderedPassThreads, "ordered_pass (ordered_compaction.cuh) needs 1024 threads");
 constexpr int kScoreBatch = 4;  // chunks per thread whose logits are loaded together, two query heads at a time
-/// select_cluster_kernel's hint path: at most this many keys at or above the hint (own_second's entries; each CTA
-/// gathers them all into its `merged`, 1 << kRadixFirstBits entries).
+/// select_cluster_kernel's hint path: at most this many keys at or above the hint (own_second's entries; two a thread
+/// when every CTA gathers them).
 constexpr int kHintKeys = 1 << 11;
+static_assert(kHintKeys <= 2 * kSelectThreads, "the hint path holds two keys a thread");
 /// The next hint sits where the count from the top reaches this many times k (kHintKeys / 4 at k = 256).
 constexpr int kHintTargetFactor = 2;
 
@@ -308,8 +309,8 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_cluster_kernel(const
     for (int r = 0; r < ctas; ++r) hinted += hint_counts[r];
   }
   // The hint path, when more than k keys and at most kHintKeys lie at or above the hint: the take-th largest key is
-  // then among them, and so is every key the selection could take (counting only them finds the same rule, searched
-  // to the last digit). Every CTA decides alike from the cluster's counts.
+  // then among them, and so is every key the selection could take, so the rule found from them alone (to the last
+  // bit) takes what the full radix select takes. Every CTA decides alike from the cluster's counts.
   const bool hint_path = hint != 0U && candidates > d.budget && hinted > d.budget && hinted <= kHintKeys;
   // The next hint: the smallest key of the first digit's bin where the count from the top reaches kHintTargetFactor
   // x k (radix_threshold::hint_bin), so that next step's count above it lands between k and kHintKeys while the
@@ -319,36 +320,51 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_cluster_kernel(const
   // --- B. the threshold: from the keys at or above the hint, or from the cluster's histograms --------------------
   radix_threshold rule{};
   if (hint_path) {
-    // Every CTA gathers the cluster's keys >= hint into its `merged` (a remote load each) and counts their first
-    // digit on the way; then it finds the rule alone, with no further cluster barrier. (The ranks' own_second are
-    // read until the cluster barrier of the compaction; nothing writes them on this path.)
-    for (int i = tid; i < (1 << kRadixFirstBits); i += kSelectThreads) own_histogram[i] = 0;
-    __syncthreads();
-    for (int i = tid; i < hinted; i += kSelectThreads) {
-      int r = 0;
-      int start = 0;
-      while (start + hint_counts[r] <= i) start += hint_counts[r++];
-      const unsigned key = cluster.map_shared_rank(own_second, r)[i - start];
-      merged[i] = key;
-      atomicAdd(&own_histogram[key >> (32 - kRadixFirstBits)], 1U);
+    // Every CTA takes the cluster's keys >= hint, one or two a thread (a remote load each), and finds the take-th
+    // largest of them bit by bit, most significant first: a bit stays set while at least k keys are at or above the
+    // value so far, each count one block barrier that counts (__syncthreads_count), no histogram and no further cluster
+    // barrier. (The ranks' own_second are read until the cluster barrier of the compaction; nothing writes them on
+    // this path.) Keys of candidates are float bits + 1 of scores >= 0, so bit 31 is clear, and a thread without a key
+    // holds 0, below every value counted.
+    unsigned mine[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int at = tid + i * kSelectThreads;
+      mine[i] = 0U;
+      if (at < hinted) {
+        int r = 0;
+        int start = 0;
+        while (start + hint_counts[r] <= at) start += hint_counts[r++];
+        mine[i] = cluster.map_shared_rank(own_second, r)[at - start];
+      }
     }
-    __syncthreads();
+    const bool two = hinted > kSelectThreads;
+    auto at_least = [&](unsigned value) {
+      int count = __syncthreads_count(mine[0] >= value ? 1 : 0);
+      if (two) count += __syncthreads_count(mine[1] >= value ? 1 : 0);
+      return count;
+    };
     phase_stamp(stamped_kernel::select, 30);
-    rule = radix_threshold_from<kSelectThreads>(
-        hinted, d.budget,
-        [&](int pass, radix_digit digit, unsigned prefix, unsigned mask) -> const unsigned* {
-          if (pass > 0) {
-            for (int i = tid; i < digit.bins(); i += kSelectThreads) own_histogram[i] = 0;
-            __syncthreads();
-            for (int i = tid; i < hinted; i += kSelectThreads) {
-              const unsigned key = merged[i];
-              if ((key & mask) == prefix) atomicAdd(&own_histogram[digit.of(key)], 1U);
-            }
-            __syncthreads();
-          }
-          return own_histogram;
-        },
-        scan_storage, radix_found, true, hint_target);
+    unsigned kth = 0U;
+    for (int bit = 30; bit >= 0; --bit) {
+      const unsigned candidate = kth | (1U << bit);
+      if (at_least(candidate) >= d.budget) kth = candidate;
+    }
+    // The rule on the whole key: take every key above the k-th, and of those equal to it the first (k - above).
+    rule.prefix = kth;
+    rule.mask = 0xffffffffU;
+    rule.need_ties = static_cast<unsigned>(d.budget - at_least(kth + 1U));
+    // The next hint, as the full path finds it: the first digit's bin of the hint_target-th largest key (when at
+    // least that many lie above the hint; else the hint stays).
+    rule.hint_bin = kNoHintBin;
+    if (hint_target > 0U && static_cast<unsigned>(hinted) >= hint_target) {
+      unsigned edge = 0U;
+      for (int bit = 30; bit >= 32 - kRadixFirstBits; --bit) {
+        const unsigned candidate = edge | (1U << bit);
+        if (static_cast<unsigned>(at_least(candidate)) >= hint_target) edge = candidate;
+      }
+      rule.hint_bin = edge >> (32 - kRadixFirstBits);
+    }
   } else {
   // Digit 1 is counted into own_second, digit 2 into own_histogram again: a CTA clears own_histogram for digit 2 only
   // after the cluster barrier that follows digit 1's counting, which every CTA reaches after its merge of digit 0.
@@ -400,7 +416,7 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_cluster_kernel(const
         phase_stamp(stamped_kernel::select, 10 + pass);
         return merged;
       },
-      scan_storage, radix_found, false, hint_target);
+      scan_storage, radix_found, hint_target);
   }
   phase_stamp(stamped_kernel::select, 8);
 
