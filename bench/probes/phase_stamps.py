@@ -14,7 +14,8 @@ LABELS = {
     0: "start", 1: "prior grids done",
     # select
     2: "normalisers, histogram cleared", 3: "scored (own slice)", 4: "scores of all (barrier)",
-    8: "threshold found", 9: "compacted", 19: "cluster done", 18: "cache updated (end)",
+    5: "hint path: keys gathered", 8: "threshold found", 9: "compacted", 19: "cluster done",
+    18: "cache updated (end)",
     10: "digit 0 merged", 11: "digit 1 merged", 12: "digit 2 merged", 20: "digit 0 counted",
     21: "digit 1 counted", 22: "digit 2 counted", 26: "digit 1 barrier", 27: "digit 2 barrier",
     # rebuild

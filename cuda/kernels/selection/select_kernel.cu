@@ -344,7 +344,7 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_cluster_kernel(const
       if (two) count += __syncthreads_count(mine[1] >= value ? 1 : 0);
       return count;
     };
-    phase_stamp(stamped_kernel::select, 30);
+    phase_stamp(stamped_kernel::select, 5);
     unsigned kth = 0U;
     for (int bit = 30; bit >= 0; --bit) {
       const unsigned candidate = kth | (1U << bit);
