@@ -28,9 +28,10 @@ constexpr int kSelectThreads = 1024;  // one CTA per (b, h): at B=1 only Hkv CTA
 constexpr int kSelectWarps = kSelectThreads / 32;
 static_assert(kSelectThreads == kOrderedPassThreads, "ordered_pass (ordered_compaction.cuh) needs 1024 threads");
 constexpr int kScoreBatch = 4;  // chunks per thread whose logits are loaded together, two query heads at a time
-/// select_cluster_kernel's hint path: at most this many keys at or above the hint (own_second's entries; every CTA
-/// gathers them into its `merged`, 1 << kRadixFirstBits entries).
+/// select_cluster_kernel's hint path: at most this many keys at or above the hint (own_second's entries; two a thread
+/// when every CTA gathers them).
 constexpr int kHintKeys = 1 << 11;
+static_assert(kHintKeys <= 2 * kSelectThreads, "the hint path holds two keys a thread");
 /// The next hint sits where the count from the top reaches this many times k (kHintKeys / 4 at k = 256).
 constexpr int kHintTargetFactor = 2;
 
@@ -319,64 +320,51 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_cluster_kernel(const
   // --- B. the threshold: from the keys at or above the hint, or from the cluster's histograms --------------------
   radix_threshold rule{};
   if (hint_path) {
-    // Every CTA gathers the cluster's keys >= hint into its `merged` (a remote load a key), then its first warp finds
-    // the take-th largest of them bit by bit, most significant first: a bit stays set while at least k keys are at or
-    // above the value so far, each count a pass of the warp over the keys and a warp sum, with no block barrier (a
-    // count by a barrier of the whole block, __syncthreads_count, cost as much as the radix passes: bench/NOTES.md,
-    // session 18). Only the bits below the highest one in which the hint and the largest key differ are searched: the
-    // others are every key's. No further cluster barrier: the ranks' own_second are read until the cluster barrier of
-    // the compaction, and nothing writes them on this path.
-    for (int at = tid; at < hinted; at += kSelectThreads) {
-      int r = 0;
-      int start = 0;
-      while (start + hint_counts[r] <= at) start += hint_counts[r++];
-      merged[at] = cluster.map_shared_rank(own_second, r)[at - start];
+    // Every CTA takes the cluster's keys >= hint, one or two a thread (a remote load each), and finds the take-th
+    // largest of them bit by bit, most significant first: a bit stays set while at least k keys are at or above the
+    // value so far, each count one block barrier that counts (__syncthreads_count), no histogram and no further cluster
+    // barrier. (The ranks' own_second are read until the cluster barrier of the compaction; nothing writes them on
+    // this path.) Keys of candidates are float bits + 1 of scores >= 0, so bit 31 is clear, and a thread without a key
+    // holds 0, below every value counted.
+    unsigned mine[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int at = tid + i * kSelectThreads;
+      mine[i] = 0U;
+      if (at < hinted) {
+        int r = 0;
+        int start = 0;
+        while (start + hint_counts[r] <= at) start += hint_counts[r++];
+        mine[i] = cluster.map_shared_rank(own_second, r)[at - start];
+      }
     }
-    __syncthreads();
+    const bool two = hinted > kSelectThreads;
+    auto at_least = [&](unsigned value) {
+      int count = __syncthreads_count(mine[0] >= value ? 1 : 0);
+      if (two) count += __syncthreads_count(mine[1] >= value ? 1 : 0);
+      return count;
+    };
     phase_stamp(stamped_kernel::select, 5);
-    if (tid < 32) {
-      auto at_least = [&](unsigned value) {
-        int count = 0;
-        for (int i = tid; i < hinted; i += 32) count += merged[i] >= value ? 1 : 0;
-        return static_cast<int>(__reduce_add_sync(0xffffffffU, static_cast<unsigned>(count)));
-      };
-      unsigned largest = 0U;
-      for (int i = tid; i < hinted; i += 32) largest = max(largest, merged[i]);
-      largest = __reduce_max_sync(0xffffffffU, largest);
-      // Keys lie in [hint, largest]: they share the bits above `top`, the highest bit where the two differ (-1: all
-      // keys equal the hint).
-      const int top = hint == largest ? -1 : 31 - __clz(hint ^ largest);
-      const unsigned shared_bits = top < 0 ? hint : hint & ~((2U << top) - 1U);
-      unsigned kth = shared_bits;
-      for (int bit = top; bit >= 0; --bit) {
-        const unsigned candidate = kth | (1U << bit);
-        if (at_least(candidate) >= d.budget) kth = candidate;
-      }
-      // The rule on the whole key: take every key above the k-th, and of those equal to it the first (k - above).
-      const int above = at_least(kth + 1U);
-      // The next hint, as the full path finds it: the first digit's bin of the hint_target-th largest key (when at
-      // least that many lie above the hint; else the hint stays).
-      unsigned hint_bin = kNoHintBin;
-      if (hint_target > 0U && static_cast<unsigned>(hinted) >= hint_target) {
-        constexpr int kFirstDigitShift = 32 - kRadixFirstBits;
-        unsigned edge = shared_bits >> kFirstDigitShift << kFirstDigitShift;
-        for (int bit = top; bit >= kFirstDigitShift; --bit) {
-          const unsigned candidate = edge | (1U << bit);
-          if (static_cast<unsigned>(at_least(candidate)) >= hint_target) edge = candidate;
-        }
-        hint_bin = edge >> kFirstDigitShift;
-      }
-      if (tid == 0) {
-        radix_found[0] = kth;
-        radix_found[1] = static_cast<unsigned>(d.budget - above);
-        radix_found[2] = hint_bin;
-      }
+    unsigned kth = 0U;
+    for (int bit = 30; bit >= 0; --bit) {
+      const unsigned candidate = kth | (1U << bit);
+      if (at_least(candidate) >= d.budget) kth = candidate;
     }
-    __syncthreads();
-    rule.prefix = radix_found[0];
+    // The rule on the whole key: take every key above the k-th, and of those equal to it the first (k - above).
+    rule.prefix = kth;
     rule.mask = 0xffffffffU;
-    rule.need_ties = radix_found[1];
-    rule.hint_bin = radix_found[2];
+    rule.need_ties = static_cast<unsigned>(d.budget - at_least(kth + 1U));
+    // The next hint, as the full path finds it: the first digit's bin of the hint_target-th largest key (when at
+    // least that many lie above the hint; else the hint stays).
+    rule.hint_bin = kNoHintBin;
+    if (hint_target > 0U && static_cast<unsigned>(hinted) >= hint_target) {
+      unsigned edge = 0U;
+      for (int bit = 30; bit >= 32 - kRadixFirstBits; --bit) {
+        const unsigned candidate = edge | (1U << bit);
+        if (static_cast<unsigned>(at_least(candidate)) >= hint_target) edge = candidate;
+      }
+      rule.hint_bin = edge >> (32 - kRadixFirstBits);
+    }
   } else {
   // Digit 1 is counted into own_second, digit 2 into own_histogram again: a CTA clears own_histogram for digit 2 only
   // after the cluster barrier that follows digit 1's counting, which every CTA reaches after its merge of digit 0.
