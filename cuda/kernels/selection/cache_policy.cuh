@@ -84,6 +84,63 @@ __device__ __forceinline__ int update_temporal_cache(int n, int mc, int k, int t
   return filled;
 }
 
+/// Whether bit c of a bitmap in shared memory is set.
+__device__ __forceinline__ bool bit_of(const unsigned* bits, int c) { return ((bits[c >> 5] >> (c & 31)) & 1U) != 0U; }
+
+/// The K == k rule of update_temporal_cache, from the head's state in shared memory (select_cluster_kernel's first
+/// CTA; cluster_shared_layout): cache_chunks[0, k) (the slots' chunks, kept current here and written through to
+/// `cache`), selected_ids[0, take) (this step's selection, ascending), cached_bits (chunks in the cache before the
+/// step) and selected_bits (zeroed; set here), free_slots[0, k) (scratch). The same slots as update_temporal_cache,
+/// whose rules it follows step for step, without its dependent global loads (a slot's chunk, then that chunk's flag
+/// and slot_of entry): slot_of is only written, cleared for a freed chunk and set for a miss, since slot_of is the
+/// inverse of the cache (each chunk in at most one slot: both rules and the prefill's reset keep it so). Writes
+/// miss_slots as update_temporal_cache does and returns the misses that got a slot. Called by every thread of a block
+/// of kOrderedPassThreads threads; `pass_scratch`: ordered_pass's shared scratch.
+__device__ __forceinline__ int update_temporal_cache_shared(int n, int mc, int k, int take, const int* selected_ids,
+                                                            int* cache_chunks, const unsigned* cached_bits,
+                                                            unsigned* selected_bits, int* free_slots, int* cache,
+                                                            int* slot_of, int* miss_slots, unsigned* pass_scratch) {
+  const int tid = threadIdx.x;
+  for (int i = tid; i < take; i += kOrderedPassThreads) {
+    const int c = selected_ids[i];
+    atomicOr(&selected_bits[c >> 5], 1U << (c & 31));
+  }
+  __syncthreads();
+  // 1: free every slot whose chunk is not selected (hits stay where they are).
+  for (int s = tid; s < k; s += kOrderedPassThreads) {
+    const int old = cache_chunks[s];
+    if (old < 0 || (old < n && bit_of(selected_bits, old))) continue;
+    cache_chunks[s] = -1;
+    cache[s] = -1;
+    if (old < mc) slot_of[old] = -1;
+  }
+  __syncthreads();
+  // 2: free slots in ascending order (miss m takes the m-th).
+  const unsigned free_count = ordered_pass(
+                                  k, pass_scratch, [&](int s) -> unsigned { return cache_chunks[s] < 0 ? 1U : 0U; },
+                                  [&](int s, unsigned f, unsigned before, unsigned) {
+                                    if (f == 0) return;
+                                    free_slots[before] = s;
+                                    miss_slots[before] = s;
+                                  })
+                                  .x;
+  // 3: misses (selected, not cached before the step) in ascending chunk id take those slots.
+  const unsigned misses = ordered_pass(
+                              take, pass_scratch,
+                              [&](int i) -> unsigned { return bit_of(cached_bits, selected_ids[i]) ? 0U : 1U; },
+                              [&](int i, unsigned f, unsigned before, unsigned) {
+                                if (f == 0 || before >= free_count) return;
+                                const int c = selected_ids[i];
+                                const int s = free_slots[before];
+                                cache[s] = c;
+                                slot_of[c] = s;
+                              })
+                              .x;
+  const int filled = static_cast<int>(min(misses, free_count));
+  for (int m = filled + tid; m < k; m += kOrderedPassThreads) miss_slots[m] = -1;
+  return filled;
+}
+
 /// Eviction order of a slot that is not selected at this step: empty slots first (by index), then the least recently
 /// selected. As a radix key (larger goes first; ties go to the lower index, as compact_top_k takes them): empty =
 /// 0xFFFFFFFF, else the slot's age now - last_used >= 1, saturated at 0xFFFFFFFE. The saturation never binds: a

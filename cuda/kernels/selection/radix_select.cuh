@@ -141,26 +141,41 @@ __device__ __forceinline__ radix_threshold find_radix_threshold(
 /// Writes the ids the rule takes among [first, end) to their places in selected[0, take), ascending (ordered_pass_range:
 /// every chunk strictly above the threshold and the first ties in ascending id; `base` gives the counts of the items
 /// before `first`, for blocks of a cluster that compact consecutive ranges), and pads selected[take, k) with -1.
-/// radix_keys[c] becomes the "selected" flag of chunk c (1 or 0). Called by every thread of a block of
-/// kOrderedPassThreads threads; `pass_scratch`: ordered_pass's shared scratch.
-template <typename Base>
-__device__ __forceinline__ void compact_top_k_range(unsigned* radix_keys, int first, int end, int take, int k,
-                                                    const radix_threshold& rule, unsigned* pass_scratch, int* selected,
-                                                    Base&& base) {
+/// key_of(c) gives chunk c's radix key (the same in both passes); taken(c, at) is called for each chunk taken, `at`
+/// its place in selected; verdict(c, taken) for every chunk after its key was read for the last time. Called by every
+/// thread of a block of kOrderedPassThreads threads; `pass_scratch`: ordered_pass's shared scratch.
+template <typename KeyOf, typename Taken, typename Verdict, typename Base>
+__device__ __forceinline__ void compact_by_rule(int first, int end, int take, int k, const radix_threshold& rule,
+                                                unsigned* pass_scratch, int* selected, KeyOf&& key_of,
+                                                Taken&& taken_at, Verdict&& verdict, Base&& base) {
   ordered_pass_range(
       first, end, pass_scratch,
       [&](int c) -> unsigned {
-        const unsigned masked = radix_keys[c] & rule.mask;
+        const unsigned masked = key_of(c) & rule.mask;
         return (masked > rule.prefix ? 1U : 0U) | (masked == rule.prefix ? 2U : 0U);
       },
       [&](int c, unsigned f, unsigned above_before, unsigned ties_before) {
         const bool taken = (f & 1U) != 0 || ((f & 2U) != 0 && ties_before < rule.need_ties);
-        if (taken) selected[above_before + min(ties_before, rule.need_ties)] = c;
-        radix_keys[c] = taken ? 1U : 0U;
+        if (taken) {
+          const unsigned at = above_before + min(ties_before, rule.need_ties);
+          selected[at] = c;
+          taken_at(c, at);
+        }
+        verdict(c, taken);
       },
       static_cast<Base&&>(base));
   for (int i = take + static_cast<int>(threadIdx.x); i < k; i += kOrderedPassThreads) selected[i] = -1;
   __syncthreads();
+}
+
+/// compact_by_rule over radix_keys[first, end), each key replaced by its chunk's "selected" flag (1 or 0).
+template <typename Base>
+__device__ __forceinline__ void compact_top_k_range(unsigned* radix_keys, int first, int end, int take, int k,
+                                                    const radix_threshold& rule, unsigned* pass_scratch, int* selected,
+                                                    Base&& base) {
+  compact_by_rule(
+      first, end, take, k, rule, pass_scratch, selected, [&](int c) { return radix_keys[c]; }, [](int, unsigned) {},
+      [&](int c, bool taken) { radix_keys[c] = taken ? 1U : 0U; }, static_cast<Base&&>(base));
 }
 
 /// compact_top_k_range over radix_keys[0, n) by a block alone.

@@ -12,6 +12,7 @@
 #include "common/dependent_launch.cuh"
 #include "common/element_access.cuh"
 #include "common/ordered_compaction.cuh"
+#include "common/per_device_cache.hpp"
 #include "common/phase_stamps.cuh"
 #include "cuda_check.hpp"
 #include "shadowkv/errors.hpp"
@@ -41,6 +42,13 @@ constexpr std::size_t kSelectStaticShared = sizeof(radix_digit_scan<kSelectThrea
                                             sizeof(unsigned) * 2 * kSelectWarps + sizeof(unsigned) * 3 + sizeof(int);
 static_assert(kSelectStaticShared + 256 <= kSharedMargin,
               "kSharedMargin must cover select_kernel's static shared memory");
+/// select_cluster_kernel's static shared arrays, in the order it declares them.
+constexpr std::size_t kClusterStaticBytes =
+    sizeof(radix_digit_scan<kSelectThreads>::TempStorage) + sizeof(unsigned) * (1U << kRadixFirstBits) +
+    sizeof(unsigned) * (1U << 11) + sizeof(unsigned) * (1U << kRadixFirstBits) + sizeof(unsigned) * 2 * kSelectWarps +
+    sizeof(unsigned) * 4 + sizeof(int) * 2 + sizeof(int) * kMaxSelectCluster + sizeof(uint2) + sizeof(unsigned) * 3;
+static_assert(kClusterStaticBytes + 256 <= kClusterStaticShared,
+              "kClusterStaticShared must cover select_cluster_kernel's static shared memory");
 
 /// What both select kernels know of their (b, h) row; the row's workspace pointers are computed where they are used
 /// (held across the kernel, they cost registers under the 64 that 1024 threads allow).
@@ -78,14 +86,14 @@ __device__ __forceinline__ select_row row_of(const dims& d, const layer_view* vi
 /// count in the radix select's first histogram (top 12 bits of every radix key) from the same registers, saving a
 /// pass of its own. (Until session 16 the keys came from a second pass that reread each score from global memory:
 /// one load after a store to the same array, which the compiler keeps in order, so ~15 L2 round trips a thread at
-/// S = 122880, one after another.) Returns the thread's candidates. The caller has written `scoring`'s offsets and
-/// zeroed `histogram`, and synchronised.
+/// S = 122880, one after another.) radix_keys[c - key_base] is chunk c's key. Returns the thread's candidates. The
+/// caller has written `scoring`'s offsets and zeroed `histogram`, and synchronised.
 ///
 /// `hint` > 0 (select_cluster_kernel's hint path): the radix keys >= hint are also appended to hint_keys (at most
 /// hint_capacity of them; *hint_count counts them all, beyond the capacity too).
 __device__ __forceinline__ int score_chunks(const group_score_rule& scoring, const dims& d, const step_workspace& ws,
                                             const select_row& row, int first, int end, unsigned* radix_keys,
-                                            unsigned* histogram, unsigned hint = 0, unsigned* hint_keys = nullptr,
+                                            int key_base, unsigned* histogram, unsigned hint = 0, unsigned* hint_keys = nullptr,
                                             int hint_capacity = 0, int* hint_count = nullptr) {
   const int tid = threadIdx.x;
   const int mc = d.max_chunks;
@@ -128,7 +136,7 @@ __device__ __forceinline__ int score_chunks(const group_score_rule& scoring, con
         candidates += candidate ? 1 : 0;
         scores[c] = score;
         const unsigned radix_key = candidate ? __float_as_uint(score) + 1U : 0U;
-        radix_keys[c] = radix_key;
+        radix_keys[c - key_base] = radix_key;
         atomicAdd(&histogram[radix_key >> (32 - kRadixFirstBits)], 1U);
         if (hint != 0U && radix_key >= hint) {
           const int at = atomicAdd(hint_count, 1);
@@ -161,6 +169,17 @@ __device__ __forceinline__ void count_candidates(int mine, int* candidate_count)
   if ((threadIdx.x & 31) == 0 && mine > 0) atomicAdd(candidate_count, mine);
 }
 
+/// The row's misses (those that got a slot) and the step's counters: hits, misses, selections.
+__device__ __forceinline__ void record_misses(const step_workspace& ws, const select_row& row, int h, int take,
+                                              int filled) {
+  if (threadIdx.x == 0) {
+    ws.miss_counts[row.head_row] = filled;
+    atomicAdd(ws.counters + 0, static_cast<unsigned long long>(take - filled));
+    atomicAdd(ws.counters + 1, static_cast<unsigned long long>(filled));
+    if (h == 0) atomicAdd(ws.counters + 2, 1ULL);
+  }
+}
+
 /// Step D of both kernels (by one CTA): the temporal cache (cache_policy.cuh) and the step's counters.
 template <bool kLru>
 __device__ __forceinline__ void update_cache(const dims& d, const step_workspace& ws, const select_row& row, int h,
@@ -187,12 +206,7 @@ __device__ __forceinline__ void update_cache(const dims& d, const step_workspace
     filled = update_temporal_cache(row.n, d.max_chunks, k, take, radix_keys, row.selected(d, ws), cache, slot_of,
                                    row.miss_slots(d, ws), pass_scratch);
   }
-  if (threadIdx.x == 0) {
-    ws.miss_counts[row.head_row] = filled;
-    atomicAdd(ws.counters + 0, static_cast<unsigned long long>(take - filled));
-    atomicAdd(ws.counters + 1, static_cast<unsigned long long>(filled));
-    if (h == 0) atomicAdd(ws.counters + 2, 1ULL);
-  }
+  record_misses(ws, row, h, take, filled);
 }
 
 // kLru: a cache larger than the budget (K > k, update_lru_cache); a template parameter, so that the default cache
@@ -224,7 +238,7 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_kernel(const dims d,
   // --- A. scores, radix keys and the first histogram (score_chunks) --------------------------------------------
   start_scoring(scoring, ws, row, tile_rows, tiles, histogram, &candidate_count);
   phase_stamp(stamped_kernel::select, 2);
-  count_candidates(score_chunks(scoring, d, ws, row, 0, row.n, radix_keys, histogram), &candidate_count);
+  count_candidates(score_chunks(scoring, d, ws, row, 0, row.n, radix_keys, 0, histogram), &candidate_count);
   __syncthreads();
   phase_stamp(stamped_kernel::select, 4);
   const int candidates = candidate_count;
@@ -245,10 +259,13 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_kernel(const dims d,
 }
 
 // The same four steps by a cluster of CTAs per (b, h) (grid (Hkv * cluster, B)): CTA r of the cluster scores and
-// ranks the r-th slice of the chunks (radix keys in ws.radix_keys); the radix select's histograms are the sums of the
-// CTAs' own, read from each other's shared memory, so that every CTA finds the same threshold; the compaction starts
-// each CTA's ids after the counts of the CTAs before it; and the first CTA updates the cache alone. Between the
-// steps, cluster barriers (release/acquire at cluster scope: they order the global writes of the ids and flags too).
+// ranks the r-th slice of the chunks (its radix keys in its shared memory: cluster_shared_layout); the radix select's
+// histograms are the sums of the CTAs' own, read from each other's shared memory, so that every CTA finds the same
+// threshold; the compaction starts each CTA's ids after the counts of the CTAs before it; and the first CTA updates
+// the cache alone: K == k from the head's cache, which it reads into its shared memory while the cluster scores, and
+// the selected ids, which every CTA's compaction stores there too (update_temporal_cache_shared); K > k from the
+// selected flags the compaction leaves in ws.radix_keys (update_lru_cache). Between the steps, cluster barriers
+// (release/acquire at cluster scope: they order the global and distributed shared writes of the ids and flags too).
 template <bool kLru>
 __global__ void __launch_bounds__(kSelectThreads, 1) select_cluster_kernel(const dims d, const layer_view* views,
                                                                            const int* batch_slots, const int layer,
@@ -268,6 +285,7 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_cluster_kernel(const
   __shared__ int hint_count;       // this CTA's radix keys >= the hint (read by the cluster)
   __shared__ int hint_counts[kMaxSelectCluster];  // every rank's, copied here for the gather of the hint path
   __shared__ uint2 block_totals;   // this CTA's compaction counts (read by the CTAs after it)
+  __shared__ unsigned hint_rule[3];  // the hint path's rule (prefix, ties, next hint's bin), stored by the CTA finding it
   extern __shared__ __align__(16) unsigned char select_shared[];
 
   const cg::cluster_group cluster = cg::this_cluster();
@@ -276,10 +294,11 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_cluster_kernel(const
   const int tid = threadIdx.x;
   const int h = blockIdx.x / ctas;
   const select_row row = row_of(d, views, batch_slots, layer, blockIdx.y, h);
-  unsigned* radix_keys = ws.radix_keys + row.head_row * d.max_chunks;
-  const int slice = ((row.n + ctas - 1) / ctas + 31) / 32 * 32;  // whole warps' worth a CTA
+  const int slice = ((row.n + ctas - 1) / ctas + 31) / 32 * 32;  // whole warps' worth a CTA (<= slice_capacity)
   const int first = min(row.n, rank * slice);
   const int end = min(row.n, first + slice);
+  const cluster_shared_layout layout = cluster_shared_layout_for(d, ctas);
+  unsigned* slice_keys = reinterpret_cast<unsigned*>(select_shared + layout.slice_keys);  // chunk c at c - first
   float* offsets = reinterpret_cast<float*>(select_shared);  // [G]
   const group_score_rule scoring{input == score_input::summed_probabilities, d.group_mean != 0, d.group, offsets};
 
@@ -288,12 +307,42 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_cluster_kernel(const
   const bool hints = d.select_hint != 0 && row.view->selection_hint != nullptr;
   const unsigned hint = hints ? row.view->selection_hint[h] : 0U;
 
+  // K == k: the first CTA keeps the head's cache in its shared memory for step D (cluster_shared_layout): the slots'
+  // chunks are read here and stored, with their bits, while the cluster scores (the barriers before step D order
+  // them); the bitmaps are cleared before start_scoring's barrier.
+  int* cache_chunks = reinterpret_cast<int*>(select_shared + layout.cache_chunks);
+  int* selected_ids = reinterpret_cast<int*>(select_shared + layout.selected_ids);
+  unsigned* selected_bits = reinterpret_cast<unsigned*>(select_shared + layout.selected_bits);
+  unsigned* cached_bits = reinterpret_cast<unsigned*>(select_shared + layout.cached_bits);
+  const bool cache_keeper = !kLru && rank == 0;
+  // (The head's cache, read again where it is written: a pointer held across the kernel costs registers.)
+  auto head_cache = [&] { return row.view->cache_chunks + static_cast<long long>(h) * d.budget; };
+  int first_slot_chunk = -1;
+  if (cache_keeper) {
+    for (int i = tid; i < layout.bitmap_words; i += kSelectThreads) {
+      selected_bits[i] = 0U;
+      cached_bits[i] = 0U;
+    }
+    if (tid < d.budget) first_slot_chunk = head_cache()[tid];
+  }
+
   // --- A. this CTA's slice --------------------------------------------------------------------------------------
   // own_second (digit 1's counts on the full path) holds the slice's keys >= hint meanwhile.
-  if (tid == 0) hint_count = 0;
+  if (tid == 0) {
+    hint_count = 0;
+    hint_rule[2] = kNoHintBin;  // before the first cluster barrier: the stores of the hint path come after it
+  }
   start_scoring(scoring, ws, row, tile_rows, tiles, own_histogram, &candidate_count);
   phase_stamp(stamped_kernel::select, 2);
-  count_candidates(score_chunks(scoring, d, ws, row, first, end, radix_keys, own_histogram, hint, own_second,
+  if (cache_keeper) {
+    auto keep = [&](int s, int c) {
+      cache_chunks[s] = c;
+      if (c >= 0 && c < d.max_chunks) atomicOr(&cached_bits[c >> 5], 1U << (c & 31));
+    };
+    if (tid < d.budget) keep(tid, first_slot_chunk);
+    for (int s = tid + kSelectThreads; s < d.budget; s += kSelectThreads) keep(s, head_cache()[s]);
+  }
+  count_candidates(score_chunks(scoring, d, ws, row, first, end, slice_keys, first, own_histogram, hint, own_second,
                                 kHintKeys, &hint_count),
                    &candidate_count);
   phase_stamp(stamped_kernel::select, 3);
@@ -320,51 +369,68 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_cluster_kernel(const
   // --- B. the threshold: from the keys at or above the hint, or from the cluster's histograms --------------------
   radix_threshold rule{};
   if (hint_path) {
-    // Every CTA takes the cluster's keys >= hint, one or two a thread (a remote load each), and finds the take-th
-    // largest of them bit by bit, most significant first: a bit stays set while at least k keys are at or above the
-    // value so far, each count one block barrier that counts (__syncthreads_count), no histogram and no further cluster
-    // barrier. (The ranks' own_second are read until the cluster barrier of the compaction; nothing writes them on
-    // this path.) Keys of candidates are float bits + 1 of scores >= 0, so bit 31 is clear, and a thread without a key
-    // holds 0, below every value counted.
-    unsigned mine[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int at = tid + i * kSelectThreads;
-      mine[i] = 0U;
-      if (at < hinted) {
-        int r = 0;
-        int start = 0;
-        while (start + hint_counts[r] <= at) start += hint_counts[r++];
-        mine[i] = cluster.map_shared_rank(own_second, r)[at - start];
-      }
+    // Every CTA gathers the cluster's keys >= hint into its `merged` (a remote load a thread, two at most; the ranks'
+    // own_second are read until the cluster barrier below, and nothing writes them on this path), then counts, for
+    // its share of them (key i for i % ctas == rank), the keys above and equal to it: 16 lanes a key, each over a
+    // 16th of the keys as 16-byte vectors. The key with fewer than k above it and at least k at or above it is the
+    // k-th largest; its CTA stores the rule to every CTA's hint_rule (and the owner of the hint_target-th largest
+    // the next hint's bin), and a cluster barrier hands them over. (Until session 19 each CTA searched the k-th key
+    // bit by bit, one counting block barrier a bit: 43 of them, ~4 µs.) Keys of candidates are float bits + 1 of
+    // scores >= 0, never 0: the zero padding of the last vector is below every key.
+    unsigned* keys = merged;
+    for (int at = tid; at < hinted; at += kSelectThreads) {
+      int r = 0;
+      int start = 0;
+      while (start + hint_counts[r] <= at) start += hint_counts[r++];
+      keys[at] = cluster.map_shared_rank(own_second, r)[at - start];
     }
-    const bool two = hinted > kSelectThreads;
-    auto at_least = [&](unsigned value) {
-      int count = __syncthreads_count(mine[0] >= value ? 1 : 0);
-      if (two) count += __syncthreads_count(mine[1] >= value ? 1 : 0);
-      return count;
-    };
+    if (tid < 4) keys[hinted + tid] = 0U;
+    __syncthreads();
     phase_stamp(stamped_kernel::select, 5);
-    unsigned kth = 0U;
-    for (int bit = 30; bit >= 0; --bit) {
-      const unsigned candidate = kth | (1U << bit);
-      if (at_least(candidate) >= d.budget) kth = candidate;
-    }
-    // The rule on the whole key: take every key above the k-th, and of those equal to it the first (k - above).
-    rule.prefix = kth;
-    rule.mask = 0xffffffffU;
-    rule.need_ties = static_cast<unsigned>(d.budget - at_least(kth + 1U));
-    // The next hint, as the full path finds it: the first digit's bin of the hint_target-th largest key (when at
-    // least that many lie above the hint; else the hint stays).
-    rule.hint_bin = kNoHintBin;
-    if (hint_target > 0U && static_cast<unsigned>(hinted) >= hint_target) {
-      unsigned edge = 0U;
-      for (int bit = 30; bit >= 32 - kRadixFirstBits; --bit) {
-        const unsigned candidate = edge | (1U << bit);
-        if (static_cast<unsigned>(at_least(candidate)) >= hint_target) edge = candidate;
+    constexpr int kLanesPerKey = 16;
+    constexpr int kKeysPerRound = kSelectThreads / kLanesPerKey;
+    const int part = tid % kLanesPerKey;
+    const int vectors = (hinted + 3) / 4;
+    const int own_keys = (hinted - rank + ctas - 1) / ctas;  // i = rank + ctas * m, m < own_keys
+    const unsigned k = static_cast<unsigned>(d.budget);
+    for (int round = 0; round < own_keys; round += kKeysPerRound) {  // uniform: every lane shuffles
+      const int m = round + tid / kLanesPerKey;
+      const int i = rank + ctas * m;
+      const unsigned key = m < own_keys ? keys[i] : 0U;
+      unsigned above = 0U;
+      unsigned equal = 0U;
+      for (int v = part; v < vectors; v += kLanesPerKey) {
+        const uint4 x = reinterpret_cast<const uint4*>(keys)[v];
+        above += (x.x > key ? 1U : 0U) + (x.y > key ? 1U : 0U) + (x.z > key ? 1U : 0U) + (x.w > key ? 1U : 0U);
+        equal += (x.x == key ? 1U : 0U) + (x.y == key ? 1U : 0U) + (x.z == key ? 1U : 0U) + (x.w == key ? 1U : 0U);
       }
-      rule.hint_bin = edge >> (32 - kRadixFirstBits);
+#pragma unroll
+      for (int offset = kLanesPerKey / 2; offset > 0; offset >>= 1) {
+        above += __shfl_xor_sync(0xffffffffU, above, offset);
+        equal += __shfl_xor_sync(0xffffffffU, equal, offset);
+      }
+      if (part == 0 && m < own_keys) {
+        const bool kth = above < k && above + equal >= k;
+        const bool edge = hint_target > 0U && static_cast<unsigned>(hinted) >= hint_target && above < hint_target &&
+                          above + equal >= hint_target;
+        for (int r = 0; r < ctas && (kth || edge); ++r) {
+          unsigned* rule_of_rank = cluster.map_shared_rank(hint_rule, r);
+          if (kth) {
+            rule_of_rank[0] = key;
+            rule_of_rank[1] = k - above;
+          }
+          if (edge) rule_of_rank[2] = key >> (32 - kRadixFirstBits);
+        }
+      }
     }
+    cluster.sync();
+    // The rule on the whole key: take every key above the k-th, and of those equal to it the first (k - above). The
+    // next hint, as the full path finds it: the first digit's bin of the hint_target-th largest key (when at least
+    // that many lie above the hint; else the hint stays).
+    rule.prefix = hint_rule[0];
+    rule.mask = 0xffffffffU;
+    rule.need_ties = hint_rule[1];
+    rule.hint_bin = hint_rule[2];
   } else {
   // Digit 1 is counted into own_second, digit 2 into own_histogram again: a CTA clears own_histogram for digit 2 only
   // after the cluster barrier that follows digit 1's counting, which every CTA reaches after its merge of digit 0.
@@ -375,8 +441,8 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_cluster_kernel(const
         if (pass > 0) {  // the first histogram was counted in step A
           for (int i = tid; i < digit.bins(); i += kSelectThreads) own[i] = 0;
           __syncthreads();
-          for (int c = first + tid; c < end; c += kSelectThreads) {
-            const unsigned radix_key = radix_keys[c];
+          for (int i = tid; i < end - first; i += kSelectThreads) {
+            const unsigned radix_key = slice_keys[i];
             if ((radix_key & mask) == prefix) atomicAdd(&own[digit.of(radix_key)], 1U);
           }
           phase_stamp(stamped_kernel::select, 20 + pass);
@@ -421,7 +487,18 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_cluster_kernel(const
   phase_stamp(stamped_kernel::select, 8);
 
   // --- C. compaction: this CTA's ids go after those of the CTAs before it ----------------------------------------
-  compact_top_k_range(radix_keys, first, end, take, d.budget, rule, pass_scratch, row.selected(d, ws), [&](uint2 totals) {
+  // K == k: each id to the first CTA's selected_ids too; K > k: every chunk's flag to ws.radix_keys.
+  int* first_cta_ids = cluster.map_shared_rank(selected_ids, 0);
+  unsigned* flags = ws.radix_keys + row.head_row * d.max_chunks;
+  compact_by_rule(
+      first, end, take, d.budget, rule, pass_scratch, row.selected(d, ws), [&](int c) { return slice_keys[c - first]; },
+      [&](int c, unsigned at) {
+        if constexpr (!kLru) first_cta_ids[at] = c;
+      },
+      [&](int c, bool taken) {
+        if constexpr (kLru) flags[c] = taken ? 1U : 0U;
+      },
+      [&](uint2 totals) {
     if (tid == 0) block_totals = totals;
     cluster.sync();
     uint2 before = make_uint2(0U, 0U);
@@ -439,7 +516,15 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_cluster_kernel(const
   if (rank != 0) return;
 
   // --- D. temporal cache, by the cluster's first CTA --------------------------------------------------------------
-  update_cache<kLru>(d, ws, row, h, take, radix_keys, own_histogram, scan_storage, radix_found, pass_scratch);
+  if constexpr (kLru) {
+    update_cache<true>(d, ws, row, h, take, flags, own_histogram, scan_storage, radix_found, pass_scratch);
+  } else {
+    const int filled = update_temporal_cache_shared(
+        row.n, d.max_chunks, d.budget, take, selected_ids, cache_chunks, cached_bits, selected_bits,
+        reinterpret_cast<int*>(select_shared + layout.free_slots), head_cache(),
+        row.view->slot_of_chunk + static_cast<long long>(h) * d.max_chunks, row.miss_slots(d, ws), pass_scratch);
+    record_misses(ws, row, h, take, filled);
+  }
   if (tid == 0 && hints) {
     // Not reached on the hint path (fewer than the target at or above the hint): the hint stays, it found k.
     row.view->selection_hint[h] = rule.hint_bin != kNoHintBin ? rule.hint_bin << (32 - kRadixFirstBits) : (hint_path ? hint : 0U);
@@ -466,7 +551,18 @@ void launch_select_kernel(const dims& d, const layer_view* views, const int* bat
   const bool lru = d.cache_slots > d.budget;
   if (cluster > 1) {
     auto kernel = lru ? select_cluster_kernel<true> : select_cluster_kernel<false>;
-    const auto shared_bytes = static_cast<std::size_t>(geo.radix_keys_offset);  // the group's offsets only
+    const long long shared_bytes = cluster_shared_layout_for(d, cluster).bytes;
+    // Every byte the device allows beside the static arrays (the planner checked the fit against the same margin):
+    // one value a device and kernel, set once, so that concurrent launches of other sizes never see it lowered. A
+    // host-side attribute, legal while a stream is being captured.
+    static per_device_cache<int> allowed[2];
+    allowed[lru ? 1 : 0].get(0, [&](int device, int) {
+      int optin = 0;
+      SHADOWKV_CUDA_TRY(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+      SHADOWKV_CUDA_TRY(
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin - kClusterStaticShared));
+      return optin;
+    });
     cudaLaunchAttribute in_clusters{};
     in_clusters.id = cudaLaunchAttributeClusterDimension;
     in_clusters.val.clusterDim.x = static_cast<unsigned>(cluster);

@@ -66,6 +66,55 @@ constexpr int kSelectClusterFromChunks = 2048;  // fewer chunks: one CTA's passe
 /// keys there.
 inline long long select_cluster_rows(const device_limits& limits) { return limits.multiprocessors / 2; }
 
+/// Bytes of select_cluster_kernel's static shared memory, at most (select_kernel.cu asserts it): what is left of the
+/// opt-in limit for its dynamic part.
+constexpr int kClusterStaticShared = 48 * 1024;
+
+/// select_cluster_kernel's dynamic shared memory, the same in every CTA of a launch (byte offsets, 16-byte aligned):
+/// the group's G score offsets at byte 0; the radix keys of the CTA's slice of the chunks (so that the radix passes
+/// and the compaction read them from shared memory, not from L2); and, for the cache update of the default cache
+/// (K == k) by the cluster's first CTA, that head's cache and this step's selection as it is made: the buffer slots'
+/// chunks, read while the others score; the selected ids, stored there by every CTA's compaction; the free slots in
+/// ascending order; and two bitmaps over the chunks (selected now, cached before the step), so that the update's
+/// rules read no global memory. Computed alike on the host (launch, plan) and in the kernel.
+struct cluster_shared_layout {
+  int slice_capacity;  ///< radix keys of a slice: ceil(max_chunks / cluster), in whole warps
+  int bitmap_words;    ///< unsigned words of each bitmap (0 when K > k)
+  int slice_keys;      ///< unsigned [slice_capacity]
+  int cache_chunks;    ///< int [k]: the chunk of each buffer slot (K == k only, as the rest below)
+  int selected_ids;    ///< int [k]: this step's selection, ascending
+  int free_slots;      ///< int [k]: the free buffer slots, ascending, once the hits are kept
+  int selected_bits;   ///< unsigned [bitmap_words]: chunk c selected now
+  int cached_bits;     ///< unsigned [bitmap_words]: chunk c in the cache before the step
+  long long bytes;     ///< the whole (offsets are meaningful only when it fits: plan_select_cluster)
+};
+
+__host__ __device__ inline cluster_shared_layout cluster_shared_layout_for(const dims& d, int cluster) {
+  auto align16 = [](long long bytes) { return (bytes + 15) / 16 * 16; };
+  const long long per_cta = (static_cast<long long>(d.max_chunks) + cluster - 1) / cluster;
+  const long long slice_capacity = (per_cta + 31) / 32 * 32;
+  const bool temporal = d.cache_slots == d.budget;
+  const long long bitmap_words = temporal ? (static_cast<long long>(d.max_chunks) + 31) / 32 : 0;
+  const long long k_ints = temporal ? 4LL * d.budget : 0;
+  const long long slice_keys = align16(4LL * d.group);
+  const long long cache_chunks = slice_keys + align16(4 * slice_capacity);
+  const long long selected_ids = cache_chunks + align16(k_ints);
+  const long long free_slots = selected_ids + align16(k_ints);
+  const long long selected_bits = free_slots + align16(k_ints);
+  const long long cached_bits = selected_bits + align16(4 * bitmap_words);
+  cluster_shared_layout layout{};
+  layout.slice_capacity = static_cast<int>(slice_capacity);
+  layout.bitmap_words = static_cast<int>(bitmap_words);
+  layout.slice_keys = static_cast<int>(slice_keys);
+  layout.cache_chunks = static_cast<int>(cache_chunks);
+  layout.selected_ids = static_cast<int>(selected_ids);
+  layout.free_slots = static_cast<int>(free_slots);
+  layout.selected_bits = static_cast<int>(selected_bits);
+  layout.cached_bits = static_cast<int>(cached_bits);
+  layout.bytes = cached_bits + align16(4 * bitmap_words);
+  return layout;
+}
+
 /// CTAs per (sequence, KV head) for a launch of `batch` sequences: dims::select_cluster where clusters may run at
 /// all, else the planner's choice: a cluster of 8 when every row's cluster fits on the device at once, else 1.
 /// Measured on the H200 (bench/NOTES.md, session 11; S = 122880, Hkv 8): B = 1, 8 CTAs a head, 26.8 µs against 28.9
@@ -73,12 +122,16 @@ inline long long select_cluster_rows(const device_limits& limits) { return limit
 /// 2 a head, 171-174 µs against 129-132 for the three launches, and the rebuild beside them slower too. The kernel is
 /// a chain of dependent steps whose length the cluster does not shorten; the per-chunk work it splits is small.
 /// `radix_workspace`: the step workspace has radix-key rows.
+/// A cluster size is taken only when its dynamic shared memory (cluster_shared_layout_for) fits beside the static.
 inline int plan_select_cluster(const dims& d, int batch, const device_limits& limits, bool radix_workspace) {
   const long long rows = static_cast<long long>(batch) * d.kv_heads;
   if (!radix_workspace || d.max_chunks == 0 || rows > select_cluster_rows(limits)) return 1;
-  if (d.select_cluster > 0) return d.select_cluster;
+  auto fits = [&](int cluster) {
+    return cluster_shared_layout_for(d, cluster).bytes <= limits.optin_shared - kClusterStaticShared;
+  };
+  if (d.select_cluster > 0) return d.select_cluster > 1 && fits(d.select_cluster) ? d.select_cluster : 1;
   if (d.max_chunks < kSelectClusterFromChunks) return 1;
-  return rows * kMaxSelectCluster <= limits.multiprocessors ? kMaxSelectCluster : 1;
+  return rows * kMaxSelectCluster <= limits.multiprocessors && fits(kMaxSelectCluster) ? kMaxSelectCluster : 1;
 }
 
 template <typename Kernel>
