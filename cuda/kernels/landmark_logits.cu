@@ -352,7 +352,23 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG, kC, 
       before += __shfl_sync(0xffffffffU, inclusive, 31);
     }
     __syncwarp();
-    if (lane == 0) {
+    if (claims == nullptr) {
+      // No pool: the share's first kDescribedAhead tiles, a lane each (thread 0 alone took ~1.6 µs at B = 1, a
+      // serial chain of divisions and shared loads before the first copy; bench/NOTES.md, session 19).
+      const int share_first = share_edge(blockIdx.x);
+      const int share_end = share_edge(blockIdx.x + 1);
+      if (lane < kDescribedAhead) {
+        tile_descriptor tile{};
+        if (share_first + lane < share_end) {
+          tile = describe_tile<split::kDims, T, kC>(sequences, batch, share_first + lane, tile_rows, d);
+        }
+        descriptors[lane] = tile;
+      }
+      if (lane == 0) {
+        fixed_next = min(share_first + kDescribedAhead, share_end);
+        fixed_end = share_end;
+      }
+    } else if (lane == 0) {
       fixed_next = share_edge(blockIdx.x);
       fixed_end = share_edge(blockIdx.x + 1);
       for (int i = 0; i < kDescribedAhead; ++i) descriptors[i] = next_descriptor();
@@ -367,51 +383,100 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG, kC, 
   // q of (sequence, head) as float, ordered [g][k][quad][part][4]: for one (g, k, quad) the lanes of a row group
   // read kLanesPerRow consecutive float4 (no bank conflicts), and the row groups read the same ones (broadcasts).
   // Two centroids: D elements, k = 0 only (both of a lane's vectors meet the same slice of q).
-  auto stage_queries = [&](const tile_descriptor& tile) {
-    auto query = [&](int g, int e) {
-      return g < d.group ? load_any(queries.data, queries.type,
-                                    tile.sequence * queries.stride[0] +
-                                        (static_cast<long long>(tile.head) * d.group + g) * queries.stride[2] +
-                                        e * queries.stride[3])
-                         : 0.0F;
-    };
-    if constexpr (kMma) {
-      // The B fragments of every k step and column block, [kKSteps][kBlocks][lane] (uint2: b0, b1). Lane l gives
-      // column n = l / 4 and the k pairs of t = l % 4; k step 2j + h meets the elements 8 (t + 4j) + 4h + 0..3 of
-      // q, as the A fragments of the lane's copies meet the landmark row (row_split).
-      uint2* fragments = reinterpret_cast<uint2*>(q_shared);
-#pragma unroll 1
-      for (int i = threadIdx.x; i < split::kKSteps * split::kBlocks * 32; i += kThreads) {
-        const int l = i % 32;
-        const int block = (i / 32) % split::kBlocks;
-        const int step = i / (32 * split::kBlocks);
-        const int n = l / 4;
-        const bool lo_block = block == split::kHeadQuads;
-        const int g = lo_block ? n / 2 + 4 * (n % 2) : 4 * block + n / 2;
-        const int term = lo_block ? 2 : n % 2;
-        const int e = 8 * (l % 4 + 4 * (step / 2)) + 4 * (step % 2);
+  // Staged in two halves: load_queries issues every load of the thread's elements before any is used (one round trip,
+  // not one an element or fragment), store_queries writes them to q_shared; at the start the landmark copies are
+  // issued between the two, so that q's loads do not queue behind them (bench/NOTES.md, session 19).
+  auto query = [&](const tile_descriptor& tile, int g, int e) {
+    return g < d.group ? load_any(queries.data, queries.type,
+                                  tile.sequence * queries.stride[0] +
+                                      (static_cast<long long>(tile.head) * d.group + g) * queries.stride[2] +
+                                      e * queries.stride[3])
+                       : 0.0F;
+  };
+  // kMma: the B fragments of every k step and column block, [kKSteps][kBlocks][lane] (uint2: b0, b1), item i a
+  // fragment of 4 elements; else item i is element i of [kG][kQueryDims].
+  constexpr int kQueryItems = kMma ? split::kKSteps * split::kBlocks * 32 : kG * split::kQueryDims;
+  constexpr int kItemsPerThread = (kQueryItems + kThreads - 1) / kThreads;
+  constexpr int kValuesPerItem = kMma ? 4 : 1;
+  // Items a thread keeps in registers from load_queries to store_queries: all of them on tensor cores (up to 12
+  // values under their 128 registers), two on the FMA path (64-80 registers: with more, the 8-head instantiations
+  // spill); store_queries loads the rest itself.
+  constexpr int kStagedItems = kMma ? kItemsPerThread : (kItemsPerThread < 2 ? kItemsPerThread : 2);
+  struct staged_queries {
+    float values[kStagedItems][kValuesPerItem];
+  };
+  // Lane l of fragment item i gives column n = l / 4 and the k pairs of t = l % 4; k step 2j + h meets the elements
+  // 8 (t + 4j) + 4h + 0..3 of q, as the A fragments of the lane's copies meet the landmark row (row_split).
+  auto fragment_of = [](int i, int& g, int& term, int& e) {
+    const int l = i % 32;
+    const int block = (i / 32) % split::kBlocks;
+    const int step = i / (32 * split::kBlocks);
+    const int n = l / 4;
+    const bool lo_block = block == split::kHeadQuads;
+    g = lo_block ? n / 2 + 4 * (n % 2) : 4 * block + n / 2;
+    term = lo_block ? 2 : n % 2;
+    e = 8 * (l % 4 + 4 * (step / 2)) + 4 * (step % 2);
+  };
+  auto load_items = [&](const tile_descriptor& tile, int first_item, auto& values) {
+    constexpr int kCount = static_cast<int>(sizeof(values) / sizeof(values[0]));
+#pragma unroll
+    for (int jj = 0; jj < kCount; ++jj) {
+      const int j = first_item + jj;
+      const int i = threadIdx.x + j * kThreads;
+      if constexpr (kMma) {
+        int g = 0;
+        int term = 0;
+        int e = 0;
+        fragment_of(i, g, term, e);
+#pragma unroll
+        for (int x = 0; x < 4; ++x) values[jj][x] = i < kQueryItems ? query(tile, g, e + x) : 0.0F;
+      } else {
+        values[jj][0] = i < kQueryItems ? query(tile, i / split::kQueryDims, i % split::kQueryDims) : 0.0F;
+      }
+    }
+  };
+  auto load_queries = [&](const tile_descriptor& tile) {
+    staged_queries staged;
+    load_items(tile, 0, staged.values);
+    return staged;
+  };
+  auto store_item = [&](int j, const float (&value)[kValuesPerItem]) {
+    {
+      const int i = threadIdx.x + j * kThreads;
+      if (i >= kQueryItems) return;
+      if constexpr (kMma) {
+        int g = 0;
+        int term = 0;
+        int e = 0;
+        fragment_of(i, g, term, e);
         unsigned low[kBf16Terms];
         unsigned high[kBf16Terms];
-        split_bf16x2(query(g, e), query(g, e + 1), low);
-        split_bf16x2(query(g, e + 2), query(g, e + 3), high);
+        split_bf16x2(value[0], value[1], low);
+        split_bf16x2(value[2], value[3], high);
         // (a selection, not an index: the terms stay in registers)
         auto pick = [term](const unsigned(&terms)[kBf16Terms]) {
           return term == 0 ? terms[0] : (term == 1 ? terms[1] : terms[2]);
         };
-        fragments[i] = make_uint2(pick(low), pick(high));
+        reinterpret_cast<uint2*>(q_shared)[i] = make_uint2(pick(low), pick(high));
+      } else {
+        const int e = i % split::kQueryDims;
+        const int g = i / split::kQueryDims;
+        const int vector = e / split::kElements;
+        const int within = e - vector * split::kElements;
+        const int k = vector / kLanesPerRow;
+        const int owner = vector - k * kLanesPerRow;
+        q_shared[(((g * kQueryVectors + k) * kQuads + within / 4) * kLanesPerRow + owner) * 4 + within % 4] = value[0];
       }
-      return;
     }
-#pragma unroll 1
-    for (int i = threadIdx.x; i < kG * split::kQueryDims; i += kThreads) {
-      const int g = i / split::kQueryDims;
-      const int e = i - g * split::kQueryDims;
-      const float value = query(g, e);
-      const int vector = e / split::kElements;
-      const int within = e - vector * split::kElements;
-      const int k = vector / kLanesPerRow;
-      const int owner = vector - k * kLanesPerRow;
-      q_shared[(((g * kQueryVectors + k) * kQuads + within / 4) * kLanesPerRow + owner) * 4 + within % 4] = value;
+  };
+  auto store_queries = [&](const tile_descriptor& tile, const staged_queries& staged) {
+#pragma unroll
+    for (int j = 0; j < kStagedItems; ++j) store_item(j, staged.values[j]);
+    if constexpr (kItemsPerThread > kStagedItems) {
+      float rest[kItemsPerThread - kStagedItems][kValuesPerItem];
+      load_items(tile, kStagedItems, rest);
+#pragma unroll
+      for (int j = kStagedItems; j < kItemsPerThread; ++j) store_item(j, rest[j - kStagedItems]);
     }
   };
 
@@ -495,6 +560,8 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG, kC, 
     cute::SM90_BULK_COPY_G2S::copy(tile.source, &barriers[stage_index],
                                    shared + layout.rings + stage_index * tile_rows * kRowBytes, bytes);
   };
+  staged_queries first_queries{};
+  if (has_tile(0)) first_queries = load_queries(descriptors[0]);
   if constexpr (kMma) {
     if (threadIdx.x == 0) {
       for (int ordinal = 0; ordinal < kTileStages && has_tile(ordinal); ++ordinal) issue_tile(ordinal);
@@ -503,7 +570,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG, kC, 
 #pragma unroll
     for (int stage = 0; stage < kStages - 1; ++stage) issue_copies(stage);
   }
-  if (has_tile(0)) stage_queries(descriptors[0]);
+  if (has_tile(0)) store_queries(descriptors[0], first_queries);
   __syncthreads();
   phase_stamp(stamped_kernel::logits, 44);
 
@@ -684,7 +751,20 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG, kC, 
     // written kDescribedAhead - kTileStages tiles ago).
     if (kMma && threadIdx.x == 0 && has_tile(ordinal + kTileStages)) issue_tile(ordinal + kTileStages);
     if (threadIdx.x == 0) descriptors[(ordinal + kDescribedAhead) % kDescriptorSlots] = next_descriptor();
-    if (new_queries) stage_queries(next);
+    if (new_queries) {
+      if constexpr (kMma) {
+        store_queries(next, load_queries(next));
+      } else {
+        // An item at a time here: the FMA instantiations' registers are full inside the tile loop (staging them all
+        // at once spills the 8-head ones).
+#pragma unroll 1
+        for (int j = 0; j < kItemsPerThread; ++j) {
+          float value[1][kValuesPerItem];
+          load_items(next, j, value);
+          store_item(j, value[0]);
+        }
+      }
+    }
     write_tile(tile, buffer);
     if (new_queries) __syncthreads();
   }
