@@ -46,7 +46,8 @@ static_assert(kSelectStaticShared + 256 <= kSharedMargin,
 constexpr std::size_t kClusterStaticBytes =
     sizeof(radix_digit_scan<kSelectThreads>::TempStorage) + sizeof(unsigned) * (1U << kRadixFirstBits) +
     sizeof(unsigned) * (1U << 11) + sizeof(unsigned) * (1U << kRadixFirstBits) + sizeof(unsigned) * 2 * kSelectWarps +
-    sizeof(unsigned) * 4 + sizeof(int) * 2 + sizeof(int) * kMaxSelectCluster + sizeof(uint2) + sizeof(unsigned) * 3;
+    sizeof(unsigned) * 4 + sizeof(int) * 2 + sizeof(int) * kMaxSelectCluster + sizeof(uint2) + sizeof(unsigned) * 5 +
+    sizeof(int*) * 2;
 static_assert(kClusterStaticBytes + 256 <= kClusterStaticShared,
               "kClusterStaticShared must cover select_cluster_kernel's static shared memory");
 
@@ -286,6 +287,8 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_cluster_kernel(const
   __shared__ int hint_counts[kMaxSelectCluster];  // every rank's, copied here for the gather of the hint path
   __shared__ uint2 block_totals;   // this CTA's compaction counts (read by the CTAs after it)
   __shared__ unsigned hint_rule[3];  // the hint path's rule (prefix, ties, next hint's bin), stored by the CTA finding it
+  __shared__ unsigned hint_before[2];  // the hint path: keys above and equal to the k-th in the ranks before this one
+  __shared__ int* head_rows[2];        // K == k, the first CTA: the head's cache and slot_of rows
   extern __shared__ __align__(16) unsigned char select_shared[];
 
   const cg::cluster_group cluster = cg::this_cluster();
@@ -315,15 +318,20 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_cluster_kernel(const
   unsigned* selected_bits = reinterpret_cast<unsigned*>(select_shared + layout.selected_bits);
   unsigned* cached_bits = reinterpret_cast<unsigned*>(select_shared + layout.cached_bits);
   const bool cache_keeper = !kLru && rank == 0;
-  // (The head's cache, read again where it is written: a pointer held across the kernel costs registers.)
-  auto head_cache = [&] { return row.view->cache_chunks + static_cast<long long>(h) * d.budget; };
+  // The head's cache and slot_of rows: their pointers are read here and parked in shared memory (held in registers
+  // across the kernel they would spill; read again from the view at step D, they put a round trip before its
+  // first store).
+  int* head_cache = nullptr;
+  int* head_slot_of = nullptr;
   int first_slot_chunk = -1;
   if (cache_keeper) {
     for (int i = tid; i < layout.bitmap_words; i += kSelectThreads) {
       selected_bits[i] = 0U;
       cached_bits[i] = 0U;
     }
-    if (tid < d.budget) first_slot_chunk = head_cache()[tid];
+    head_cache = row.view->cache_chunks + static_cast<long long>(h) * d.budget;
+    if (tid < d.budget) first_slot_chunk = head_cache[tid];
+    if (tid == 0) head_slot_of = row.view->slot_of_chunk + static_cast<long long>(h) * d.max_chunks;
   }
 
   // --- A. this CTA's slice --------------------------------------------------------------------------------------
@@ -331,16 +339,22 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_cluster_kernel(const
   if (tid == 0) {
     hint_count = 0;
     hint_rule[2] = kNoHintBin;  // before the first cluster barrier: the stores of the hint path come after it
+    hint_before[0] = 0U;
+    hint_before[1] = 0U;
   }
   start_scoring(scoring, ws, row, tile_rows, tiles, own_histogram, &candidate_count);
   phase_stamp(stamped_kernel::select, 2);
   if (cache_keeper) {
+    if (tid == 0) {
+      head_rows[0] = head_cache;
+      head_rows[1] = head_slot_of;
+    }
     auto keep = [&](int s, int c) {
       cache_chunks[s] = c;
       if (c >= 0 && c < d.max_chunks) atomicOr(&cached_bits[c >> 5], 1U << (c & 31));
     };
     if (tid < d.budget) keep(tid, first_slot_chunk);
-    for (int s = tid + kSelectThreads; s < d.budget; s += kSelectThreads) keep(s, head_cache()[s]);
+    for (int s = tid + kSelectThreads; s < d.budget; s += kSelectThreads) keep(s, head_cache[s]);
   }
   count_candidates(score_chunks(scoring, d, ws, row, first, end, slice_keys, first, own_histogram, hint, own_second,
                                 kHintKeys, &hint_count),
@@ -371,8 +385,8 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_cluster_kernel(const
   if (hint_path) {
     // Every CTA gathers the cluster's keys >= hint into its `merged` (a remote load a thread, two at most; the ranks'
     // own_second are read until the cluster barrier below, and nothing writes them on this path), then counts, for
-    // its share of them (key i for i % ctas == rank), the keys above and equal to it: 16 lanes a key, each over a
-    // 16th of the keys as 16-byte vectors. The key with fewer than k above it and at least k at or above it is the
+    // its share of them (key i for i % ctas == rank), the keys above and equal to it: 8 lanes a key, each over an
+    // 8th of the keys as 16-byte vectors (128 keys a round: one round for the ~550 keys of B = 1). The key with fewer than k above it and at least k at or above it is the
     // k-th largest; its CTA stores the rule to every CTA's hint_rule (and the owner of the hint_target-th largest
     // the next hint's bin), and a cluster barrier hands them over. (Until session 19 each CTA searched the k-th key
     // bit by bit, one counting block barrier a bit: 43 of them, ~4 µs.) Keys of candidates are float bits + 1 of
@@ -387,7 +401,7 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_cluster_kernel(const
     if (tid < 4) keys[hinted + tid] = 0U;
     __syncthreads();
     phase_stamp(stamped_kernel::select, 5);
-    constexpr int kLanesPerKey = 16;
+    constexpr int kLanesPerKey = 8;
     constexpr int kKeysPerRound = kSelectThreads / kLanesPerKey;
     const int part = tid % kLanesPerKey;
     const int vectors = (hinted + 3) / 4;
@@ -431,6 +445,24 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_cluster_kernel(const
     rule.mask = 0xffffffffU;
     rule.need_ties = hint_rule[1];
     rule.hint_bin = hint_rule[2];
+    // The compaction's counts before this CTA's slice: every key above or equal to the k-th is >= hint, so the keys
+    // of the ranks before this one in `keys` (gathered in rank order) are all of them. Counted here, they save the
+    // compaction its cluster barrier and the exchange of the CTAs' totals.
+    int before_rank = 0;
+    for (int r = 0; r < rank; ++r) before_rank += hint_counts[r];
+    unsigned above_here = 0U;
+    unsigned equal_here = 0U;
+    for (int at = tid; at < before_rank; at += kSelectThreads) {
+      above_here += keys[at] > rule.prefix ? 1U : 0U;
+      equal_here += keys[at] == rule.prefix ? 1U : 0U;
+    }
+    above_here = __reduce_add_sync(0xffffffffU, above_here);
+    equal_here = __reduce_add_sync(0xffffffffU, equal_here);
+    if ((tid & 31) == 0 && (above_here | equal_here) != 0U) {
+      atomicAdd(&hint_before[0], above_here);
+      atomicAdd(&hint_before[1], equal_here);
+    }
+    __syncthreads();
   } else {
   // Digit 1 is counted into own_second, digit 2 into own_histogram again: a CTA clears own_histogram for digit 2 only
   // after the cluster barrier that follows digit 1's counting, which every CTA reaches after its merge of digit 0.
@@ -499,6 +531,7 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_cluster_kernel(const
         if constexpr (kLru) flags[c] = taken ? 1U : 0U;
       },
       [&](uint2 totals) {
+    if (hint_path) return make_uint2(hint_before[0], hint_before[1]);  // (cluster-uniform)
     if (tid == 0) block_totals = totals;
     cluster.sync();
     uint2 before = make_uint2(0U, 0U);
@@ -521,8 +554,8 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_cluster_kernel(const
   } else {
     const int filled = update_temporal_cache_shared(
         row.n, d.max_chunks, d.budget, take, selected_ids, cache_chunks, cached_bits, selected_bits,
-        reinterpret_cast<int*>(select_shared + layout.free_slots), head_cache(),
-        row.view->slot_of_chunk + static_cast<long long>(h) * d.max_chunks, row.miss_slots(d, ws), pass_scratch);
+        reinterpret_cast<int*>(select_shared + layout.free_slots), head_rows[0], head_rows[1], row.miss_slots(d, ws),
+        pass_scratch);
     record_misses(ws, row, h, take, filled);
   }
   if (tid == 0 && hints) {
