@@ -47,7 +47,7 @@ constexpr std::size_t kClusterStaticBytes =
     sizeof(radix_digit_scan<kSelectThreads>::TempStorage) + sizeof(unsigned) * (1U << kRadixFirstBits) +
     sizeof(unsigned) * (1U << 11) + sizeof(unsigned) * (1U << kRadixFirstBits) + sizeof(unsigned) * 2 * kSelectWarps +
     sizeof(unsigned) * 4 + sizeof(int) * 2 + sizeof(int) * kMaxSelectCluster + sizeof(uint2) + sizeof(unsigned) * 5 +
-    sizeof(int*) * 2;
+    sizeof(int*) * 2 + sizeof(unsigned*);
 static_assert(kClusterStaticBytes + 256 <= kClusterStaticShared,
               "kClusterStaticShared must cover select_cluster_kernel's static shared memory");
 
@@ -289,6 +289,7 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_cluster_kernel(const
   __shared__ unsigned hint_rule[3];  // the hint path's rule (prefix, ties, next hint's bin), stored by the CTA finding it
   __shared__ unsigned hint_before[2];  // the hint path: keys above and equal to the k-th in the ranks before this one
   __shared__ int* head_rows[2];        // K == k, the first CTA: the head's cache and slot_of rows
+  __shared__ unsigned* hint_at_end[1];  // the first CTA: the hint row, for its last store
   extern __shared__ __align__(16) unsigned char select_shared[];
 
   const cg::cluster_group cluster = cg::this_cluster();
@@ -307,8 +308,9 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_cluster_kernel(const
 
   // The hint: where the previous selection of this (sequence, layer, head) says the take-th largest key may lie
   // (0: none). Read by every CTA before the first cluster barrier; the first CTA writes the next one after the last.
-  const bool hints = d.select_hint != 0 && row.view->selection_hint != nullptr;
-  const unsigned hint = hints ? row.view->selection_hint[h] : 0U;
+  unsigned* const hint_row = d.select_hint != 0 ? row.view->selection_hint : nullptr;
+  const bool hints = hint_row != nullptr;
+  const unsigned hint = hints ? hint_row[h] : 0U;
 
   // K == k: the first CTA keeps the head's cache in its shared memory for step D (cluster_shared_layout): the slots'
   // chunks are read here and stored, with their bits, while the cluster scores (the barriers before step D order
@@ -344,6 +346,7 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_cluster_kernel(const
   }
   start_scoring(scoring, ws, row, tile_rows, tiles, own_histogram, &candidate_count);
   phase_stamp(stamped_kernel::select, 2);
+  if (tid == 0) hint_at_end[0] = hint_row;  // (read by this thread alone, at the end: a register held so long spills)
   if (cache_keeper) {
     if (tid == 0) {
       head_rows[0] = head_cache;
@@ -560,7 +563,7 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_cluster_kernel(const
   }
   if (tid == 0 && hints) {
     // Not reached on the hint path (fewer than the target at or above the hint): the hint stays, it found k.
-    row.view->selection_hint[h] = rule.hint_bin != kNoHintBin ? rule.hint_bin << (32 - kRadixFirstBits) : (hint_path ? hint : 0U);
+    hint_at_end[0][h] = rule.hint_bin != kNoHintBin ? rule.hint_bin << (32 - kRadixFirstBits) : (hint_path ? hint : 0U);
     if (hint_path && ws.hinted_selections != nullptr) atomicAdd(ws.hinted_selections, 1ULL);
   }
   finish_phase_stamps(stamped_kernel::select, 18);
