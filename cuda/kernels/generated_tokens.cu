@@ -37,42 +37,8 @@ __global__ void __launch_bounds__(kThreads, 1) advance_generated_kernel(dims d, 
                                          int positions_bits, bool keys_post_rope, const float* inv_freq) {
   extern __shared__ float keys_pre[];  // [C, Hkv*D]; two-centroid scratch once the fold's values are written
   const int b = blockIdx.x;
-  const int width = d.kv_heads * d.head_dim;
-  // The new token's elements for this thread's first kPrefetched items of step 2 (key, its RoPE pair, value), loaded
-  // before anything else: they depend only on the inputs, so their round trip overlaps the view's instead of
-  // following it (~0.7 µs of a step at B = 1; bench/NOTES.md, session 19).
-  struct new_elements {
-    float key;
-    float pair_first;
-    float pair_second;
-    float value;
-  };
-  constexpr int kPrefetched = 2;
-  new_elements prefetched[kPrefetched];
-  auto load_new = [&](int index) {
-    const int h = index / d.head_dim;
-    const int dim = index % d.head_dim;
-    const long long base = b * k_new.stride[0] + h * k_new.stride[1];
-    new_elements e{};
-    e.key = load_any(k_new.data, k_new.type, base + dim * k_new.stride[2]);
-    if (!keys_post_rope && dim < d.rotary_dim) {
-      const int half = d.rotary_dim / 2;
-      const int pair = d.rope_interleaved ? dim / 2 : dim % half;
-      int first;
-      int second;
-      rope_dims(d, pair, first, second);
-      e.pair_first = load_any(k_new.data, k_new.type, base + first * k_new.stride[2]);
-      e.pair_second = load_any(k_new.data, k_new.type, base + second * k_new.stride[2]);
-    }
-    e.value = load_any(v_new.data, v_new.type, b * v_new.stride[0] + h * v_new.stride[1] + dim * v_new.stride[2]);
-    return e;
-  };
-#pragma unroll
-  for (int i = 0; i < kPrefetched; ++i) {
-    const int index = static_cast<int>(threadIdx.x) + i * kThreads;
-    if (index < width) prefetched[i] = load_new(index);
-  }
   layer_view* view = views + static_cast<long long>(batch_slots[b]) * d.num_layers + layer;
+  const int width = d.kv_heads * d.head_dim;
   const long long head_rows = d.local_capacity + d.window;
   T* exact_keys = static_cast<T*>(view->exact_keys);
   T* exact_values = static_cast<T*>(view->exact_values);
@@ -203,31 +169,25 @@ __global__ void __launch_bounds__(kThreads, 1) advance_generated_kernel(dims d, 
   const long long position = positions.data == nullptr
                                  ? view->last_position + 1
                                  : load_index_any(positions.data, positions_bits, b * positions.stride[0]);
-  auto append = [&](int index, const new_elements& e) {
+  for (int index = threadIdx.x; index < width; index += blockDim.x) {
     const int h = index / d.head_dim;
     const int dim = index % d.head_dim;
-    float key = e.key;
+    const long long base = b * k_new.stride[0] + h * k_new.stride[1];
+    float key = load_any(k_new.data, k_new.type, base + dim * k_new.stride[2]);
     if (!keys_post_rope && dim < d.rotary_dim) {
       const int half = d.rotary_dim / 2;
       const int pair = d.rope_interleaved ? dim / 2 : dim % half;
       int first;
       int second;
       rope_dims(d, pair, first, second);
-      float x1 = e.pair_first;
-      float x2 = e.pair_second;
+      float x1 = load_any(k_new.data, k_new.type, base + first * k_new.stride[2]);
+      float x2 = load_any(k_new.data, k_new.type, base + second * k_new.stride[2]);
       rope_pair(x1, x2, inv_freq[pair], position, d.attention_scaling, false);
       key = dim == first ? x1 : x2;
     }
+    const float value = load_any(v_new.data, v_new.type, b * v_new.stride[0] + h * v_new.stride[1] + dim * v_new.stride[2]);
     exact_keys[(h * head_rows + ring_row) * d.head_dim + dim] = from_float<T>(key);
-    exact_values[(h * head_rows + ring_row) * d.head_dim + dim] = from_float<T>(e.value);
-  };
-#pragma unroll
-  for (int i = 0; i < kPrefetched; ++i) {
-    const int index = static_cast<int>(threadIdx.x) + i * kThreads;
-    if (index < width) append(index, prefetched[i]);
-  }
-  for (int index = static_cast<int>(threadIdx.x) + kPrefetched * kThreads; index < width; index += kThreads) {
-    append(index, load_new(index));
+    exact_values[(h * head_rows + ring_row) * d.head_dim + dim] = from_float<T>(value);
   }
   __syncthreads();
   if (threadIdx.x == 0) {
