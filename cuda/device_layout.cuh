@@ -47,7 +47,8 @@ struct dims {
                         ///< cores where that kernel serves the shape (bf16, D <= 128; sparse_attention.cu)
   int select_cluster;   ///< CTAs a (sequence, KV head) of the select kernel: 0 = the planner's choice
                         ///< (selection_plan.cuh, plan_select_cluster), 1 = one CTA, 2/4/8 = a cluster of that many
-                        ///< where the batch allows clusters (SHADOWKV_SELECT_CLUSTER; tests)
+                        ///< where the batch allows clusters and their shared memory fits (SHADOWKV_SELECT_CLUSTER;
+                        ///< tests)
   int programmatic_launch;  ///< 1: the decode step's kernels after the first are launched programmatically dependent
                             ///< on the one before (common/dependent_launch.cuh), 0: plain launches
                             ///< (SHADOWKV_PROGRAMMATIC_LAUNCH=off)

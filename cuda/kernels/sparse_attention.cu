@@ -725,43 +725,28 @@ __global__ void __launch_bounds__(kMmaThreads, 2)
   const int tiles = (d.group + kMmaHeads - 1) / kMmaHeads;
   for (int tile = 0; tile < tiles; ++tile) {
     // Q's three bf16 terms, [term][head][kRow], scaled so that scores are in log2 units; heads past the group: 0.
-    // Every load of the thread's elements is issued first, then the first steps' copies, then the terms are stored:
-    // the copies leave a round trip earlier, and q's loads are not one round trip an item (bench/NOTES.md, session
-    // 19: 2.9 µs from the row walk to the first steps issued at B = 1).
-    constexpr int kQueryItems = kMmaHeads * D / 2 / kMmaThreads;
-    static_assert(kQueryItems * kMmaThreads == kMmaHeads * D / 2, "every thread stages the same number of pairs");
-    float x[kQueryItems][2];
-#pragma unroll
-    for (int j = 0; j < kQueryItems; ++j) {
-      const int index = tid + j * kMmaThreads;
+    for (int index = tid; index < kMmaHeads * D / 2; index += kMmaThreads) {
       const int head = index / (D / 2);
       const int dim = 2 * (index % (D / 2));
       const int local_head = tile * kMmaHeads + head;
-      x[j][0] = 0.0F;
-      x[j][1] = 0.0F;
+      float x[2] = {0.0F, 0.0F};
       if (local_head < d.group) {
         const long long head_offset = static_cast<long long>(b) * q.stride[0] +
                                       static_cast<long long>(h * d.group + local_head) * q.stride[1];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          x[j][e] = load_any(q.data, q.type, head_offset + static_cast<long long>(dim + e) * q.stride[2]);
+          x[e] = q_scale * load_any(q.data, q.type, head_offset + static_cast<long long>(dim + e) * q.stride[2]);
         }
       }
-    }
-#pragma unroll
-    for (int s = 0; s < kMmaStages - 1; ++s) issue_step(s);
-#pragma unroll
-    for (int j = 0; j < kQueryItems; ++j) {
-      const int index = tid + j * kMmaThreads;
-      const int head = index / (D / 2);
-      const int dim = 2 * (index % (D / 2));
       unsigned terms[kMmaTerms];
-      split_bf16x2(q_scale * x[j][0], q_scale * x[j][1], terms);
+      split_bf16x2(x[0], x[1], terms);
 #pragma unroll
       for (int t = 0; t < kMmaTerms; ++t) {
         *reinterpret_cast<unsigned*>(query_rows + (t * kMmaHeads + head) * kRow + dim) = terms[t];
       }
     }
+#pragma unroll
+    for (int s = 0; s < kMmaStages - 1; ++s) issue_step(s);
     phase_stamp(stamped_kernel::attention, 61);
 
     float running_max[2] = {-INFINITY, -INFINITY};  // heads group_row and group_row + 8

@@ -36,6 +36,7 @@
 #include "chunk_selection.cuh"
 #include "cuda_test_support.cuh"
 #include "device_layout.cuh"
+#include "selection/selection_plan.cuh"
 #include "shadowkv/errors.hpp"
 #include "shadowkv/fp8.hpp"
 
@@ -1373,6 +1374,47 @@ TEST_F(ChunkSelection, TwoCentroidScores) {
 }
 
 // Argument checks happen before any CUDA call, so they run without a device too.
+// The select clusters keep their slices' radix keys, and the first CTA the head's cache, in shared memory
+// (selection_plan.cuh, cluster_shared_layout): the planner takes a cluster only where that fits beside the kernel's
+// static arrays, forced sizes included, and the layout's parts do not overlap.
+TEST(SelectClusterPlan, TakesAClusterOnlyWhereItsSharedMemoryFits) {
+  namespace sel = shadowkv::cuda::selection;
+  dims d{};
+  d.kv_heads = 8;
+  d.group = 4;
+  d.budget = 256;
+  d.cache_slots = 256;
+  d.max_chunks = 15360;  // 122880 tokens of chunk 8
+  const sel::device_limits h200{227 * 1024, 132};
+  const long long room = h200.optin_shared - sel::kClusterStaticShared;
+  EXPECT_EQ(sel::plan_select_cluster(d, 1, h200, true), 8);
+  const sel::cluster_shared_layout layout = sel::cluster_shared_layout_for(d, 8);
+  EXPECT_LE(layout.bytes, room);
+  EXPECT_GE(static_cast<long long>(layout.slice_capacity) * 8, d.max_chunks);
+  EXPECT_EQ(layout.slice_capacity % 32, 0);
+  EXPECT_GE(layout.slice_keys, 4LL * d.group);
+  EXPECT_GE(layout.cache_chunks, layout.slice_keys + 4LL * layout.slice_capacity);
+  EXPECT_GE(layout.selected_ids, layout.cache_chunks + 4LL * d.budget);
+  EXPECT_GE(layout.free_slots, layout.selected_ids + 4LL * d.budget);
+  EXPECT_GE(layout.selected_bits, layout.free_slots + 4LL * d.budget);
+  EXPECT_GE(layout.cached_bits, layout.selected_bits + 4LL * layout.bitmap_words);
+  EXPECT_GE(layout.bytes, layout.cached_bits + 4LL * layout.bitmap_words);
+  EXPECT_GE(32LL * layout.bitmap_words, d.max_chunks);
+  // K > k: no cache state in shared memory, only the slices.
+  dims lru = d;
+  lru.cache_slots = 512;
+  EXPECT_EQ(sel::cluster_shared_layout_for(lru, 8).bitmap_words, 0);
+  EXPECT_LT(sel::cluster_shared_layout_for(lru, 8).bytes, layout.bytes);
+  // 4M tokens: the slices of 8 CTAs no longer fit, so one CTA a head (also when a cluster is forced).
+  d.max_chunks = 1 << 19;
+  EXPECT_GT(sel::cluster_shared_layout_for(d, 8).bytes, room);
+  EXPECT_EQ(sel::plan_select_cluster(d, 1, h200, true), 1);
+  d.select_cluster = 2;
+  EXPECT_EQ(sel::plan_select_cluster(d, 1, h200, true), 1);
+  d.max_chunks = 15360;
+  EXPECT_EQ(sel::plan_select_cluster(d, 1, h200, true), 2);
+}
+
 TEST(ChunkSelectionArguments, RejectsInvalidArguments) {
   dims d{};
   d.num_layers = 1;
