@@ -1396,7 +1396,8 @@ TEST(SelectClusterPlan, TakesAClusterOnlyWhereItsSharedMemoryFits) {
   EXPECT_GE(layout.cache_chunks, layout.slice_keys + 4LL * layout.slice_capacity);
   EXPECT_GE(layout.selected_ids, layout.cache_chunks + 4LL * d.budget);
   EXPECT_GE(layout.free_slots, layout.selected_ids + 4LL * d.budget);
-  EXPECT_GE(layout.selected_bits, layout.free_slots + 4LL * d.budget);
+  EXPECT_GE(layout.miss_chunks, layout.free_slots + 4LL * d.budget);
+  EXPECT_GE(layout.selected_bits, layout.miss_chunks + 4LL * d.budget);
   EXPECT_GE(layout.cached_bits, layout.selected_bits + 4LL * layout.bitmap_words);
   EXPECT_GE(layout.bytes, layout.cached_bits + 4LL * layout.bitmap_words);
   EXPECT_GE(32LL * layout.bitmap_words, d.max_chunks);

@@ -90,15 +90,16 @@ __device__ __forceinline__ bool bit_of(const unsigned* bits, int c) { return ((b
 /// The K == k rule of update_temporal_cache, from the head's state in shared memory (select_cluster_kernel's first
 /// CTA; cluster_shared_layout): cache_chunks[0, k) (the slots' chunks, kept current here and written through to
 /// `cache`), selected_ids[0, take) (this step's selection, ascending), cached_bits (chunks in the cache before the
-/// step) and selected_bits (zeroed; set here), free_slots[0, k) (scratch). The same slots as update_temporal_cache,
-/// whose rules it follows step for step, without its dependent global loads (a slot's chunk, then that chunk's flag
-/// and slot_of entry): slot_of is only written, cleared for a freed chunk and set for a miss, since slot_of is the
+/// step) and selected_bits (zeroed; set here), free_slots[0, k) and miss_chunks[0, k) (scratch). The same slots as
+/// update_temporal_cache, whose rules it follows, without its dependent global loads (a slot's chunk, then that
+/// chunk's flag and slot_of entry): slot_of is only written, cleared for a freed chunk and set for a miss, since slot_of is the
 /// inverse of the cache (each chunk in at most one slot: both rules and the prefill's reset keep it so). Writes
 /// miss_slots as update_temporal_cache does and returns the misses that got a slot. Called by every thread of a block
 /// of kOrderedPassThreads threads; `pass_scratch`: ordered_pass's shared scratch.
 __device__ __forceinline__ int update_temporal_cache_shared(int n, int mc, int k, int take, const int* selected_ids,
                                                             int* cache_chunks, const unsigned* cached_bits,
-                                                            unsigned* selected_bits, int* free_slots, int* cache,
+                                                            unsigned* selected_bits, int* free_slots,
+                                                            int* miss_chunks, int* cache,
                                                             int* slot_of, int* miss_slots, unsigned* pass_scratch) {
   const int tid = threadIdx.x;
   for (int i = tid; i < take; i += kOrderedPassThreads) {
@@ -115,28 +116,31 @@ __device__ __forceinline__ int update_temporal_cache_shared(int n, int mc, int k
     if (old < mc) slot_of[old] = -1;
   }
   __syncthreads();
-  // 2: free slots in ascending order (miss m takes the m-th).
-  const unsigned free_count = ordered_pass(
-                                  k, pass_scratch, [&](int s) -> unsigned { return cache_chunks[s] < 0 ? 1U : 0U; },
-                                  [&](int s, unsigned f, unsigned before, unsigned) {
-                                    if (f == 0) return;
-                                    free_slots[before] = s;
-                                    miss_slots[before] = s;
-                                  })
-                                  .x;
-  // 3: misses (selected, not cached before the step) in ascending chunk id take those slots.
-  const unsigned misses = ordered_pass(
-                              take, pass_scratch,
-                              [&](int i) -> unsigned { return bit_of(cached_bits, selected_ids[i]) ? 0U : 1U; },
-                              [&](int i, unsigned f, unsigned before, unsigned) {
-                                if (f == 0 || before >= free_count) return;
-                                const int c = selected_ids[i];
-                                const int s = free_slots[before];
-                                cache[s] = c;
-                                slot_of[c] = s;
-                              })
-                              .x;
-  const int filled = static_cast<int>(min(misses, free_count));
+  // 2 and 3 in one ordered pass over [0, k) with two predicates: slot i is free now (the free slots in ascending
+  // order: miss m takes the m-th), and selection i is a miss (selected, not cached before the step; take <= k). The
+  // misses' chunks, in ascending order, are parked in miss_chunks; once the pass has ended (its last barrier), miss m
+  // takes free slot m. (Two passes, one a list, took two more block barriers and a scan.)
+  const uint2 counts = ordered_pass(
+      k, pass_scratch,
+      [&](int i) -> unsigned {
+        const unsigned free_slot = cache_chunks[i] < 0 ? 1U : 0U;
+        const unsigned miss = i < take && !bit_of(cached_bits, selected_ids[i]) ? 2U : 0U;
+        return free_slot | miss;
+      },
+      [&](int i, unsigned f, unsigned free_before, unsigned misses_before) {
+        if ((f & 1U) != 0) {
+          free_slots[free_before] = i;
+          miss_slots[free_before] = i;
+        }
+        if ((f & 2U) != 0) miss_chunks[misses_before] = selected_ids[i];
+      });
+  const int filled = static_cast<int>(min(counts.x, counts.y));
+  for (int m = tid; m < filled; m += kOrderedPassThreads) {
+    const int c = miss_chunks[m];
+    const int s = free_slots[m];
+    cache[s] = c;
+    slot_of[c] = s;
+  }
   for (int m = filled + tid; m < k; m += kOrderedPassThreads) miss_slots[m] = -1;
   return filled;
 }

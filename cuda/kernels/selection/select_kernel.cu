@@ -557,7 +557,8 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_cluster_kernel(const
   } else {
     const int filled = update_temporal_cache_shared(
         row.n, d.max_chunks, d.budget, take, selected_ids, cache_chunks, cached_bits, selected_bits,
-        reinterpret_cast<int*>(select_shared + layout.free_slots), head_rows[0], head_rows[1], row.miss_slots(d, ws),
+        reinterpret_cast<int*>(select_shared + layout.free_slots),
+        reinterpret_cast<int*>(select_shared + layout.miss_chunks), head_rows[0], head_rows[1], row.miss_slots(d, ws),
         pass_scratch);
     record_misses(ws, row, h, take, filled);
   }

@@ -74,8 +74,8 @@ constexpr int kClusterStaticShared = 48 * 1024;
 /// the group's G score offsets at byte 0; the radix keys of the CTA's slice of the chunks (so that the radix passes
 /// and the compaction read them from shared memory, not from L2); and, for the cache update of the default cache
 /// (K == k) by the cluster's first CTA, that head's cache and this step's selection as it is made: the buffer slots'
-/// chunks, read while the others score; the selected ids, stored there by every CTA's compaction; the free slots in
-/// ascending order; and two bitmaps over the chunks (selected now, cached before the step), so that the update's
+/// chunks, read while the others score; the selected ids, stored there by every CTA's compaction; the free slots and
+/// the misses' chunks in ascending order; and two bitmaps over the chunks (selected now, cached before the step), so that the update's
 /// rules read no global memory. Computed alike on the host (launch, plan) and in the kernel.
 struct cluster_shared_layout {
   int slice_capacity;  ///< radix keys of a slice: ceil(max_chunks / cluster), in whole warps
@@ -84,6 +84,7 @@ struct cluster_shared_layout {
   int cache_chunks;    ///< int [k]: the chunk of each buffer slot (K == k only, as the rest below)
   int selected_ids;    ///< int [k]: this step's selection, ascending
   int free_slots;      ///< int [k]: the free buffer slots, ascending, once the hits are kept
+  int miss_chunks;     ///< int [k]: the misses' chunks, ascending
   int selected_bits;   ///< unsigned [bitmap_words]: chunk c selected now
   int cached_bits;     ///< unsigned [bitmap_words]: chunk c in the cache before the step
   long long bytes;     ///< the whole (offsets are meaningful only when it fits: plan_select_cluster)
@@ -100,7 +101,8 @@ __host__ __device__ inline cluster_shared_layout cluster_shared_layout_for(const
   const long long cache_chunks = slice_keys + align16(4 * slice_capacity);
   const long long selected_ids = cache_chunks + align16(k_ints);
   const long long free_slots = selected_ids + align16(k_ints);
-  const long long selected_bits = free_slots + align16(k_ints);
+  const long long miss_chunks = free_slots + align16(k_ints);
+  const long long selected_bits = miss_chunks + align16(k_ints);
   const long long cached_bits = selected_bits + align16(4 * bitmap_words);
   cluster_shared_layout layout{};
   layout.slice_capacity = static_cast<int>(slice_capacity);
@@ -109,6 +111,7 @@ __host__ __device__ inline cluster_shared_layout cluster_shared_layout_for(const
   layout.cache_chunks = static_cast<int>(cache_chunks);
   layout.selected_ids = static_cast<int>(selected_ids);
   layout.free_slots = static_cast<int>(free_slots);
+  layout.miss_chunks = static_cast<int>(miss_chunks);
   layout.selected_bits = static_cast<int>(selected_bits);
   layout.cached_bits = static_cast<int>(cached_bits);
   layout.bytes = cached_bits + align16(4 * bitmap_words);
