@@ -92,11 +92,6 @@ __device__ __forceinline__ select_row row_of(const dims& d, const layer_view* vi
 ///
 /// `hint` > 0 (select_cluster_kernel's hint path): the radix keys >= hint are also appended to hint_keys (at most
 /// hint_capacity of them; *hint_count counts them all, beyond the capacity too).
-///
-/// kBatch chunks a thread, kHeads heads' loads at a time: 4 x 2 in general; 2 x 4 where a slice has at most 2 chunks
-/// a thread and the group at most 4 heads (B = 1's clusters), so that all of a chunk's logits are one round trip, not
-/// two. The heads are folded in head order either way: the same scores, bit for bit.
-template <int kBatch = kScoreBatch, int kHeads = 2>
 __device__ __forceinline__ int score_chunks(const group_score_rule& scoring, const dims& d, const step_workspace& ws,
                                             const select_row& row, int first, int end, unsigned* radix_keys,
                                             int key_base, unsigned* histogram, unsigned hint = 0, unsigned* hint_keys = nullptr,
@@ -106,36 +101,33 @@ __device__ __forceinline__ int score_chunks(const group_score_rule& scoring, con
   float* scores = row.scores(d, ws);
   const float* logits_group = row.logits_group(d, ws);
   int candidates = 0;
-  for (int base = first; base < end; base += kSelectThreads * kBatch) {
+  for (int base = first; base < end; base += kSelectThreads * kScoreBatch) {
     const int remaining = end - base - tid;  // chunk base + i * kSelectThreads + tid < end iff i * kSelectThreads < remaining
-    float value[kBatch];
+    float value[kScoreBatch];
     unsigned candidate_bits = 0;  // bit i: chunk base + i * kSelectThreads + tid is a candidate
 #pragma unroll
-    for (int i = 0; i < kBatch; ++i) value[i] = start_value(scoring);
+    for (int i = 0; i < kScoreBatch; ++i) value[i] = start_value(scoring);
 #pragma unroll 1
-    for (int g = 0; g < scoring.group; g += kHeads) {
+    for (int g = 0; g < scoring.group; g += 2) {
+      const bool second = g + 1 < scoring.group;
       const float* logits = logits_group + static_cast<long long>(g) * mc + base + tid;
-      float x[kHeads][kBatch];
+      const float* next_logits = logits + (second ? mc : 0);
+      float x[kScoreBatch];
+      float y[kScoreBatch];
 #pragma unroll
-      for (int j = 0; j < kHeads; ++j) {
-        // (a head past the group reads its group's first row again: in bounds, never folded)
-        const float* head_logits = logits + (g + j < scoring.group ? j * static_cast<long long>(mc) : 0LL);
-#pragma unroll
-        for (int i = 0; i < kBatch; ++i) {
-          x[j][i] = i * kSelectThreads < remaining ? head_logits[i * kSelectThreads] : 0.0F;
-        }
+      for (int i = 0; i < kScoreBatch; ++i) {
+        x[i] = i * kSelectThreads < remaining ? logits[i * kSelectThreads] : 0.0F;
+        y[i] = i * kSelectThreads < remaining ? next_logits[i * kSelectThreads] : 0.0F;
       }
 #pragma unroll
-      for (int i = 0; i < kBatch; ++i) {
-        if (g == 0 && is_candidate(scoring, x[0][i])) candidate_bits |= 1U << i;
-#pragma unroll
-        for (int j = 0; j < kHeads; ++j) {
-          if (g + j < scoring.group) value[i] = add_head(scoring, value[i], g + j, x[j][i]);
-        }
+      for (int i = 0; i < kScoreBatch; ++i) {
+        if (g == 0 && is_candidate(scoring, x[i])) candidate_bits |= 1U << i;
+        value[i] = add_head(scoring, value[i], g, x[i]);
+        if (second) value[i] = add_head(scoring, value[i], g + 1, y[i]);
       }
     }
 #pragma unroll
-    for (int i = 0; i < kBatch; ++i) {
+    for (int i = 0; i < kScoreBatch; ++i) {
       if (i * kSelectThreads < remaining) {
         // The merged score is >= 0, or -1 for a non-candidate.
         const float merged = finish(scoring, value[i], ((candidate_bits >> i) & 1U) != 0U);
@@ -367,12 +359,9 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_cluster_kernel(const
     if (tid < d.budget) keep(tid, first_slot_chunk);
     for (int s = tid + kSelectThreads; s < d.budget; s += kSelectThreads) keep(s, head_cache[s]);
   }
-  const int mine = d.group <= 4 && end - first <= 2 * kSelectThreads
-                       ? score_chunks<2, 4>(scoring, d, ws, row, first, end, slice_keys, first, own_histogram, hint,
-                                            own_second, kHintKeys, &hint_count)
-                       : score_chunks(scoring, d, ws, row, first, end, slice_keys, first, own_histogram, hint,
-                                      own_second, kHintKeys, &hint_count);
-  count_candidates(mine, &candidate_count);
+  count_candidates(score_chunks(scoring, d, ws, row, first, end, slice_keys, first, own_histogram, hint, own_second,
+                                kHintKeys, &hint_count),
+                   &candidate_count);
   phase_stamp(stamped_kernel::select, 3);
   cluster.sync();
   phase_stamp(stamped_kernel::select, 4);
