@@ -88,78 +88,60 @@ __device__ __forceinline__ int update_temporal_cache(int n, int mc, int k, int t
 __device__ __forceinline__ bool bit_of(const unsigned* bits, int c) { return ((bits[c >> 5] >> (c & 31)) & 1U) != 0U; }
 
 /// The K == k rule of update_temporal_cache, from the head's state in shared memory (select_cluster_kernel's first
-/// CTA; cluster_shared_layout): cache_chunks[0, k) (the slots' chunks before the step; freed slots are set to -1 here),
-/// selected_ids[0, take) (this step's selection, ascending), cached_bits (chunks in the cache before the step) and
-/// selected_bits (zeroed; set here), free_slots[0, k) and miss_chunks[0, k) (scratch). The same slots as
+/// CTA; cluster_shared_layout): cache_chunks[0, k) (the slots' chunks, kept current here and written through to
+/// `cache`), selected_ids[0, take) (this step's selection, ascending), cached_bits (chunks in the cache before the
+/// step) and selected_bits (zeroed; set here), free_slots[0, k) and miss_chunks[0, k) (scratch). The same slots as
 /// update_temporal_cache, whose rules it follows, without its dependent global loads (a slot's chunk, then that
-/// chunk's flag and slot_of entry): slot_of is only written, cleared for a freed chunk and set for a miss, since
-/// slot_of is the inverse of the cache (each chunk in at most one slot: both rules and the prefill's reset keep it
-/// so). Writes miss_slots as update_temporal_cache does and returns the misses that got a slot.
-///
-/// Run by one warp (the calling thread's; every lane of it must call, the other warps need not): k is a few hundred
-/// slots, which a warp covers with ballots in rounds of 32, lanes in ascending slot order, and no block barrier. (On
-/// the whole 1024-thread block the same rule took ~4 µs at k = 256, most of it six block barriers and two ordered
-/// passes; bench/NOTES.md, session 19.)
+/// chunk's flag and slot_of entry): slot_of is only written, cleared for a freed chunk and set for a miss, since slot_of is the
+/// inverse of the cache (each chunk in at most one slot: both rules and the prefill's reset keep it so). Writes
+/// miss_slots as update_temporal_cache does and returns the misses that got a slot. Called by every thread of a block
+/// of kOrderedPassThreads threads; `pass_scratch`: ordered_pass's shared scratch.
 __device__ __forceinline__ int update_temporal_cache_shared(int n, int mc, int k, int take, const int* selected_ids,
                                                             int* cache_chunks, const unsigned* cached_bits,
                                                             unsigned* selected_bits, int* free_slots,
                                                             int* miss_chunks, int* cache,
-                                                            int* slot_of, int* miss_slots) {
-  constexpr unsigned kAll = 0xFFFFFFFFU;
-  constexpr int kRounds = 8;  // rounds of 32 items whose loads are issued together
-  const int lane = static_cast<int>(threadIdx.x % 32);
-  const unsigned lower = (1U << lane) - 1U;
-  for (int i = lane; i < take; i += 32) {
+                                                            int* slot_of, int* miss_slots, unsigned* pass_scratch) {
+  const int tid = threadIdx.x;
+  for (int i = tid; i < take; i += kOrderedPassThreads) {
     const int c = selected_ids[i];
     atomicOr(&selected_bits[c >> 5], 1U << (c & 31));
   }
-  __syncwarp();
-  // One pass over [0, k) with two predicates: slot s is free after the step's frees (empty before, or its chunk not
-  // selected: freed here; the free slots in ascending order, miss m takes the m-th), and selection s is a miss
-  // (selected, not cached before the step; take <= k), its chunk parked in miss_chunks in ascending order.
-  unsigned free_count = 0;
-  unsigned miss_count = 0;
-  for (int base = 0; base < k; base += kRounds * 32) {
-    int old[kRounds];
-    int id[kRounds];
-#pragma unroll
-    for (int j = 0; j < kRounds; ++j) {
-      const int s = base + j * 32 + lane;
-      old[j] = s < k ? cache_chunks[s] : 0;
-      id[j] = s < take ? selected_ids[s] : -1;
-    }
-#pragma unroll
-    for (int j = 0; j < kRounds; ++j) {
-      const int s = base + j * 32 + lane;
-      const bool freed = s < k && old[j] >= 0 && !(old[j] < n && bit_of(selected_bits, old[j]));
-      const bool free_slot = s < k && (old[j] < 0 || freed);
-      const bool miss = id[j] >= 0 && !bit_of(cached_bits, id[j]);
-      if (freed) {
-        cache_chunks[s] = -1;
-        cache[s] = -1;
-        if (old[j] < mc) slot_of[old[j]] = -1;
-      }
-      const unsigned free_lanes = __ballot_sync(kAll, free_slot);
-      const unsigned miss_lanes = __ballot_sync(kAll, miss);
-      if (free_slot) {
-        const unsigned at = free_count + __popc(free_lanes & lower);
-        free_slots[at] = s;
-        miss_slots[at] = s;
-      }
-      if (miss) miss_chunks[miss_count + __popc(miss_lanes & lower)] = id[j];
-      free_count += __popc(free_lanes);
-      miss_count += __popc(miss_lanes);
-    }
+  __syncthreads();
+  // 1: free every slot whose chunk is not selected (hits stay where they are).
+  for (int s = tid; s < k; s += kOrderedPassThreads) {
+    const int old = cache_chunks[s];
+    if (old < 0 || (old < n && bit_of(selected_bits, old))) continue;
+    cache_chunks[s] = -1;
+    cache[s] = -1;
+    if (old < mc) slot_of[old] = -1;
   }
-  __syncwarp();
-  const int filled = static_cast<int>(min(free_count, miss_count));
-  for (int m = lane; m < filled; m += 32) {
+  __syncthreads();
+  // 2 and 3 in one ordered pass over [0, k) with two predicates: slot i is free now (the free slots in ascending
+  // order: miss m takes the m-th), and selection i is a miss (selected, not cached before the step; take <= k). The
+  // misses' chunks, in ascending order, are parked in miss_chunks; once the pass has ended (its last barrier), miss m
+  // takes free slot m. (Two passes, one a list, took two more block barriers and a scan.)
+  const uint2 counts = ordered_pass(
+      k, pass_scratch,
+      [&](int i) -> unsigned {
+        const unsigned free_slot = cache_chunks[i] < 0 ? 1U : 0U;
+        const unsigned miss = i < take && !bit_of(cached_bits, selected_ids[i]) ? 2U : 0U;
+        return free_slot | miss;
+      },
+      [&](int i, unsigned f, unsigned free_before, unsigned misses_before) {
+        if ((f & 1U) != 0) {
+          free_slots[free_before] = i;
+          miss_slots[free_before] = i;
+        }
+        if ((f & 2U) != 0) miss_chunks[misses_before] = selected_ids[i];
+      });
+  const int filled = static_cast<int>(min(counts.x, counts.y));
+  for (int m = tid; m < filled; m += kOrderedPassThreads) {
     const int c = miss_chunks[m];
     const int s = free_slots[m];
     cache[s] = c;
     slot_of[c] = s;
   }
-  for (int m = filled + lane; m < k; m += 32) miss_slots[m] = -1;
+  for (int m = filled + tid; m < k; m += kOrderedPassThreads) miss_slots[m] = -1;
   return filled;
 }
 

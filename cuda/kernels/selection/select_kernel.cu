@@ -555,12 +555,11 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_cluster_kernel(const
   if constexpr (kLru) {
     update_cache<true>(d, ws, row, h, take, flags, own_histogram, scan_storage, radix_found, pass_scratch);
   } else {
-    // By the first warp alone (cache_policy.cuh); the others are done.
-    if (tid >= 32) return;
     const int filled = update_temporal_cache_shared(
         row.n, d.max_chunks, d.budget, take, selected_ids, cache_chunks, cached_bits, selected_bits,
         reinterpret_cast<int*>(select_shared + layout.free_slots),
-        reinterpret_cast<int*>(select_shared + layout.miss_chunks), head_rows[0], head_rows[1], row.miss_slots(d, ws));
+        reinterpret_cast<int*>(select_shared + layout.miss_chunks), head_rows[0], head_rows[1], row.miss_slots(d, ws),
+        pass_scratch);
     record_misses(ws, row, h, take, filled);
   }
   if (tid == 0 && hints) {
