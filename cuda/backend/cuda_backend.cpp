@@ -330,6 +330,10 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   for (event_handle& event : part_selected_events_) event = make_event();
   for (event_handle& event : part_fetched_events_) event = make_event();
   fetched_event_ = make_event();
+  step_begun_event_ = make_event();
+  appended_event_ = make_event();
+  splits_done_event_ = make_event();
+  folded_event_ = make_event();
   values_ready_event_ = make_event();
   resources_ = device_resources::shared(device_index);
   stream_ = own_stream_;
@@ -560,8 +564,10 @@ void cuda_backend::upload_batch(std::span<const batch_entry> entries) {
   for (std::size_t i = 0; i < entries.size(); ++i) slots[i] = entries[i].slot;
   batch_size_ = static_cast<std::int64_t>(entries.size());
   if (slots == uploaded_slots_) return;
-  // The staging buffer may still be read by an earlier copy: wait for the streams that used it.
+  // The staging buffer may still be read by an earlier copy, and the slot list by the kernels on either stream (the
+  // append, fetch and fold of a call that failed before stream_ joined them): wait for both streams.
   SHADOWKV_CUDA_TRY(cudaStreamSynchronize(stream_));
+  SHADOWKV_CUDA_TRY(cudaStreamSynchronize(copy_stream_));
   std::copy(slots.begin(), slots.end(), static_cast<int*>(batch_staging_.data()));
   SHADOWKV_CUDA_TRY(cudaMemcpyAsync(batch_slots_.data(), batch_staging_.data(), slots.size() * sizeof(int),
                                     cudaMemcpyHostToDevice, stream_));
@@ -957,8 +963,18 @@ void cuda_backend::forget_prefill(int layer, std::span<const batch_entry> entrie
   (void)cudaStreamSynchronize(own_stream_);
 }
 
-void cuda_backend::fold_oldest_generated_chunk(int /*layer*/, std::span<const batch_entry> /*entries*/) {
-  // Folding happens on the device inside append_token (launch_advance_generated), by the same rule.
+void cuda_backend::fold_oldest_generated_chunk(int layer, std::span<const batch_entry> entries) {
+  // The device folds a full ring at the end of the step that filled it (attend: after the attention's split kernel,
+  // beside its combine), by the same rule, so that neither the fold nor the append waits in front of this step's
+  // selection. The store calls this at the start of the next step, when its counters say the ring is full: the fold
+  // is launched again here, a no-op on the device (its ring is no longer full) unless the step that filled it did not
+  // reach its end. Not while a graph is captured: its replays fold at the end of each replayed step.
+  if (capturing()) return;
+  upload_batch(entries);
+  join_append();  // an append of a call that failed before its attention still writes the counters this reads
+  launch_fold_generated(dims_, kv_type_, static_cast<layer_view*>(views_.data()),
+                        static_cast<const int*>(batch_slots_.data()), layer, static_cast<int>(entries.size()),
+                        static_cast<const float*>(inv_freq_.data()), stream_);
 }
 
 void cuda_backend::append_token(int layer, std::span<const batch_entry> entries, const append_inputs& inputs) {
@@ -966,11 +982,17 @@ void cuda_backend::append_token(int layer, std::span<const batch_entry> entries,
   const strided_tensor positions =
       inputs.positions.empty() ? strided_tensor{nullptr, 0, {0, 0, 0, 0}}
                                : strided_tensor{inputs.positions.data, 0, {inputs.positions.strides[0], 0, 0, 0}};
-  launch_advance_generated(dims_, kv_type_, static_cast<layer_view*>(views_.data()),
-                           static_cast<const int*>(batch_slots_.data()), layer, static_cast<int>(entries.size()),
-                           as_strided(inputs.keys), as_strided(inputs.values), positions,
-                           inputs.positions.empty() ? 64 : index_bits(inputs.positions), inputs.keys_post_rope,
-                           static_cast<const float*>(inv_freq_.data()), stream_);
+  // On the copy stream, beside the landmark logits and the selection, which do not read the generated region; the
+  // attention waits for it (attend). The copy stream waits for what the caller queued before the call (k_new, v_new).
+  SHADOWKV_CUDA_TRY(cudaEventRecord(step_begun_event_, stream_));
+  SHADOWKV_CUDA_TRY(cudaStreamWaitEvent(copy_stream_, step_begun_event_, 0));
+  launch_append_generated(dims_, kv_type_, static_cast<layer_view*>(views_.data()),
+                          static_cast<const int*>(batch_slots_.data()), layer, static_cast<int>(entries.size()),
+                          as_strided(inputs.keys), as_strided(inputs.values), positions,
+                          inputs.positions.empty() ? 64 : index_bits(inputs.positions), inputs.keys_post_rope,
+                          static_cast<const float*>(inv_freq_.data()), copy_stream_);
+  SHADOWKV_CUDA_TRY(cudaEventRecord(appended_event_, copy_stream_));
+  append_pending_ = true;
 }
 
 std::vector<cuda_backend::batch_part> cuda_backend::pipeline_parts(std::span<const batch_entry> entries) const {
@@ -1064,6 +1086,12 @@ void cuda_backend::rebuild_keys(int layer, std::span<const batch_entry> entries)
   // select_chunks, after a failed call) joins the whole fetch.
 }
 
+void cuda_backend::join_append() {
+  if (!append_pending_) return;
+  SHADOWKV_CUDA_TRY(cudaStreamWaitEvent(stream_, appended_event_, 0));
+  append_pending_ = false;
+}
+
 void cuda_backend::join_fetch() {
   if (!fetch_pending_) return;
   SHADOWKV_CUDA_TRY(cudaStreamWaitEvent(stream_, fetched_event_, 0));
@@ -1081,6 +1109,7 @@ void cuda_backend::attend(int layer, std::span<const batch_entry> entries, const
   const auto out_element = static_cast<std::ptrdiff_t>(dtype_size(out.float_type));
   const std::vector<batch_part> one_part{batch_part{0, static_cast<int>(entries.size())}};
   const std::vector<batch_part>& parts = parts_.empty() ? one_part : parts_;
+  join_append();  // the new tokens' rows (append_token, on the copy stream)
   for (std::size_t p = 0; p < parts.size(); ++p) {
     const batch_part& part = parts[p];
     // The last part waits for the whole fetch (fetched_event_ follows its fetch), the others for their own.
@@ -1095,11 +1124,22 @@ void cuda_backend::attend(int layer, std::span<const batch_entry> entries, const
                         static_cast<std::ptrdiff_t>(part.first) * all_queries.stride[0] * query_element;
     part_out.data = static_cast<const std::uint8_t*>(all_out.data) +
                     static_cast<std::ptrdiff_t>(part.first) * all_out.stride[0] * out_element;
+    const bool last = p + 1 == parts.size();
     launch_sparse_attention(dims_, kv_type_, static_cast<const layer_view*>(views_.data()),
                             static_cast<const int*>(batch_slots_.data()) + part.first, layer, part.count,
                             part_queries, part_out, workspace_from(part.first).partial, workspace_.max_splits,
-                            stream_);
+                            stream_, last ? static_cast<cudaEvent_t>(splits_done_event_) : nullptr);
   }
+  // Full rings are folded now, for the next step's selection (fold_oldest_generated_chunk), on the copy stream
+  // beside the last combine: after the split kernels, nothing of this step reads the generated region or the
+  // context arrays. stream_ waits for it before the call ends (the caller's next work, and a graph's capture, see
+  // one stream again).
+  SHADOWKV_CUDA_TRY(cudaStreamWaitEvent(copy_stream_, splits_done_event_, 0));
+  launch_fold_generated(dims_, kv_type_, static_cast<layer_view*>(views_.data()),
+                        static_cast<const int*>(batch_slots_.data()), layer, static_cast<int>(entries.size()),
+                        static_cast<const float*>(inv_freq_.data()), copy_stream_);
+  SHADOWKV_CUDA_TRY(cudaEventRecord(folded_event_, copy_stream_));
+  SHADOWKV_CUDA_TRY(cudaStreamWaitEvent(stream_, folded_event_, 0));
 }
 
 chunk_ids_per_head cuda_backend::selected_chunks(int layer, int slot) const {

@@ -140,6 +140,8 @@ class cuda_backend final : public backend {
   static constexpr int kPipelineFromBatch = 16;    ///< (with host values; bench/NOTES.md)
   /// stream_ waits for the whole fetch queued by fetch_values, once (no-op when none is pending).
   void join_fetch();
+  /// Makes stream_ wait for the append queued on the copy stream, if stream_ has not joined it yet.
+  void join_append();
   /// Copies `bytes` from the device to the host on the backend's own (non-blocking) stream and waits for it: the
   /// inspection calls read through it instead of the legacy default stream, which would wait for every blocking
   /// stream of the device (the caller's included).
@@ -175,6 +177,13 @@ class cuda_backend final : public backend {
   std::array<event_handle, kMaxPipelineParts> part_fetched_events_;   ///< part p's values fetched (attention waits)
   event_handle fetched_event_;  ///< every part's values fetched
   bool fetch_pending_ = false;  ///< a fetch was queued that stream_ has not joined yet (join_fetch)
+  // The decode step's exact generated region (append_token, attend): the append on the copy stream beside the
+  // selection, the fold of full rings after the attention's split kernel, beside its combine.
+  event_handle step_begun_event_;   ///< recorded on stream_ when append_token is called (the inputs are ready)
+  event_handle appended_event_;     ///< the new tokens appended (the attention waits)
+  event_handle splits_done_event_;  ///< the attention's last split kernel done (the fold waits)
+  event_handle folded_event_;       ///< full rings folded (stream_ waits before the call ends)
+  bool append_pending_ = false;     ///< an append was queued that stream_ has not joined yet
   event_handle values_ready_event_;
   device_buffer arena_;          ///< all (slot, layer) arrays
   // Value stores, one allocation per live sequence (all its layers), on the device or in pinned host memory.

@@ -31,140 +31,150 @@ struct ring_chunk_keys {
   }
 };
 
+/// Step 1: folds the oldest C generated tokens of entry blockIdx.x into context chunk `chunk` when its ring is full
+/// (rules::fold_due), else returns at once. When the context chunks already fill the arena there is nowhere to fold:
+/// the ring stays full, and append_generated_kernel then leaves the sequence as it is (a capacity guard for CUDA-graph
+/// replays; eager calls are validated on the host before anything runs, and the host rejects such replays in
+/// account_replayed_steps: they took the sequence past max_seq_len). Every thread reads the same counters before any
+/// write: uniform exit.
 template <typename T>
-__global__ void __launch_bounds__(kThreads, 1) advance_generated_kernel(dims d, layer_view* views, const int* batch_slots, int layer,
-                                         strided_tensor k_new, strided_tensor v_new, strided_tensor positions,
-                                         int positions_bits, bool keys_post_rope, const float* inv_freq) {
+__global__ void __launch_bounds__(kThreads, 1) fold_generated_kernel(dims d, layer_view* views, const int* batch_slots,
+                                                                     int layer, const float* inv_freq) {
   extern __shared__ float keys_pre[];  // [C, Hkv*D]; two-centroid scratch once the fold's values are written
   const int b = blockIdx.x;
   layer_view* view = views + static_cast<long long>(batch_slots[b]) * d.num_layers + layer;
+  const int generated = view->generated_exact_len;
+  if (!rules::fold_due(generated, d.window) || view->context_chunks >= d.max_chunks) return;
   const int width = d.kv_heads * d.head_dim;
   const long long head_rows = d.local_capacity + d.window;
   T* exact_keys = static_cast<T*>(view->exact_keys);
   T* exact_values = static_cast<T*>(view->exact_values);
-  const int generated = view->generated_exact_len;
   const int ring_head = view->ring_head;
-  // Capacity guard for CUDA-graph replays (eager calls are validated on the host before anything runs): when the
-  // ring is full and the context chunks already fill the arena, there is nowhere to fold, so the step leaves the
-  // sequence as it is instead of writing past its arrays; the host rejects such replays in account_replayed_steps
-  // (they took the sequence past max_seq_len). Every thread reads the same counters before any write: uniform exit.
-  const bool fold = rules::fold_due(generated, d.window);
-  if (fold && view->context_chunks >= d.max_chunks) return;
-
-  // 1. Fold the oldest C generated tokens into context chunk `chunk` when the ring is full.
-  if (fold) {
-    const int chunk = view->context_chunks;
-    // Un-rotated keys of the C tokens, heads concatenated.
-    for (int index = threadIdx.x; index < d.chunk * width; index += blockDim.x) {
-      const int i = index / width;
-      const int h = (index % width) / d.head_dim;
-      const int dim = index % d.head_dim;
-      const int ring_row = d.local_capacity + rules::ring_row(ring_head, i, d.window);
-      const long long position = view->exact_positions[ring_row];
-      const T* key = exact_keys + (h * head_rows + ring_row) * d.head_dim;
-      float value = to_float(key[dim]);
-      if (dim < d.rotary_dim) {
-        const int half = d.rotary_dim / 2;
-        const int pair = d.rope_interleaved ? dim / 2 : dim % half;
-        int first;
-        int second;
-        rope_dims(d, pair, first, second);
-        float x1 = to_float(key[first]);
-        float x2 = to_float(key[second]);
-        rope_pair(x1, x2, inv_freq[pair], position, d.attention_scaling, true);
-        value = dim == first ? x1 : x2;
-      }
-      keys_pre[index] = value;
+  const int chunk = view->context_chunks;
+  // Un-rotated keys of the C tokens, heads concatenated.
+  for (int index = threadIdx.x; index < d.chunk * width; index += blockDim.x) {
+    const int i = index / width;
+    const int h = (index % width) / d.head_dim;
+    const int dim = index % d.head_dim;
+    const int ring_row = d.local_capacity + rules::ring_row(ring_head, i, d.window);
+    const long long position = view->exact_positions[ring_row];
+    const T* key = exact_keys + (h * head_rows + ring_row) * d.head_dim;
+    float value = to_float(key[dim]);
+    if (dim < d.rotary_dim) {
+      const int half = d.rotary_dim / 2;
+      const int pair = d.rope_interleaved ? dim / 2 : dim % half;
+      int first;
+      int second;
+      rope_dims(d, pair, first, second);
+      float x1 = to_float(key[first]);
+      float x2 = to_float(key[second]);
+      rope_pair(x1, x2, inv_freq[pair], position, d.attention_scaling, true);
+      value = dim == first ? x1 : x2;
     }
+    keys_pre[index] = value;
+  }
+  __syncthreads();
+  // Coefficients a = k_pre · V_r (B = V_rᵀ rows), context positions, landmark, values to the value store.
+  // The factors' element type (float32 or bf16): B is read as held, the new rows of A are rounded to it.
+  for (int index = threadIdx.x; index < d.chunk * d.rank; index += blockDim.x) {
+    const int i = index / d.rank;
+    const int r = index % d.rank;
+    const long long row = static_cast<long long>(r) * width;
+    const long long target = (static_cast<long long>(chunk) * d.chunk + i) * d.rank + r;
+    float sum = 0.0F;
+    if (d.factor_bf16 != 0) {
+      const auto* basis_row = static_cast<const __nv_bfloat16*>(view->basis) + row;
+      for (int j = 0; j < width; ++j) sum += keys_pre[i * width + j] * __bfloat162float(basis_row[j]);
+      static_cast<__nv_bfloat16*>(view->coefficients)[target] = __float2bfloat16_rn(sum);
+    } else {
+      const float* basis_row = static_cast<const float*>(view->basis) + row;
+      for (int j = 0; j < width; ++j) sum += keys_pre[i * width + j] * basis_row[j];
+      static_cast<float*>(view->coefficients)[target] = sum;
+    }
+  }
+  for (int i = threadIdx.x; i < d.chunk; i += blockDim.x) {
+    view->context_positions[static_cast<long long>(chunk) * d.chunk + i] =
+        view->exact_positions[d.local_capacity + rules::ring_row(ring_head, i, d.window)];
+  }
+  T* landmarks = static_cast<T*>(view->landmarks);
+  T* value_store = static_cast<T*>(view->value_store);
+  float* head_scales = keys_pre;  // fp8: one scale per head (keys_pre is dead once the coefficients are written)
+  if (d.value_fp8 != 0) {
     __syncthreads();
-    // Coefficients a = k_pre · V_r (B = V_rᵀ rows), context positions, landmark, values to the value store.
-    // The factors' element type (float32 or bf16): B is read as held, the new rows of A are rounded to it.
-    for (int index = threadIdx.x; index < d.chunk * d.rank; index += blockDim.x) {
-      const int i = index / d.rank;
-      const int r = index % d.rank;
-      const long long row = static_cast<long long>(r) * width;
-      const long long target = (static_cast<long long>(chunk) * d.chunk + i) * d.rank + r;
-      float sum = 0.0F;
-      if (d.factor_bf16 != 0) {
-        const auto* basis_row = static_cast<const __nv_bfloat16*>(view->basis) + row;
-        for (int j = 0; j < width; ++j) sum += keys_pre[i * width + j] * __bfloat162float(basis_row[j]);
-        static_cast<__nv_bfloat16*>(view->coefficients)[target] = __float2bfloat16_rn(sum);
-      } else {
-        const float* basis_row = static_cast<const float*>(view->basis) + row;
-        for (int j = 0; j < width; ++j) sum += keys_pre[i * width + j] * basis_row[j];
-        static_cast<float*>(view->coefficients)[target] = sum;
-      }
-    }
-    for (int i = threadIdx.x; i < d.chunk; i += blockDim.x) {
-      view->context_positions[static_cast<long long>(chunk) * d.chunk + i] =
-          view->exact_positions[d.local_capacity + rules::ring_row(ring_head, i, d.window)];
-    }
-    T* landmarks = static_cast<T*>(view->landmarks);
-    T* value_store = static_cast<T*>(view->value_store);
-    float* head_scales = keys_pre;  // fp8: one scale per head (keys_pre is dead once the coefficients are written)
-    if (d.value_fp8 != 0) {
-      __syncthreads();
-      for (int h = threadIdx.x; h < d.kv_heads; h += blockDim.x) {
-        float amax = 0.0F;
-        for (int i = 0; i < d.chunk; ++i) {
-          const T* row =
-              exact_values + (h * head_rows + d.local_capacity + rules::ring_row(ring_head, i, d.window)) * d.head_dim;
-          for (int dim = 0; dim < d.head_dim; ++dim) amax = fmaxf(amax, fabsf(to_float(row[dim])));
-        }
-        head_scales[h] = fp8::scale_for(amax);
-        view->value_scales[static_cast<long long>(chunk) * d.kv_heads + h] = head_scales[h];
-      }
-      __syncthreads();
-    }
-    auto* value_codes = static_cast<std::uint8_t*>(view->value_store);
-    for (int index = threadIdx.x; index < width; index += blockDim.x) {
-      const int h = index / d.head_dim;
-      const int dim = index % d.head_dim;
-      double sum = 0.0;
+    for (int h = threadIdx.x; h < d.kv_heads; h += blockDim.x) {
+      float amax = 0.0F;
       for (int i = 0; i < d.chunk; ++i) {
-        const int ring_row = d.local_capacity + rules::ring_row(ring_head, i, d.window);
-        sum += to_float(exact_keys[(h * head_rows + ring_row) * d.head_dim + dim]);
-        const long long target = ((static_cast<long long>(chunk) * d.kv_heads + h) * d.chunk + i) * d.head_dim + dim;
-        const T value = exact_values[(h * head_rows + ring_row) * d.head_dim + dim];
-        if (d.value_fp8 != 0) {
-          value_codes[target] = fp8::encode_e4m3(to_float(value) / head_scales[h]);
-        } else {
-          value_store[target] = value;
-        }
+        const T* row =
+            exact_values + (h * head_rows + d.local_capacity + rules::ring_row(ring_head, i, d.window)) * d.head_dim;
+        for (int dim = 0; dim < d.head_dim; ++dim) amax = fmaxf(amax, fabsf(to_float(row[dim])));
       }
-      if (d.chunk_centroids == 0) {
-        landmarks[(static_cast<long long>(h) * d.max_chunks + chunk) * d.head_dim + dim] =
-            from_float<T>(static_cast<float>(sum / d.chunk));
-      }
-    }
-    __syncthreads();
-    if (d.chunk_centroids != 0) {
-      // The chunk's two centroids per head, a warp a head, scratch in keys_pre (dead now; see
-      // advance_generated_shared_bytes).
-      const int warp = static_cast<int>(threadIdx.x / 32);
-      double* work = reinterpret_cast<double*>(keys_pre) + warp * 2 * d.head_dim;
-      for (int h = warp; h < d.kv_heads; h += kWarps) {
-        const ring_chunk_keys<T> key{exact_keys + h * head_rows * d.head_dim, d.local_capacity, ring_head, d.window,
-                                     d.head_dim};
-        const long long at = static_cast<long long>(h) * d.max_chunks + chunk;
-        two_means_warp(key, d.chunk, d.head_dim, work,
-                       centroid_target{view->centroid_codes + at * 2 * d.head_dim, view->centroid_scales + at * 2,
-                                       view->first_counts + at});
-      }
-      __syncthreads();
-    }
-    if (threadIdx.x == 0) {
-      const rules::generated_region<int> folded =
-          rules::after_fold(rules::generated_region<int>{chunk, generated, ring_head}, d.chunk, d.window);
-      view->context_chunks = folded.context_chunks;
-      view->ring_head = folded.ring_head;
-      view->generated_exact_len = folded.exact_len;
+      head_scales[h] = fp8::scale_for(amax);
+      view->value_scales[static_cast<long long>(chunk) * d.kv_heads + h] = head_scales[h];
     }
     __syncthreads();
   }
+  auto* value_codes = static_cast<std::uint8_t*>(view->value_store);
+  for (int index = threadIdx.x; index < width; index += blockDim.x) {
+    const int h = index / d.head_dim;
+    const int dim = index % d.head_dim;
+    double sum = 0.0;
+    for (int i = 0; i < d.chunk; ++i) {
+      const int ring_row = d.local_capacity + rules::ring_row(ring_head, i, d.window);
+      sum += to_float(exact_keys[(h * head_rows + ring_row) * d.head_dim + dim]);
+      const long long target = ((static_cast<long long>(chunk) * d.kv_heads + h) * d.chunk + i) * d.head_dim + dim;
+      const T value = exact_values[(h * head_rows + ring_row) * d.head_dim + dim];
+      if (d.value_fp8 != 0) {
+        value_codes[target] = fp8::encode_e4m3(to_float(value) / head_scales[h]);
+      } else {
+        value_store[target] = value;
+      }
+    }
+    if (d.chunk_centroids == 0) {
+      landmarks[(static_cast<long long>(h) * d.max_chunks + chunk) * d.head_dim + dim] =
+          from_float<T>(static_cast<float>(sum / d.chunk));
+    }
+  }
+  __syncthreads();
+  if (d.chunk_centroids != 0) {
+    // The chunk's two centroids per head, a warp a head, scratch in keys_pre (dead now; see
+    // advance_generated_shared_bytes).
+    const int warp = static_cast<int>(threadIdx.x / 32);
+    double* work = reinterpret_cast<double*>(keys_pre) + warp * 2 * d.head_dim;
+    for (int h = warp; h < d.kv_heads; h += kWarps) {
+      const ring_chunk_keys<T> key{exact_keys + h * head_rows * d.head_dim, d.local_capacity, ring_head, d.window,
+                                   d.head_dim};
+      const long long at = static_cast<long long>(h) * d.max_chunks + chunk;
+      two_means_warp(key, d.chunk, d.head_dim, work,
+                     centroid_target{view->centroid_codes + at * 2 * d.head_dim, view->centroid_scales + at * 2,
+                                     view->first_counts + at});
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    const rules::generated_region<int> folded =
+        rules::after_fold(rules::generated_region<int>{chunk, generated, ring_head}, d.chunk, d.window);
+    view->context_chunks = folded.context_chunks;
+    view->ring_head = folded.ring_head;
+    view->generated_exact_len = folded.exact_len;
+  }
+}
 
-  // 2. Append the new token at the ring's end.
+/// Step 2: appends entry blockIdx.x's new token at its ring's end, unless the ring is still full (fold_generated_kernel
+/// found no room to fold: the sequence is left as it is).
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 1) append_generated_kernel(dims d, layer_view* views, const int* batch_slots,
+                                                                       int layer, strided_tensor k_new,
+                                                                       strided_tensor v_new, strided_tensor positions,
+                                                                       int positions_bits, bool keys_post_rope,
+                                                                       const float* inv_freq) {
+  const int b = blockIdx.x;
+  layer_view* view = views + static_cast<long long>(batch_slots[b]) * d.num_layers + layer;
   const int length = view->generated_exact_len;
+  if (rules::fold_due(length, d.window)) return;
+  const int width = d.kv_heads * d.head_dim;
+  const long long head_rows = d.local_capacity + d.window;
+  T* exact_keys = static_cast<T*>(view->exact_keys);
+  T* exact_values = static_cast<T*>(view->exact_values);
   const int ring_row = d.local_capacity + rules::ring_row(view->ring_head, length, d.window);
   const long long position = positions.data == nullptr
                                  ? view->last_position + 1
@@ -207,19 +217,37 @@ std::size_t advance_generated_shared_bytes(const dims& d) {
   return std::max(keys, centroid_work);
 }
 
-void launch_advance_generated(const dims& d, int kv_type, layer_view* views, const int* batch_slots, int layer,
-                              int batch, strided_tensor k_new, strided_tensor v_new, strided_tensor positions,
-                              int positions_bits, bool keys_post_rope, const float* inv_freq, cudaStream_t stream) {
+void launch_fold_generated(const dims& d, int kv_type, layer_view* views, const int* batch_slots, int layer, int batch,
+                           const float* inv_freq, cudaStream_t stream) {
+  if (batch == 0) return;
   const std::size_t shared = advance_generated_shared_bytes(d);
   shadowkv_dispatch_element(kv_type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     static std::atomic<std::uint64_t> allowed_on_devices{0};  // the opt-in shared-memory limit, once per device
-    shadowkv_allow_large_shared_memory(advance_generated_kernel<T>, allowed_on_devices);
-    advance_generated_kernel<T><<<batch, kThreads, shared, stream>>>(d, views, batch_slots, layer, k_new, v_new,
-                                                                     positions, positions_bits, keys_post_rope,
-                                                                     inv_freq);
+    shadowkv_allow_large_shared_memory(fold_generated_kernel<T>, allowed_on_devices);
+    fold_generated_kernel<T><<<batch, kThreads, shared, stream>>>(d, views, batch_slots, layer, inv_freq);
   });
   SHADOWKV_CUDA_CHECK_LAUNCH();
+}
+
+void launch_append_generated(const dims& d, int kv_type, layer_view* views, const int* batch_slots, int layer,
+                             int batch, strided_tensor k_new, strided_tensor v_new, strided_tensor positions,
+                             int positions_bits, bool keys_post_rope, const float* inv_freq, cudaStream_t stream) {
+  if (batch == 0) return;
+  shadowkv_dispatch_element(kv_type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    append_generated_kernel<T><<<batch, kThreads, 0, stream>>>(d, views, batch_slots, layer, k_new, v_new, positions,
+                                                               positions_bits, keys_post_rope, inv_freq);
+  });
+  SHADOWKV_CUDA_CHECK_LAUNCH();
+}
+
+void launch_advance_generated(const dims& d, int kv_type, layer_view* views, const int* batch_slots, int layer,
+                              int batch, strided_tensor k_new, strided_tensor v_new, strided_tensor positions,
+                              int positions_bits, bool keys_post_rope, const float* inv_freq, cudaStream_t stream) {
+  launch_fold_generated(d, kv_type, views, batch_slots, layer, batch, inv_freq, stream);
+  launch_append_generated(d, kv_type, views, batch_slots, layer, batch, k_new, v_new, positions, positions_bits,
+                          keys_post_rope, inv_freq, stream);
 }
 
 }  // namespace shadowkv::cuda

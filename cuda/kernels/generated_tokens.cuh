@@ -11,8 +11,19 @@ namespace shadowkv::cuda {
 /// Dynamic shared memory the launcher needs (the folded chunk's pre-RoPE keys).
 std::size_t advance_generated_shared_bytes(const dims& d);
 
-/// k_new, v_new: [B, Hkv, D]; positions: int tensor [B] of `positions_bits` bits, or data == nullptr for each
-/// sequence's last position + 1. keys_post_rope=false applies RoPE to k_new first.
+/// Step 1 alone: folds the oldest generated chunk of each entry whose ring is full (rules::fold_due), if its arena has
+/// room; entries with nothing to fold return at once.
+void launch_fold_generated(const dims& d, int kv_type, layer_view* views, const int* batch_slots, int layer, int batch,
+                           const float* inv_freq, cudaStream_t stream);
+
+/// Step 2 alone: appends the new token of each entry whose ring is not full (one left full had no room to fold: the
+/// entry stays as it is). k_new, v_new: [B, Hkv, D]; positions: int tensor [B] of `positions_bits` bits, or
+/// data == nullptr for each sequence's last position + 1. keys_post_rope=false applies RoPE to k_new first.
+void launch_append_generated(const dims& d, int kv_type, layer_view* views, const int* batch_slots, int layer,
+                             int batch, strided_tensor k_new, strided_tensor v_new, strided_tensor positions,
+                             int positions_bits, bool keys_post_rope, const float* inv_freq, cudaStream_t stream);
+
+/// Steps 1 and 2 in stream order: launch_fold_generated, then launch_append_generated (same arguments).
 void launch_advance_generated(const dims& d, int kv_type, layer_view* views, const int* batch_slots, int layer,
                               int batch, strided_tensor k_new, strided_tensor v_new, strided_tensor positions,
                               int positions_bits, bool keys_post_rope, const float* inv_freq, cudaStream_t stream);

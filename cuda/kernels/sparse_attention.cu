@@ -1009,7 +1009,7 @@ int sparse_attention_max_splits(const dims& d) {
 
 void launch_sparse_attention(const dims& d, int kv_type, const layer_view* views, const int* batch_slots, int layer,
                              int batch, strided_tensor q, strided_tensor out, float* partial, int max_splits,
-                             cudaStream_t stream) {
+                             cudaStream_t stream, cudaEvent_t splits_done) {
   SHADOWKV_EXPECTS(supported_head_dim(d.head_dim), "sparse attention supports head_dim 64, 80, 96, 128 or 256, got ",
                    d.head_dim);
   SHADOWKV_EXPECTS(d.kv_heads >= 1 && d.kv_heads <= 65535 && d.group >= 1 && d.q_heads == d.kv_heads * d.group,
@@ -1028,7 +1028,10 @@ void launch_sparse_attention(const dims& d, int kv_type, const layer_view* views
                    ")");
   SHADOWKV_EXPECTS(batch >= 0 && batch <= 65535, "sparse attention: batch ", batch, " not in [0, 65535]");
   SHADOWKV_EXPECTS(max_splits >= 1, "sparse attention: max_splits must be >= 1, got ", max_splits);
-  if (batch == 0) return;
+  if (batch == 0) {
+    if (splits_done != nullptr) SHADOWKV_CUDA_TRY(cudaEventRecord(splits_done, stream));
+    return;
+  }
   SHADOWKV_EXPECTS(views != nullptr && batch_slots != nullptr && partial != nullptr && q.data != nullptr &&
                        out.data != nullptr,
                    "sparse attention: null views, batch_slots, partial, q or out");
@@ -1061,6 +1064,7 @@ void launch_sparse_attention(const dims& d, int kv_type, const layer_view* views
       });
     });
   });
+  if (splits_done != nullptr) SHADOWKV_CUDA_TRY(cudaEventRecord(splits_done, stream));
   launch_after_prior_grid(sparse_attention_combine_kernel,
                           dim3(static_cast<unsigned>(d.q_heads), static_cast<unsigned>(batch)), dim3(kCombineThreads),
                           0, stream, d.programmatic_launch != 0, d.head_dim, d.q_heads, partial, splits, max_splits,

@@ -21,9 +21,11 @@ namespace shadowkv::cuda {
 int sparse_attention_max_splits(const dims& d);
 
 /// q: [B, Hq, D] (strides in q.stride[0..2]); out: [B, Hq, D] written in out.type. T = the store's element type
-/// (element_type code `kv_type`). Never allocates; throws shadowkv::cuda_error on a launch failure.
+/// (element_type code `kv_type`). `splits_done`, when not null, is recorded on the stream between the split kernel
+/// and the combine: after it, nothing of this launch reads the layer views or their arrays. Never allocates; throws
+/// shadowkv::cuda_error on a launch failure.
 void launch_sparse_attention(const dims& d, int kv_type, const layer_view* views, const int* batch_slots, int layer,
                              int batch, strided_tensor q, strided_tensor out, float* partial, int max_splits,
-                             cudaStream_t stream);
+                             cudaStream_t stream, cudaEvent_t splits_done = nullptr);
 
 }  // namespace shadowkv::cuda

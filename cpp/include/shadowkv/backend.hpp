@@ -100,7 +100,8 @@ class backend {
 
   /// Folds each entry's oldest `chunk_size` exact generated tokens into the compressed store as context chunk
   /// `state->context_chunks` (states hold the counters before the fold). A backend whose counters live on the
-  /// device may instead fold inside append_token by the same rule (ring full) and do nothing here.
+  /// device may instead fold on the device by the same rule (ring full), before this step's selection reads the
+  /// context chunks: inside append_token, or at the end of the step that filled the ring (the CUDA backend).
   virtual void fold_oldest_generated_chunk(int layer, std::span<const batch_entry> entries) = 0;
 
   /// Appends one token per entry to its exact generated region (states hold the counters before the append).
