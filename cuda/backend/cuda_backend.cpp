@@ -330,7 +330,7 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   for (event_handle& event : part_selected_events_) event = make_event();
   for (event_handle& event : part_fetched_events_) event = make_event();
   fetched_event_ = make_event();
-  step_begun_event_ = make_event();
+  logits_done_event_ = make_event();
   appended_event_ = make_event();
   splits_done_event_ = make_event();
   folded_event_ = make_event();
@@ -497,6 +497,8 @@ bool cuda_backend::capturing() const {
 }
 
 void cuda_backend::finish_call() {
+  launch_queued_append(false);  // (none is left by a call that reached its attention)
+  join_append();
   join_fetch();
   if (!caller_stream_) SHADOWKV_CUDA_TRY(cudaStreamSynchronize(stream_));
 }
@@ -979,20 +981,39 @@ void cuda_backend::fold_oldest_generated_chunk(int layer, std::span<const batch_
 
 void cuda_backend::append_token(int layer, std::span<const batch_entry> entries, const append_inputs& inputs) {
   upload_batch(entries);
-  const strided_tensor positions =
-      inputs.positions.empty() ? strided_tensor{nullptr, 0, {0, 0, 0, 0}}
-                               : strided_tensor{inputs.positions.data, 0, {inputs.positions.strides[0], 0, 0, 0}};
-  // On the copy stream, beside the landmark logits and the selection, which do not read the generated region; the
-  // attention waits for it (attend). The copy stream waits for what the caller queued before the call (k_new, v_new).
-  SHADOWKV_CUDA_TRY(cudaEventRecord(step_begun_event_, stream_));
-  SHADOWKV_CUDA_TRY(cudaStreamWaitEvent(copy_stream_, step_begun_event_, 0));
+  // Queued, not launched: select_chunks launches it on the copy stream once the first part's landmark logits are
+  // done, beside the select kernel (the logits' one-wave grid fills every multiprocessor, and a CTA of the append
+  // beside it made one of theirs wait: logits 17.0 -> 18.3 µs at B = 1, bench/NOTES.md session 20). Nothing of the
+  // selection reads the generated region; the attention waits for the append (attend). The inputs stay valid: the
+  // append is launched within this decode call (select_chunks, else attend or finish_call).
+  queued_append_ = queued_append{layer,
+                                 static_cast<int>(entries.size()),
+                                 as_strided(inputs.keys),
+                                 as_strided(inputs.values),
+                                 inputs.positions.empty()
+                                     ? strided_tensor{nullptr, 0, {0, 0, 0, 0}}
+                                     : strided_tensor{inputs.positions.data, 0, {inputs.positions.strides[0], 0, 0, 0}},
+                                 inputs.positions.empty() ? 64 : index_bits(inputs.positions),
+                                 inputs.keys_post_rope};
+}
+
+void cuda_backend::launch_queued_append(bool beside_select) {
+  if (!queued_append_.has_value()) return;
+  const queued_append append = *queued_append_;
+  queued_append_.reset();
+  cudaStream_t stream = stream_;
+  if (beside_select) {  // logits_done_event_ follows the caller's work on stream_ too (k_new, v_new)
+    SHADOWKV_CUDA_TRY(cudaStreamWaitEvent(copy_stream_, logits_done_event_, 0));
+    stream = copy_stream_;
+  }
   launch_append_generated(dims_, kv_type_, static_cast<layer_view*>(views_.data()),
-                          static_cast<const int*>(batch_slots_.data()), layer, static_cast<int>(entries.size()),
-                          as_strided(inputs.keys), as_strided(inputs.values), positions,
-                          inputs.positions.empty() ? 64 : index_bits(inputs.positions), inputs.keys_post_rope,
-                          static_cast<const float*>(inv_freq_.data()), copy_stream_);
-  SHADOWKV_CUDA_TRY(cudaEventRecord(appended_event_, copy_stream_));
-  append_pending_ = true;
+                          static_cast<const int*>(batch_slots_.data()), append.layer, append.batch, append.keys,
+                          append.values, append.positions, append.positions_bits, append.keys_post_rope,
+                          static_cast<const float*>(inv_freq_.data()), stream);
+  if (beside_select) {
+    SHADOWKV_CUDA_TRY(cudaEventRecord(appended_event_, copy_stream_));
+    append_pending_ = true;
+  }
 }
 
 std::vector<cuda_backend::batch_part> cuda_backend::pipeline_parts(std::span<const batch_entry> entries) const {
@@ -1033,6 +1054,15 @@ step_workspace cuda_backend::workspace_from(int first) const {
 }
 
 void cuda_backend::select_chunks(int layer, std::span<const batch_entry> entries, const tensor_view& queries) {
+  try {
+    select_parts(layer, entries, queries);
+  } catch (...) {
+    launch_queued_append(false);  // while this call's inputs are valid
+    throw;
+  }
+}
+
+void cuda_backend::select_parts(int layer, std::span<const batch_entry> entries, const tensor_view& queries) {
   join_fetch();  // a call that failed after its fetch was queued: the selection below rewrites what it reads
   upload_batch(entries);
   parts_ = pipeline_parts(entries);
@@ -1046,10 +1076,13 @@ void cuda_backend::select_chunks(int layer, std::span<const batch_entry> entries
     // After the first part, an earlier part's fetch may hold up to its CTAs (one each on as many multiprocessors)
     // while this part's landmark logits run: the one-wave logits grid leaves room for them.
     const int beside = p == 0 ? 0 : fetch_ctas(entries.subspan(parts_[p - 1].first, parts_[p - 1].count));
+    const bool append_after = p == 0 && queued_append_.has_value();
     launch_select_chunks(dims_, kv_type_, static_cast<layer_view*>(views_.data()),
                          static_cast<const int*>(batch_slots_.data()) + part.first, layer, part.count, part_queries,
-                         static_cast<int>(queries.shape[1]), workspace_from(part.first), beside, stream_);
+                         static_cast<int>(queries.shape[1]), workspace_from(part.first), beside, stream_,
+                         append_after ? static_cast<cudaEvent_t>(logits_done_event_) : nullptr);
     SHADOWKV_CUDA_TRY(cudaEventRecord(part_selected_events_[p], stream_));
+    if (append_after) launch_queued_append(true);
   }
 }
 
@@ -1109,7 +1142,8 @@ void cuda_backend::attend(int layer, std::span<const batch_entry> entries, const
   const auto out_element = static_cast<std::ptrdiff_t>(dtype_size(out.float_type));
   const std::vector<batch_part> one_part{batch_part{0, static_cast<int>(entries.size())}};
   const std::vector<batch_part>& parts = parts_.empty() ? one_part : parts_;
-  join_append();  // the new tokens' rows (append_token, on the copy stream)
+  launch_queued_append(false);  // (when no selection launched it)
+  join_append();                // the new tokens' rows
   for (std::size_t p = 0; p < parts.size(); ++p) {
     const batch_part& part = parts[p];
     // The last part waits for the whole fetch (fetched_event_ follows its fetch), the others for their own.

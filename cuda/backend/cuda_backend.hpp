@@ -140,7 +140,13 @@ class cuda_backend final : public backend {
   static constexpr int kPipelineFromBatch = 16;    ///< (with host values; bench/NOTES.md)
   /// stream_ waits for the whole fetch queued by fetch_values, once (no-op when none is pending).
   void join_fetch();
-  /// Makes stream_ wait for the append queued on the copy stream, if stream_ has not joined it yet.
+  /// select_chunks' work (select_chunks launches the queued append if it throws).
+  void select_parts(int layer, std::span<const batch_entry> entries, const tensor_view& queries);
+  /// Launches the append that append_token queued, if any: on the copy stream after logits_done_event_ when
+  /// `beside_select` (the select kernel leaves multiprocessors free; the landmark logits fill them all), else on
+  /// stream_ (a call whose selection did not launch it).
+  void launch_queued_append(bool beside_select);
+  /// Makes stream_ wait for the append launched on the copy stream, if stream_ has not joined it yet.
   void join_append();
   /// Copies `bytes` from the device to the host on the backend's own (non-blocking) stream and waits for it: the
   /// inspection calls read through it instead of the legacy default stream, which would wait for every blocking
@@ -178,12 +184,23 @@ class cuda_backend final : public backend {
   event_handle fetched_event_;  ///< every part's values fetched
   bool fetch_pending_ = false;  ///< a fetch was queued that stream_ has not joined yet (join_fetch)
   // The decode step's exact generated region (append_token, attend): the append on the copy stream beside the
-  // selection, the fold of full rings after the attention's split kernel, beside its combine.
-  event_handle step_begun_event_;   ///< recorded on stream_ when append_token is called (the inputs are ready)
+  // select kernel, the fold of full rings after the attention's split kernel, beside its combine.
+  /// The arguments of append_token, kept until the selection launches the append (launch_queued_append).
+  struct queued_append {
+    int layer;
+    int batch;
+    strided_tensor keys;
+    strided_tensor values;
+    strided_tensor positions;
+    int positions_bits;
+    bool keys_post_rope;
+  };
+  std::optional<queued_append> queued_append_;
+  event_handle logits_done_event_;  ///< the first part's landmark logits done (the append waits)
   event_handle appended_event_;     ///< the new tokens appended (the attention waits)
   event_handle splits_done_event_;  ///< the attention's last split kernel done (the fold waits)
   event_handle folded_event_;       ///< full rings folded (stream_ waits before the call ends)
-  bool append_pending_ = false;     ///< an append was queued that stream_ has not joined yet
+  bool append_pending_ = false;     ///< an append was launched on the copy stream that stream_ has not joined yet
   event_handle values_ready_event_;
   device_buffer arena_;          ///< all (slot, layer) arrays
   // Value stores, one allocation per live sequence (all its layers), on the device or in pinned host memory.

@@ -78,7 +78,7 @@ device_limits current_device_limits() {
 
 void plan_and_launch(const dims& d, int kv_type, int element_bytes, const layer_view* views, const int* batch_slots,
                      int layer, int batch, const strided_tensor& queries, int tokens, const step_workspace& ws,
-                     int beside_ctas, cudaStream_t stream) {
+                     int beside_ctas, cudaStream_t stream, cudaEvent_t logits_done) {
   const logit_geometry logit_geo = selection::plan_logits(d, element_bytes);
   SHADOWKV_EXPECTS(logit_geo.tiles == 0 || ws.selection_partials != nullptr,
                    "chunk selection: step_workspace::selection_partials is null (size it with "
@@ -96,6 +96,7 @@ void plan_and_launch(const dims& d, int kv_type, int element_bytes, const layer_
                                          limits, stream);
     }
   }
+  if (logits_done != nullptr) SHADOWKV_CUDA_TRY(cudaEventRecord(logits_done, stream));
   selection::launch_select_kernel(d, views, batch_slots, layer, batch, ws, selection::plan_select(d, limits),
                                   selection::plan_select_cluster(d, batch, limits, ws.radix_keys != nullptr),
                                   tokens > 1 ? selection::score_input::summed_probabilities
@@ -116,9 +117,12 @@ int element_bytes_of(const dims& d, int kv_type) {
 
 void launch_select_chunks(const dims& d, int kv_type, layer_view* views, const int* batch_slots, int layer, int batch,
                           strided_tensor queries, int tokens, const step_workspace& workspace, int beside_ctas,
-                          cudaStream_t stream) {
+                          cudaStream_t stream, cudaEvent_t logits_done) {
   SHADOWKV_EXPECTS(batch >= 0, "chunk selection: batch must be >= 0, got ", batch);
-  if (batch == 0) return;
+  if (batch == 0) {
+    if (logits_done != nullptr) SHADOWKV_CUDA_TRY(cudaEventRecord(logits_done, stream));
+    return;
+  }
   SHADOWKV_EXPECTS(tokens >= 1, "chunk selection: tokens must be >= 1, got ", tokens);
   SHADOWKV_EXPECTS(d.kv_heads >= 1 && d.group >= 1 && d.q_heads == d.kv_heads * d.group,
                    "chunk selection: q_heads must be kv_heads * group");
@@ -131,7 +135,7 @@ void launch_select_chunks(const dims& d, int kv_type, layer_view* views, const i
   SHADOWKV_EXPECTS(queries.type == element_f32 || queries.type == element_f16 || queries.type == element_bf16,
                    "chunk selection: unknown query element type ", queries.type);
   plan_and_launch(d, kv_type, element_bytes_of(d, kv_type), views, batch_slots, layer, batch, queries, tokens, workspace,
-                  std::max(beside_ctas, 0), stream);
+                  std::max(beside_ctas, 0), stream, logits_done);
 }
 
 selection_workspace_bytes chunk_selection_workspace(const dims& d, int kv_type, int max_batch) {

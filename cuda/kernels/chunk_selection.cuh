@@ -31,10 +31,11 @@ namespace shadowkv::cuda {
 /// queries: [B, Tq, Hq, D] (strides in queries.stride[0..3]), any element type; tokens = Tq >= 1.
 /// kv_type: element_type of landmarks. beside_ctas: CTAs another kernel may keep resident while this runs (an earlier
 /// pipeline part's value fetch; 0 when none): the one-wave landmark-logits grid is that many CTAs smaller, so that
-/// none of its CTAs waits for a second wave. Never allocates; throws shadowkv::cuda_error on a launch failure.
+/// none of its CTAs waits for a second wave. `logits_done`, when not null, is recorded on the stream between the
+/// landmark logits and the select kernel. Never allocates; throws shadowkv::cuda_error on a launch failure.
 void launch_select_chunks(const dims& d, int kv_type, layer_view* views, const int* batch_slots, int layer, int batch,
                           strided_tensor queries, int tokens, const step_workspace& workspace, int beside_ctas,
-                          cudaStream_t stream);
+                          cudaStream_t stream, cudaEvent_t logits_done = nullptr);
 
 /// Bytes of the selection's own workspace rows for `max_batch` sequences on the current device:
 /// step_workspace::selection_partials and step_workspace::radix_keys (0: not needed, the radix keys fit in the select
