@@ -204,6 +204,8 @@ def run_case(args, device, batch, seq_len, budget, value_store, target_hit, band
     ours = (time.perf_counter() - started) / args.steps
     hit = store.stats()["hit_rate"]
     ours_graph = _graph_step_time(store, slots, queries, k_new, v_new) if device.startswith("cuda") else None
+    ours_graph_steps = (_graph_steps_time(store, slots, queries, k_new, v_new, args.graph_steps)
+                        if args.graph_steps > 0 and device.startswith("cuda") else None)
     kernels, timeline = (_kernel_profile(store, slots, queries, k_new, v_new)
                          if (args.profile or args.timeline) and device.startswith("cuda") else (None, None))
     graph_timeline = (_graph_timeline(store, slots, queries, k_new, v_new)
@@ -238,6 +240,9 @@ def run_case(args, device, batch, seq_len, budget, value_store, target_hit, band
            "ours_over_full": ours / full, "ours_over_floor": ours / floor}
     if ours_graph is not None:
         row.update(ours_graph_ms=ours_graph * 1e3, graph_over_full=ours_graph / full, graph_over_floor=ours_graph / floor)
+    if ours_graph_steps is not None:
+        row.update(graph_steps=args.graph_steps, ours_graph_steps_ms=ours_graph_steps * 1e3,
+                   graph_steps_over_full=ours_graph_steps / full, graph_steps_over_floor=ours_graph_steps / floor)
     if kernels is not None and args.profile:
         row["kernels_us"] = kernels
     if timeline is not None and args.timeline:
@@ -268,6 +273,32 @@ def _graph_step_time(store, slots, queries, k_new, v_new) -> float:
     torch.cuda.synchronize()
     store.account_replayed_steps(0, slots, len(queries) + 2)
     return start.elapsed_time(end) / 1e3 / len(queries)
+
+
+def _graph_steps_time(store, slots, queries, k_new, v_new, per_graph: int) -> float:
+    """GPU time of one decode step when `per_graph` steps follow each other inside one CUDA graph, each after its
+    query's copy into the captured input: as in a model whose whole decode step is one graph, no graph launch and no
+    host between two steps. (_graph_step_time replays a graph of one step: each replay also waits for the graph's
+    launch, ~4 µs on the H200 before its first kernel; bench/NOTES.md, session 20.)"""
+    bank = torch.stack(queries[:per_graph])
+    q_static = bank[0].clone()
+    store.decode(0, slots, q_static, k_new, v_new)  # eager step first: the slot list is on the GPU
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(per_graph):
+            q_static.copy_(bank[i])
+            store.decode(0, slots, q_static, k_new, v_new)
+    graph.replay()  # warm-up
+    torch.cuda.synchronize()
+    replays = max(1, len(queries) // per_graph)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    store.account_replayed_steps(0, slots, (replays + 1) * per_graph)
+    return start.elapsed_time(end) / 1e3 / (replays * per_graph)
 
 
 def _graph_timeline(store, slots, queries, k_new, v_new):
@@ -387,6 +418,8 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true", help="also print the device time of each kernel per step")
     p.add_argument("--timeline", action="store_true",
                    help="also print one profiled step's kernels and copies by stream, with start and end (µs)")
+    p.add_argument("--graph-steps", type=int, default=0, metavar="N",
+                   help="also time N steps captured in one CUDA graph (per step: no graph launch between steps)")
     p.add_argument("--graph-timeline", action="store_true",
                    help="also print the same for one graph replay of the step (no host launches between kernels)")
     args = p.parse_args(argv)
@@ -445,6 +478,15 @@ def main(argv=None) -> int:
               f"{r['full_ms']:.3f} | {r['floor_ms']:.3f} | {best / r['full_ms']:.2f} | {best * 1e3 / (r['floor_ms'] * 1e3):.1f} |")
     if graph:
         print("ratios use the faster of eager and graph-replayed steps")
+    multi = [r for r in rows if "ours_graph_steps_ms" in r]
+    if multi:
+        print("\n| B | S | budget | values | hit | ours, graph of 1 step (ms) | ours, graph of N steps, per step (ms) | N | "
+              "full attn (ms) | floor (ms) | ours/full | ours/floor |")
+        print("| --- " * 12 + "|")
+        for r in multi:
+            print(f"| {r['batch']} | {r['seq_len']} | {r['budget']} | {r['value_store']} | {r['hit']:.2f} | "
+                  f"{r['ours_graph_ms']:.3f} | {r['ours_graph_steps_ms']:.3f} | {r['graph_steps']} | {r['full_ms']:.3f} | "
+                  f"{r['floor_ms']:.3f} | {r['graph_steps_over_full']:.2f} | {r['graph_steps_over_floor']:.1f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": device, "gpu": gpu, "commit": _commit(), "build": info, "bandwidths": bandwidths,

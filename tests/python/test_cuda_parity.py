@@ -289,6 +289,47 @@ def test_cuda_graph_replay_matches_eager(cache_tokens):
     assert eager.memory_report()["selection_cache"] == graphed.memory_report()["selection_cache"]
 
 
+def test_cuda_graph_of_several_steps_matches_eager():
+    """Several decode steps captured in one CUDA graph (as a model captures its whole decode) equal the same steps
+    decoded eagerly, folds included: the append (beside the selection) and the fold (at the end of the step that fills
+    the ring) of each step are ordered before the next step's, inside one graph."""
+    seed, hq, hkv, d, n, per_graph, replays = 22, 8, 2, 64, 600, 4, 10
+    g = H.generator(seed)
+    kw = dict(num_layers=1, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, max_batch=2, max_seq_len=1024, rank=64,
+              chunk_size=8, budget=128, outlier_chunks=2, local_chunks=2, generation_window=16, dtype="bfloat16",
+              device="cuda:0")
+    eager, graphed = KVStore(**kw), KVStore(**kw)
+    keys = torch.stack([H.structured_keys(g, n, hkv, d) for _ in range(2)]).cuda()
+    values = H.randn(g, 2, n, hkv, d).cuda()
+    slots = {}
+    for name, store in (("eager", eager), ("graphed", graphed)):
+        slots[name] = store.add_sequences(2)
+        store.prefill(0, slots[name], keys, values)
+    first = [t.cuda() for t in (H.randn(g, 2, hq, d, scale=2.0), H.randn(g, 2, hkv, d), H.randn(g, 2, hkv, d))]
+    assert torch.equal(eager.decode(0, slots["eager"], *first), graphed.decode(0, slots["graphed"], *first))
+    banks = [torch.zeros(per_graph, *t.shape, dtype=t.dtype, device="cuda") for t in first]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [graphed.decode(0, slots["graphed"], banks[0][i], banks[1][i], banks[2][i]) for i in range(per_graph)]
+    for replay in range(replays):
+        step_inputs = [[t.cuda() for t in (H.randn(g, 2, hq, d, scale=2.0), H.randn(g, 2, hkv, d),
+                                           H.randn(g, 2, hkv, d))] for _ in range(per_graph)]
+        for i, inputs in enumerate(step_inputs):
+            for bank, t in zip(banks, inputs):
+                bank[i].copy_(t)
+        graph.replay()
+        for i, inputs in enumerate(step_inputs):
+            expected = eager.decode(0, slots["eager"], *inputs)
+            assert torch.equal(outs[i], expected), f"replay {replay}, step {i} differs from eager (seed={seed})"
+    graphed.account_replayed_steps(0, slots["graphed"], replays * per_graph)
+    for a, b in zip(slots["eager"], slots["graphed"]):
+        assert eager.sequence_info(0, a) == graphed.sequence_info(0, b)
+        assert eager.selected_chunks(0, a) == graphed.selected_chunks(0, b)
+    e, r = eager.stats(), graphed.stats()
+    assert (e["hits"], e["misses"], e["folds"], e["decode_steps"]) == (r["hits"], r["misses"], r["folds"],
+                                                                       r["decode_steps"]) and e["folds"] > 0, (e, r)
+
+
 def test_cuda_graph_replays_past_capacity_stay_contained():
     """Replays are not validated one by one: past max_seq_len the device stops folding at the arena's end (nothing
     is written outside the sequence's arrays), account_replayed_steps then raises, and the other sequence of the
