@@ -3,6 +3,7 @@
 # executables, run them (gtest, all of their tests), the named pytest files on the CUDA backend, then the step
 # benchmark rows in STEP_CONFIGS. Writes $OUT/<date>-<commit>-focused.json: the step results plus `gpu` and `tests`
 # (the counts of this run; say which tests ran when citing it).
+# STEP_ARGS: more arguments for step_benchmark.py (e.g. "--graph-steps 8").
 #   TESTS="test_store" PYTESTS="test_two_centroids.py" STEP_CONFIGS="24x122880x2048:host" COMMIT=<sha> \
 #     bash bench/focused_check.sh
 set -uo pipefail
@@ -48,7 +49,7 @@ PY
 echo "tests: $tests_json"
 if [ -n "${STEP_CONFIGS:-}" ]; then
   timeout "${STEP_TIMEOUT_S:-300}" python3 bench/step_benchmark.py --config $STEP_CONFIGS --hit 0.0 0.6 --profile \
-    --json "$out/step.json" >"$out/step.log" 2>&1
+    ${STEP_ARGS:-} --json "$out/step.json" >"$out/step.log" 2>&1
   echo "step benchmark: rc $?"
   grep -E "^\|" "$out/step.log"
 fi

@@ -65,6 +65,10 @@ struct dims {
                           ///< lanes' FMAs always, 2 = tensor cores wherever they serve the shape
   int select_hint;  ///< 1: a select cluster starts from layer_view::selection_hint when it can (select_kernel.cu;
                     ///< SHADOWKV_SELECT_HINT=on, the default), 0: always the full radix select
+  int attention_early;  ///< 1: the key rebuild releases the attention's launch at its start, and the tensor-core
+                        ///< attention walks its rows and stages q before it waits for the rebuild
+                        ///< (SHADOWKV_ATTENTION_EARLY=on; sparse_attention.cu), 0: the attention starts after it
+  int attention_ctas;  ///< CTAs the tensor-core attention's split count aims for (SHADOWKV_ATTENTION_CTAS), 0: 264
 };
 
 /// Everything of one (slot, layer) on the device. Row-major, head-major where a kernel reads one head at a time.

@@ -172,6 +172,23 @@ bool select_merge_all() { return knob_is("SHADOWKV_SELECT_MERGE", "scatter", "al
 // (a measurement knob for bench/step_benchmark.py's +rs; bench/NOTES.md, session 15).
 bool rebuild_rope_shared() { return knob_is("SHADOWKV_REBUILD_ROPE", "registers", "shared"); }
 
+// Whether the key rebuild lets the tensor-core attention start early, to walk its rows and stage q beside the rebuild
+// (dims::attention_early): "off" (the default) or "on". SHADOWKV_ATTENTION_EARLY picks one (a measurement knob;
+// bench/NOTES.md, session 20).
+bool attention_early_setting() { return knob_is("SHADOWKV_ATTENTION_EARLY", "off", "on"); }
+
+// The CTAs the tensor-core attention's split count aims for (dims::attention_ctas): SHADOWKV_ATTENTION_CTAS, a number
+// from 1 to 4096; unset: the kernel's constant (two a multiprocessor of an H200).
+int attention_ctas_setting() {
+  const char* text = std::getenv("SHADOWKV_ATTENTION_CTAS");
+  if (text == nullptr || *text == '\0') return 0;
+  char* end = nullptr;
+  const long value = std::strtol(text, &end, 10);
+  SHADOWKV_EXPECTS(end != text && *end == '\0' && value >= 1 && value <= 4096,
+                   "SHADOWKV_ATTENTION_CTAS must be a number from 1 to 4096, got '", text, "'");
+  return static_cast<int>(value);
+}
+
 // First entry of part p of `count` parts of `batch` entries: weights 1 each ("even"), or 1, 2, ..., 2, 1 ("tapered",
 // three parts or more); a tapered split that would leave a part empty falls back to the even one.
 int part_start(int p, int count, int batch, bool tapered) {
@@ -324,6 +341,8 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   dims_.logits_arithmetic = logits_arithmetic_setting();
   dims_.logits_pooled = logits_pooled() ? 1 : 0;
   dims_.select_hint = select_hint_setting() ? 1 : 0;
+  dims_.attention_early = attention_early_setting() ? 1 : 0;
+  dims_.attention_ctas = attention_ctas_setting();
 
   own_stream_ = make_stream();
   copy_stream_ = make_stream();

@@ -239,6 +239,8 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
                         const float* inv_freq) {
   start_phase_stamps(stamped_kernel::rebuild);
   wait_for_prior_grids();  // common/dependent_launch.cuh: nothing before the previous kernel is done
+  // The attention may start now: before its own wait it reads only what the selection and earlier kernels wrote.
+  if (d.attention_early != 0) release_dependents();
   phase_stamp(stamped_kernel::rebuild, 1);
   using namespace cute;
   using tile = rebuild_tile<F, D>;

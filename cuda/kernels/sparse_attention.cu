@@ -667,7 +667,9 @@ __global__ void __launch_bounds__(kMmaThreads, 2)
     sparse_attention_mma_kernel(dims d, const layer_view* views, const int* batch_slots, int layer, strided_tensor q,
                                 float* partial, int splits, int max_splits) {
   start_phase_stamps(stamped_kernel::attention);
-  wait_for_prior_grids();  // common/dependent_launch.cuh: nothing before the previous kernel is done
+  // dims::attention_early: the row walk (the views, the selection's slot list) and q come before the wait: nothing the
+  // key rebuild (the kernel before this one) writes is read until the first step's copies, issued after it.
+  if (d.attention_early == 0) wait_for_prior_grids();  // common/dependent_launch.cuh
   phase_stamp(stamped_kernel::attention, 1);
   using T = __nv_bfloat16;
   using layout = mma_layout<D>;
@@ -757,6 +759,7 @@ __global__ void __launch_bounds__(kMmaThreads, 2)
         *reinterpret_cast<unsigned*>(query_rows + (t * kMmaHeads + head) * kRow + dim) = terms[t];
       }
     }
+    if (tile == 0) wait_for_prior_grids();  // (returns at once when it already waited above)
 #pragma unroll
     for (int s = 0; s < kMmaStages - 1; ++s) issue_step(s);
     phase_stamp(stamped_kernel::attention, 61);
@@ -1037,7 +1040,8 @@ void launch_sparse_attention(const dims& d, int kv_type, const layer_view* views
                    "sparse attention: null views, batch_slots, partial, q or out");
 
   const bool tensor_cores = mma_kernel_serves(d, kv_type);
-  const int splits = choose_splits(d, batch, max_splits, tensor_cores ? kMmaTargetCtas : kTargetCtas);
+  const int splits = choose_splits(d, batch, max_splits,
+                                   tensor_cores ? (d.attention_ctas > 0 ? d.attention_ctas : kMmaTargetCtas) : kTargetCtas);
   const split_launch launch{d, views, batch_slots, layer, batch, q, partial, splits, max_splits, stream};
   shadowkv_dispatch_element(kv_type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;

@@ -24,6 +24,15 @@ __device__ __forceinline__ void wait_for_prior_grids() {
 #endif
 }
 
+/// Lets the stream's next kernel, if launched programmatically, start once every CTA of this grid has called this or
+/// exited (without it: once this grid has ended). The next kernel still waits at its wait_for_prior_grids() for this
+/// grid to end; what it does before that wait overlaps this one.
+__device__ __forceinline__ void release_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 /// Launches kernel<<<grid, block, shared_bytes, stream>>>(args...) with the `extra_count` launch attributes `extra`
 /// (e.g. a cluster size), programmatically dependent on the stream's previous kernel when `programmatic` (the kernel
 /// must begin with wait_for_prior_grids). Throws cuda_error when the launch fails.
