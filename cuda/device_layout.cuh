@@ -67,7 +67,8 @@ struct dims {
                     ///< SHADOWKV_SELECT_HINT=on, the default), 0: always the full radix select
   int attention_early;  ///< 1: the key rebuild releases the attention's launch at its start, and the tensor-core
                         ///< attention walks its rows and stages q before it waits for the rebuild
-                        ///< (SHADOWKV_ATTENTION_EARLY=on; sparse_attention.cu), 0: the attention starts after it
+                        ///< (sparse_attention.cu; the backend's choice by batch, SHADOWKV_ATTENTION_EARLY),
+                        ///< 0: the attention starts after it
   int attention_ctas;  ///< CTAs the tensor-core attention's split count aims for (SHADOWKV_ATTENTION_CTAS), 0: 264
 };
 

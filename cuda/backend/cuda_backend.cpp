@@ -173,9 +173,16 @@ bool select_merge_all() { return knob_is("SHADOWKV_SELECT_MERGE", "scatter", "al
 bool rebuild_rope_shared() { return knob_is("SHADOWKV_REBUILD_ROPE", "registers", "shared"); }
 
 // Whether the key rebuild lets the tensor-core attention start early, to walk its rows and stage q beside the rebuild
-// (dims::attention_early): "off" (the default) or "on". SHADOWKV_ATTENTION_EARLY picks one (a measurement knob;
-// bench/NOTES.md, session 20).
-bool attention_early_setting() { return knob_is("SHADOWKV_ATTENTION_EARLY", "off", "on"); }
+// (dims::attention_early): "auto" (the default: up to kEarlyAttentionMaxBatch sequences a call), "on" or "off".
+// SHADOWKV_ATTENTION_EARLY picks one (a measurement knob; bench/NOTES.md, session 20). 1: on, 0: auto, -1: off.
+int attention_early_setting() {
+  const char* text = std::getenv("SHADOWKV_ATTENTION_EARLY");
+  if (text == nullptr || *text == '\0' || std::strcmp(text, "auto") == 0) return 0;
+  if (std::strcmp(text, "on") == 0) return 1;
+  SHADOWKV_EXPECTS(std::strcmp(text, "off") == 0, "SHADOWKV_ATTENTION_EARLY must be 'auto', 'on' or 'off', got '",
+                   text, "'");
+  return -1;
+}
 
 // The CTAs the tensor-core attention's split count aims for (dims::attention_ctas): SHADOWKV_ATTENTION_CTAS, a number
 // from 1 to 4096; unset: the kernel's constant (two a multiprocessor of an H200).
@@ -341,7 +348,7 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   dims_.logits_arithmetic = logits_arithmetic_setting();
   dims_.logits_pooled = logits_pooled() ? 1 : 0;
   dims_.select_hint = select_hint_setting() ? 1 : 0;
-  dims_.attention_early = attention_early_setting() ? 1 : 0;
+  attention_early_ = attention_early_setting();
   dims_.attention_ctas = attention_ctas_setting();
 
   own_stream_ = make_stream();
@@ -1130,8 +1137,14 @@ int cuda_backend::fetch_ctas(std::span<const batch_entry> entries) const {
   return any_host_values(entries) ? fetch_ctas_host_ : fetch_ctas_device_;
 }
 
+dims cuda_backend::step_dims(int batch) const {
+  dims d = dims_;
+  d.attention_early = attention_early_ > 0 || (attention_early_ == 0 && batch <= kEarlyAttentionMaxBatch) ? 1 : 0;
+  return d;
+}
+
 void cuda_backend::rebuild_keys(int layer, std::span<const batch_entry> entries) {
-  launch_rebuild_keys(dims_, kv_type_, static_cast<layer_view*>(views_.data()),
+  launch_rebuild_keys(step_dims(static_cast<int>(entries.size())), kv_type_, static_cast<layer_view*>(views_.data()),
                       static_cast<const int*>(batch_slots_.data()), layer, static_cast<int>(entries.size()), workspace_,
                       static_cast<const float*>(inv_freq_.data()), stream_);
   // No wait for the fetch here: attention waits for each part's values (attend), and finish_call (or the next
@@ -1178,7 +1191,8 @@ void cuda_backend::attend(int layer, std::span<const batch_entry> entries, const
     part_out.data = static_cast<const std::uint8_t*>(all_out.data) +
                     static_cast<std::ptrdiff_t>(part.first) * all_out.stride[0] * out_element;
     const bool last = p + 1 == parts.size();
-    launch_sparse_attention(dims_, kv_type_, static_cast<const layer_view*>(views_.data()),
+    launch_sparse_attention(step_dims(static_cast<int>(entries.size())), kv_type_,
+                            static_cast<const layer_view*>(views_.data()),
                             static_cast<const int*>(batch_slots_.data()) + part.first, layer, part.count,
                             part_queries, part_out, workspace_from(part.first).partial, workspace_.max_splits,
                             stream_, last ? static_cast<cudaEvent_t>(splits_done_event_) : nullptr);

@@ -138,6 +138,11 @@ class cuda_backend final : public backend {
   static constexpr int kDefaultPipelineParts = 3;  ///< the backend's choice from kPipelineFromBatch sequences
   static constexpr int kDefaultPipelinePartsFp8 = 2;  ///< the same with fp8 values (half the PCIe bytes to hide)
   static constexpr int kPipelineFromBatch = 16;    ///< (with host values; bench/NOTES.md)
+  /// The largest batch whose attention the key rebuild releases early by default (dims::attention_early; measured at
+  /// B = 1 and 8, bench/NOTES.md session 20).
+  static constexpr int kEarlyAttentionMaxBatch = 8;
+  /// dims_ as the kernels of a decode step of `batch` sequences take them (dims::attention_early).
+  [[nodiscard]] dims step_dims(int batch) const;
   /// stream_ waits for the whole fetch queued by fetch_values, once (no-op when none is pending).
   void join_fetch();
   /// select_chunks' work (select_chunks launches the queued append if it throws).
@@ -170,6 +175,7 @@ class cuda_backend final : public backend {
   int fetch_ctas_host_ = 1;             ///< value fetch CTAs when values cross PCIe (fetch_ctas_for_host_values)
   int fetch_ctas_device_ = 1;           ///< value fetch CTAs when every value of the part is in device memory
   int fetch_priority_host_ = 0;         ///< launch priority of a fetch across PCIe (fetch_priority_for_host_values)
+  int attention_early_ = 0;             ///< SHADOWKV_ATTENTION_EARLY: 1 on, -1 off, 0 auto (step_dims)
   bool values_in_place_ = false;        ///< SHADOWKV_DEVICE_VALUES=in_place (layer_view::values_in_place)
   bool tapered_split_ = true;           ///< SHADOWKV_PIPELINE_SPLIT (tapered unless "even"; pipeline_parts)
   cudaStream_t stream_ = nullptr;       ///< the current call's compute stream (caller's or own_stream_)
