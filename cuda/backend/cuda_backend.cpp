@@ -15,6 +15,7 @@
 #include "rope_table.cuh"
 #include "shadowkv/chunk_centroids.hpp"
 #include "shadowkv/errors.hpp"
+#include "shadowkv/generated_region.hpp"
 #include "shadowkv/rope.hpp"
 #include "sparse_attention.cuh"
 #include "factor_format.cuh"
@@ -1174,6 +1175,12 @@ void cuda_backend::attend(int layer, std::span<const batch_entry> entries, const
   const auto out_element = static_cast<std::ptrdiff_t>(dtype_size(out.float_type));
   const std::vector<batch_part> one_part{batch_part{0, static_cast<int>(entries.size())}};
   const std::vector<batch_part>& parts = parts_.empty() ? one_part : parts_;
+  // Whether a ring is full after this step's append (the store's counters already count it), so that the step ends
+  // with a fold; while a graph is captured the counters stand still, and every replay checks on the device.
+  const bool fold_after = capturing() || std::any_of(entries.begin(), entries.end(), [&](const batch_entry& entry) {
+                            return rules::fold_due<std::int64_t>(entry.state->generated_exact_len,
+                                                                 config_.generation_window);
+                          });
   launch_queued_append(false);  // (when no selection launched it)
   join_append();                // the new tokens' rows
   for (std::size_t p = 0; p < parts.size(); ++p) {
@@ -1195,12 +1202,13 @@ void cuda_backend::attend(int layer, std::span<const batch_entry> entries, const
                             static_cast<const layer_view*>(views_.data()),
                             static_cast<const int*>(batch_slots_.data()) + part.first, layer, part.count,
                             part_queries, part_out, workspace_from(part.first).partial, workspace_.max_splits,
-                            stream_, last ? static_cast<cudaEvent_t>(splits_done_event_) : nullptr);
+                            stream_, last && fold_after ? static_cast<cudaEvent_t>(splits_done_event_) : nullptr);
   }
   // Full rings are folded now, for the next step's selection (fold_oldest_generated_chunk), on the copy stream
   // beside the last combine: after the split kernels, nothing of this step reads the generated region or the
   // context arrays. stream_ waits for it before the call ends (the caller's next work, and a graph's capture, see
-  // one stream again).
+  // one stream again). Eager steps that fill no ring launch nothing here (the fold would find nothing to do).
+  if (!fold_after) return;
   SHADOWKV_CUDA_TRY(cudaStreamWaitEvent(copy_stream_, splits_done_event_, 0));
   launch_fold_generated(dims_, kv_type_, static_cast<layer_view*>(views_.data()),
                         static_cast<const int*>(batch_slots_.data()), layer, static_cast<int>(entries.size()),
