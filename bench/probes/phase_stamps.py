@@ -31,6 +31,43 @@ LABELS = {
     63: "next step issued", 64: "all steps done (barrier)", 65: "warps merged (barrier)", 69: "partials written (end)",
 }
 LINE = re.compile(r"phase_stamps (\d+) sm (\d+) ns (\d+) :(.*)")
+SPANS = re.compile(r"cta_spans (\d+) ctas (\d+) starts ([0-9: ]*) ends ([0-9: ]*)")
+
+
+def _bins(text: str) -> dict:
+    return {int(b): int(n) for b, n in (item.split(":") for item in text.split())}
+
+
+def _quantile(bins: dict, q: float) -> int:
+    """The 1 µs bin where a fraction q of the counts is reached."""
+    total, seen = sum(bins.values()), 0
+    for b in sorted(bins):
+        seen += bins[b]
+        if seen >= q * total:
+            return b
+    return max(bins) if bins else 0
+
+
+def print_spans(text: str) -> None:
+    """When each kernel's CTAs started and ended (cta_spans lines; µs bins from the grid's first start), summed over
+    the printed launches."""
+    spans = collections.defaultdict(lambda: [0, 0, collections.Counter(), collections.Counter()])
+    for match in SPANS.finditer(text):
+        entry = spans[int(match[1])]
+        entry[0] += 1
+        entry[1] = int(match[2])
+        entry[2].update(_bins(match[3]))
+        entry[3].update(_bins(match[4]))
+    if not spans:
+        return
+    print("\nCTA spans (µs from the grid's first CTA start; 1 µs bins, summed over the printed launches):")
+    print("| kernel | launches | CTAs | starts p50 / p90 / last | ends p10 / p50 / p90 / last |")
+    print("| --- | --- | --- | --- | --- |")
+    for kernel in sorted(spans):
+        launches, ctas, starts, ends = spans[kernel]
+        print(f"| {KERNELS.get(kernel, kernel)} | {launches} | {ctas} | {_quantile(starts, 0.5)} / "
+              f"{_quantile(starts, 0.9)} / {max(starts)} | {_quantile(ends, 0.1)} / {_quantile(ends, 0.5)} / "
+              f"{_quantile(ends, 0.9)} / {max(ends)} |")
 
 
 def main() -> None:
@@ -59,6 +96,7 @@ def main() -> None:
                 continue  # a rare path
             print(f"| {i} | {LABELS.get(a, a)} | {LABELS.get(b, b)} | {statistics.median(values):.2f} | "
                   f"{min(values):.2f} | {max(values):.2f} | {len(values)} |")
+    print_spans(text)
 
 
 if __name__ == "__main__":

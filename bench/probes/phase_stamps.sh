@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine: builds the Python module with -DSHADOWKV_PHASE_STAMPS (cuda/kernels/common/phase_stamps.cuh:
-# the select, rebuild and landmark-logits kernels print clock64 stamps of one CTA), runs the step benchmark for each
-# of CONFIGS at HIT (one process a config, no profiler), and sums the stamps of each (bench/probes/phase_stamps.py).
+# the select, rebuild, landmark-logits and attention kernels print clock64 stamps of one CTA, and the last three when
+# each of their CTAs started and ended), runs the step benchmark for each of CONFIGS at HIT (one process a config, no
+# profiler), and sums the stamps and the CTA spans of each (bench/probes/phase_stamps.py).
 # Writes $OUT/phase-stamps-<config>.log and .txt. Leaves python/shadowkv_core/_core*.so stamped: rebuild after.
 #   CONFIGS="1x122880x2048:device 8x122880x2048:device" HIT=0.6 bash bench/probes/phase_stamps.sh
 set -uo pipefail

@@ -6,6 +6,11 @@
 // A stamp placed right after a barrier is the block's progress; one placed before wait_for_prior_grids shows how long
 // the CTA waited for the kernel before it. The line names the SM and the global timer's nanoseconds between the
 // first and the last stamp, so the cycles can be read as time.
+//
+// CTA spans (the rebuild, logits and attention kernels, whose every CTA ends in finish_phase_stamps): every CTA notes
+// the global timer at its start and end; the CTA that ends last prints, for one launch in 16, when the grid's CTAs
+// started and ended, as histograms of 1 µs bins from the first start ("cta_spans <kernel> ctas <n> starts
+// bin:count ... ends bin:count ..."), so that a kernel's time can be told apart into late starts and slow CTAs.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -26,6 +31,13 @@ static __device__ int phase_stamp_labels[4][kMaxPhaseStamps];
 static __device__ int phase_stamp_count[4];
 static __device__ unsigned phase_stamp_launches[4];
 
+constexpr int kMaxSpanCtas = 8192;
+constexpr int kSpanBins = 64;  // of 1 µs
+static __device__ unsigned long long cta_span_start[4][kMaxSpanCtas];
+static __device__ unsigned long long cta_span_end[4][kMaxSpanCtas];
+static __device__ unsigned cta_spans_done[4];
+static __device__ unsigned cta_span_launches[4];
+
 __device__ __forceinline__ bool stamping_cta() {
   return threadIdx.x == 0 && threadIdx.y == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0;
 }
@@ -36,8 +48,55 @@ __device__ __forceinline__ unsigned long long global_nanoseconds() {
   return t;
 }
 
+__device__ __forceinline__ bool spanned(stamped_kernel kernel) {
+  return kernel != stamped_kernel::select && threadIdx.x == 0 && threadIdx.y == 0 &&
+         gridDim.x * gridDim.y * gridDim.z <= kMaxSpanCtas;
+}
+
+__device__ __forceinline__ unsigned linear_cta() {
+  return blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+}
+
+/// Thread 0 of the CTA that ends last: the grid's start and end histograms (see above), then the count reset.
+__device__ __forceinline__ void print_cta_spans(int k, unsigned ctas) {
+  unsigned long long first = ~0ULL;
+  for (unsigned c = 0; c < ctas; ++c) first = min(first, __ldcg(&cta_span_start[k][c]));  // (other SMs wrote them)
+  unsigned starts[kSpanBins] = {};
+  unsigned ends[kSpanBins] = {};
+  for (unsigned c = 0; c < ctas; ++c) {
+    starts[min(static_cast<unsigned long long>(kSpanBins - 1), (__ldcg(&cta_span_start[k][c]) - first) / 1000)] += 1;
+    ends[min(static_cast<unsigned long long>(kSpanBins - 1), (__ldcg(&cta_span_end[k][c]) - first) / 1000)] += 1;
+  }
+  char line[1536];
+  int at = 0;
+  auto put_number = [&](unsigned x) {
+    char digits[12];
+    int n = 0;
+    do {
+      digits[n++] = static_cast<char>('0' + x % 10);
+      x /= 10;
+    } while (x > 0 && n < 12);
+    while (n > 0 && at < 1500) line[at++] = digits[--n];
+  };
+  auto put_bins = [&](const char* name, const unsigned (&bins)[kSpanBins]) {
+    for (const char* t = name; *t != '\0' && at < 1500; ++t) line[at++] = *t;
+    for (int b = 0; b < kSpanBins; ++b) {
+      if (bins[b] == 0) continue;
+      if (at < 1500) line[at++] = ' ';
+      put_number(static_cast<unsigned>(b));
+      if (at < 1500) line[at++] = ':';
+      put_number(bins[b]);
+    }
+  };
+  put_bins(" starts", starts);
+  put_bins(" ends", ends);
+  line[at] = '\0';
+  printf("cta_spans %d ctas %u%s\n", k, ctas, line);
+}
+
 /// The first stamp of a launch (label 0).
 __device__ __forceinline__ void start_phase_stamps(stamped_kernel kernel) {
+  if (spanned(kernel)) cta_span_start[static_cast<int>(kernel)][linear_cta()] = global_nanoseconds();
   if (!stamping_cta()) return;
   const int k = static_cast<int>(kernel);
   phase_stamp_times[k][0] = global_nanoseconds();
@@ -60,6 +119,17 @@ __device__ __forceinline__ void phase_stamp(stamped_kernel kernel, int label) {
 /// The last stamp: prints "phase_stamps <kernel> sm <id> ns <first to last> : label:cycles ..." (cycles since the
 /// first stamp) for one launch in 16.
 __device__ __forceinline__ void finish_phase_stamps(stamped_kernel kernel, int label) {
+  if (spanned(kernel)) {
+    const int k = static_cast<int>(kernel);
+    const unsigned ctas = gridDim.x * gridDim.y * gridDim.z;
+    cta_span_end[k][linear_cta()] = global_nanoseconds();
+    __threadfence();
+    if (atomicAdd(&cta_spans_done[k], 1U) == ctas - 1) {  // the last CTA of the grid: every other span is written
+      __threadfence();
+      cta_spans_done[k] = 0;
+      if (atomicAdd(&cta_span_launches[k], 1U) % 16 == 7) print_cta_spans(k, ctas);
+    }
+  }
   if (!stamping_cta()) return;
   phase_stamp(kernel, label);
   const int k = static_cast<int>(kernel);
