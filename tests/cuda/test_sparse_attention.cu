@@ -187,6 +187,7 @@ struct attention_case {
   int out_layout = 0;
   int max_splits = 0;  // 0: sparse_attention_max_splits(d)
   int fma = 0;         // dims::attention_fma: 1 keeps bf16 shapes off the tensor-core kernel
+  int early = 0;       // dims::attention_early: the tensor-core kernel waits only before its first copies
 
   [[nodiscard]] std::string describe() const {
     std::ostringstream s;
@@ -195,7 +196,7 @@ struct attention_case {
       << " C=" << chunk << " k=" << budget << " K=" << (cache_slots > 0 ? cache_slots : budget)
       << " O=" << max_outliers << " Lc=" << local_chunks << " W=" << window
       << " layer=" << layer << "/" << num_layers << " q_layout=" << q_layout << " out_layout=" << out_layout
-      << " max_splits=" << max_splits << " fma=" << fma;
+      << " max_splits=" << max_splits << " fma=" << fma << " early=" << early;
     return s.str();
   }
 };
@@ -239,6 +240,7 @@ dims make_dims(const attention_case& c) {
   d.budget = c.budget;
   d.cache_slots = c.cache_slots > 0 ? c.cache_slots : c.budget;
   d.attention_fma = c.fma;
+  d.attention_early = c.early;
   d.max_outliers = c.max_outliers;
   d.rank = 1;
   d.window = c.window;
@@ -590,7 +592,8 @@ TEST(SparseAttention, MatchesFloat64ReferenceOnRandomConfigurations) {
 }
 
 // The tensor-core kernel at float32 output precision (1e-5 of the head's largest output): Llama-3's group of 4 and
-// D = 128, a group of 20 (two tiles of 16 heads), D = 80 and 64, the listed cache (K > k), many steps a split.
+// D = 128, a group of 20 (two tiles of 16 heads), D = 80 and 64, the listed cache (K > k), many steps a split, and
+// the kernel as released early (dims::attention_early).
 TEST(SparseAttention, TensorCoreKernelKeepsFloat32Accuracy) {
   SKIP_WITHOUT_DEVICE();
   std::vector<attention_case> cases;
@@ -615,6 +618,14 @@ TEST(SparseAttention, TensorCoreKernelKeepsFloat32Accuracy) {
   listed.seed = 2999;
   listed.cache_slots = 2 * listed.budget;
   cases.push_back(listed);
+  // The kernel released early (its wait before the first copies instead of its first line): the same results.
+  for (const int cache_slots : {0, 80}) {
+    attention_case early = cases.front();
+    early.seed = 2998 - cache_slots;
+    early.cache_slots = cache_slots;
+    early.early = 1;
+    cases.push_back(early);
+  }
   for (const attention_case& c : cases) {
     run_and_check(c);
     if (HasFatalFailure()) return;
