@@ -992,22 +992,26 @@ void cuda_backend::forget_prefill(int layer, std::span<const batch_entry> entrie
   (void)cudaStreamSynchronize(own_stream_);
 }
 
-void cuda_backend::fold_oldest_generated_chunk(int layer, std::span<const batch_entry> entries) {
+void cuda_backend::fold_oldest_generated_chunk(int /*layer*/, std::span<const batch_entry> /*entries*/) {
   // The device folds a full ring at the end of the step that filled it (attend: after the attention's split kernel,
   // beside its combine), by the same rule, so that neither the fold nor the append waits in front of this step's
-  // selection. The store calls this at the start of the next step, when its counters say the ring is full: the fold
-  // is launched again here, a no-op on the device (its ring is no longer full) unless the step that filled it did not
-  // reach its end. Not while a graph is captured: its replays fold at the end of each replayed step.
-  if (capturing()) return;
-  upload_batch(entries);
-  join_append();  // an append of a call that failed before its attention still writes the counters this reads
-  launch_fold_generated(dims_, kv_type_, static_cast<layer_view*>(views_.data()),
-                        static_cast<const int*>(batch_slots_.data()), layer, static_cast<int>(entries.size()),
-                        static_cast<const float*>(inv_freq_.data()), stream_);
+  // selection. The store calls this at the start of the next step, when its counters say a ring is full: append_token
+  // (which the store calls next, with the whole batch) launches the fold again over that batch first, a no-op on the
+  // device for every ring that is not full, i.e. unless the step that filled it did not reach its end. (Launched here,
+  // over `entries`, a subset of the batch in a ragged one, it would upload another slot list, and each upload waits
+  // for both streams.) Not while a graph is captured: its replays fold at the end of each replayed step.
+  if (!capturing()) fold_requested_ = true;
 }
 
 void cuda_backend::append_token(int layer, std::span<const batch_entry> entries, const append_inputs& inputs) {
   upload_batch(entries);
+  if (fold_requested_) {  // fold_oldest_generated_chunk
+    fold_requested_ = false;
+    join_append();  // an append of a call that failed before its attention still writes the counters this reads
+    launch_fold_generated(dims_, kv_type_, static_cast<layer_view*>(views_.data()),
+                          static_cast<const int*>(batch_slots_.data()), layer, static_cast<int>(entries.size()),
+                          static_cast<const float*>(inv_freq_.data()), stream_);
+  }
   // Queued, not launched: select_chunks launches it on the copy stream once the first part's landmark logits are
   // done, beside the select kernel (the logits' one-wave grid fills every multiprocessor, and a CTA of the append
   // beside it made one of theirs wait: logits 17.0 -> 18.3 µs at B = 1, bench/NOTES.md session 20). Nothing of the

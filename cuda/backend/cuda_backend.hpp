@@ -207,6 +207,7 @@ class cuda_backend final : public backend {
   event_handle splits_done_event_;  ///< the attention's last split kernel done (the fold waits)
   event_handle folded_event_;       ///< full rings folded (stream_ waits before the call ends)
   bool append_pending_ = false;     ///< an append was launched on the copy stream that stream_ has not joined yet
+  bool fold_requested_ = false;     ///< the store asked for a fold: append_token launches it first
   event_handle values_ready_event_;
   device_buffer arena_;          ///< all (slot, layer) arrays
   // Value stores, one allocation per live sequence (all its layers), on the device or in pinned host memory.
