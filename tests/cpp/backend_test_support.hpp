@@ -13,6 +13,7 @@
 #endif
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <initializer_list>
 #include <memory>
@@ -153,6 +154,14 @@ class backend_memory {
     std::shared_ptr<void> owned(data, [](void* p) { (void)cudaFree(p); });
     if (bytes > 0 && cudaMemcpy(data, source, bytes, cudaMemcpyHostToDevice) != cudaSuccess) {
       throw std::runtime_error("cudaMemcpy to the device failed");
+    }
+    // A store given no stream works on its own non-blocking stream, and its inputs must be ready (store.hpp). cudaMemcpy
+    // from pageable memory returns once the data is staged, before the legacy stream's DMA lands it on the device, and
+    // a non-blocking stream does not wait for the legacy stream: wait here. (Without this the twin tests' CUDA
+    // instances failed now and then with several processes on the GPU, e.g. under ctest -j: a store read an input
+    // before it landed, and the two twins' outputs differed.)
+    if (std::getenv("SHADOWKV_TEST_UNSYNCED_INPUTS") == nullptr && cudaDeviceSynchronize() != cudaSuccess) {
+      throw std::runtime_error("waiting for a copy to the device failed");
     }
     return owned;
 #else

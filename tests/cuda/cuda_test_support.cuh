@@ -56,9 +56,12 @@ class device_buffer {
   std::size_t bytes_ = 0;
 };
 
+/// Copies `source` to the device and waits until it is there: cudaMemcpy from pageable memory returns once the data is
+/// staged, before the legacy stream's DMA lands it, and a kernel on a non-blocking stream does not wait for that DMA.
 template <typename T>
 cudaError_t upload(const device_buffer& target, const std::vector<T>& source) {
-  return cudaMemcpy(target.get(), source.data(), source.size() * sizeof(T), cudaMemcpyHostToDevice);
+  const cudaError_t copied = cudaMemcpy(target.get(), source.data(), source.size() * sizeof(T), cudaMemcpyHostToDevice);
+  return copied != cudaSuccess ? copied : cudaDeviceSynchronize();
 }
 
 template <typename T>

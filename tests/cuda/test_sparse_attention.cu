@@ -118,6 +118,9 @@ class device_arena {
   void* upload(const void* host, std::size_t bytes) {
     void* p = allocate(bytes);
     if (bytes > 0) SHADOWKV_CUDA_TRY(cudaMemcpy(p, host, bytes, cudaMemcpyHostToDevice));
+    // Landed before a kernel on a non-blocking stream reads it (cudaMemcpy from pageable memory returns once the data
+    // is staged, before the legacy stream's DMA lands it).
+    if (bytes > 0) SHADOWKV_CUDA_TRY(cudaDeviceSynchronize());
     return p;
   }
 
