@@ -4,7 +4,7 @@
 # ctest -j, is where they failed now and then), first with SHADOWKV_TEST_UNSYNCED_INPUTS=1 (the test helper does not
 # wait for its cudaMemcpy of an input to land, as before the fix), then as the tests run; then the whole test_store the
 # same way. Prints one line per batch: processes that failed, failing cases.
-#   PROCS=12 REPEAT=3 bash bench/probes/twin_store_repro.sh
+#   PROCS=12 REPEAT=3 [BATCHES="unsynced synced all-synced"] bash bench/probes/twin_store_repro.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out="$(cd "${OUT:-bench/results}" && pwd)"
@@ -22,18 +22,20 @@ batch() {  # batch(label, filter, env...): PROCS processes at once
   local started=$SECONDS
   mkdir -p "$out/twin-$label"
   for i in $(seq 1 "$procs"); do
-    timeout "${BATCH_TIMEOUT_S:-120}" env "$@" "$exe" --gtest_filter="$filter" --gtest_repeat="$repeat" >"$out/twin-$label/$i.log" 2>&1 &
+    timeout "${BATCH_TIMEOUT_S:-120}" env "$@" "$exe" --gtest_filter="$filter" --gtest_repeat="${repeat}" >"$out/twin-$label/$i.log" 2>&1 &
   done
   wait
   local failed
-  failed=$(grep -L "^\[  PASSED  \]" "$out"/twin-"$label"/*.log | wc -l)
+  failed=$(grep -l "^\[  FAILED  \]" "$out"/twin-"$label"/*.log | wc -l)
   printf '%-12s %2d of %d processes failed (%d s); failing cases: %s\n' "$label" "$failed" "$procs" $((SECONDS - started)) \
     "$(cat "$out"/twin-"$label"/*.log | grep -oE '[a-z][a-z_ +.]* seed=[0-9]+' | sort | uniq -c | tr -s ' ' | tr '\n' ';')"
   tar czf "$out/twin-$label.tgz" -C "$out" "twin-$label" && rm -rf "$out/twin-$label"
 }
-batch unsynced 'Backends/StoreErrors.*/cuda' SHADOWKV_TEST_UNSYNCED_INPUTS=1
-batch synced 'Backends/StoreErrors.*/cuda'
-batch unsynced2 'Backends/StoreErrors.*/cuda' SHADOWKV_TEST_UNSYNCED_INPUTS=1
-batch synced2 'Backends/StoreErrors.*/cuda'
-repeat=1
-batch all-synced "*/cuda"
+errors='Backends/StoreErrors.*/cuda'
+for name in ${BATCHES:-unsynced synced unsynced2 synced2 all-synced}; do
+  case "$name" in
+    unsynced*) batch "$name" "$errors" SHADOWKV_TEST_UNSYNCED_INPUTS=1 ;;
+    synced*) batch "$name" "$errors" ;;
+    all-synced) repeat=1 batch "$name" '*/cuda' ;;
+  esac
+done

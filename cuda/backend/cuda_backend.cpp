@@ -352,7 +352,11 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   attention_early_ = attention_early_setting();
   dims_.attention_ctas = attention_ctas_setting();
 
-  own_stream_ = make_stream();
+  // The store's own stream (calls given no stream) is ordered after the legacy default stream, where a caller's
+  // cudaMemcpy of an input may still be landing when it returns (from pageable memory it returns once the data is
+  // staged): "inputs must be ready" (store.hpp) then covers everything the caller queued there. The copy stream only
+  // ever waits for events of the store's own work.
+  own_stream_ = make_stream(/*with_legacy_stream=*/true);
   copy_stream_ = make_stream();
   for (event_handle& event : part_selected_events_) event = make_event();
   for (event_handle& event : part_fetched_events_) event = make_event();

@@ -183,7 +183,7 @@ class cuda_backend final : public backend {
   // Handles before buffers: members are destroyed in reverse order, so the buffers (freed on own_stream_) go first.
   // The device's shared resources (cuBLAS/cuSOLVER, memory resources, its facts): the buffers allocate through them.
   std::shared_ptr<device_resources> resources_;
-  stream_handle own_stream_;
+  stream_handle own_stream_;   ///< ordered with the legacy default stream (make_stream), the others are not
   stream_handle copy_stream_;
   std::array<event_handle, kMaxPipelineParts> part_selected_events_;  ///< part p selected (the copy stream waits)
   std::array<event_handle, kMaxPipelineParts> part_fetched_events_;   ///< part p's values fetched (attention waits)

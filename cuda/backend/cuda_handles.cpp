@@ -4,9 +4,10 @@
 
 namespace shadowkv::cuda {
 
-stream_handle make_stream() {
+stream_handle make_stream(bool with_legacy_stream) {
   cudaStream_t stream = nullptr;
-  SHADOWKV_CUDA_TRY(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  SHADOWKV_CUDA_TRY(
+      cudaStreamCreateWithFlags(&stream, with_legacy_stream ? cudaStreamDefault : cudaStreamNonBlocking));
   return stream_handle(stream);
 }
 

@@ -44,8 +44,10 @@ using cusolver_handle = unique_handle<cusolverDnHandle_t, cusolverDnDestroy>;
 /// The options of cuSOLVER's 64-bit API (cusolverDnX*); the defaults are all the backend uses.
 using cusolver_params_handle = unique_handle<cusolverDnParams_t, cusolverDnDestroyParams>;
 
-/// A non-blocking stream, an event without timing, and library handles; each throws cuda_error on failure.
-stream_handle make_stream();
+/// A stream, an event without timing, and library handles; each throws cuda_error on failure. The stream is
+/// non-blocking unless `with_legacy_stream` (then it is ordered with the legacy default stream, both ways, as
+/// cudaStreamCreate's streams are).
+stream_handle make_stream(bool with_legacy_stream = false);
 event_handle make_event();
 cublas_handle make_cublas();
 cusolver_handle make_cusolver();
