@@ -36,7 +36,8 @@ struct prefill_options {
   tensor_view q_last;                 ///< post-RoPE queries [B, Hq, D] or [B, Tq, Hq, D] to warm the selection
   bool keys_post_rope = false;        ///< keys carry RoPE already (the store removes it)
   /// The caller's CUDA stream the inputs are ready on and the work is ordered on (CUDA backend; others ignore it).
-  /// Unset: the store's own stream, and the call completes before it returns (inputs must be ready).
+  /// Unset: the store's own stream, and the call completes before it returns (inputs must be ready: on CUDA the own
+  /// stream is ordered after the work queued on the legacy default stream, such as a cudaMemcpy of an input).
   std::optional<stream_view> stream;
 };
 
