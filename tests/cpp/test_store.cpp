@@ -1127,6 +1127,62 @@ TEST_P(StoreErrors, DecodeBeforeAnyPrefill) {
   EXPECT_EQ(store.attended_chunks(0, slots[0]), empty);
 }
 
+#ifdef SHADOWKV_TEST_WITH_CUDA
+// A CUDA store given no stream reads inputs that the caller queued on the legacy default stream only after they land
+// (store.hpp: "inputs must be ready"; a cudaMemcpy from pageable memory returns before its data does). The caller here
+// queues ~2 GB of device copies on the legacy stream, then q's real values behind them, and decodes at once: a store
+// whose own stream did not wait for the legacy stream would read the stale q (its 0.25 values), and its output would
+// not be its twin's, which decoded the same step with q already in place.
+TEST(StoreStreams, NoStreamGivenMeansAfterTheLegacyDefaultStream) {
+  const shadowkv::device cuda{shadowkv::device_type::cuda, 0};
+  if (const std::string why = shadowkv_test::unavailable_reason(cuda); !why.empty()) GTEST_SKIP() << why;
+  backend_memory mem(cuda);
+  twin_stores stores(4242, mem);
+  const config& cfg = stores.cfg;
+  random_source rng(4243);
+  const std::int64_t batch = 2;
+  const std::vector<float> q = rng.normals(static_cast<std::size_t>(batch * cfg.num_q_heads * cfg.head_dim));
+  const std::vector<float> k = rng.normals(static_cast<std::size_t>(batch * cfg.kv_width()));
+  const std::vector<float> v = rng.normals(static_cast<std::size_t>(batch * cfg.kv_width()));
+  std::vector<float> out_twin(q.size(), -1.0F);
+  stores.twin.decode(0, slot_list({0, 1}), mem.view_of(q, {batch, cfg.num_q_heads, cfg.head_dim}),
+                     mem.view_of(k, {batch, cfg.num_kv_heads, cfg.head_dim}),
+                     mem.view_of(v, {batch, cfg.num_kv_heads, cfg.head_dim}),
+                     mem.mutable_view_of(out_twin, {batch, cfg.num_q_heads, cfg.head_dim}));
+
+  const std::size_t q_bytes = q.size() * sizeof(float);
+  const std::size_t filler_bytes = std::size_t{512} << 20;
+  void* q_device = nullptr;
+  void* from = nullptr;
+  void* to = nullptr;
+  ASSERT_EQ(cudaMalloc(&q_device, q_bytes), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&from, filler_bytes), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&to, filler_bytes), cudaSuccess);
+  const std::vector<float> stale(q.size(), 0.25F);
+  ASSERT_EQ(cudaMemcpy(q_device, stale.data(), q_bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const tensor_view k_view = mem.view_of(k, {batch, cfg.num_kv_heads, cfg.head_dim});
+  const tensor_view v_view = mem.view_of(v, {batch, cfg.num_kv_heads, cfg.head_dim});
+  std::vector<float> out_subject(q.size(), -2.0F);
+  {
+    auto out = mem.mutable_view_of(out_subject, {batch, cfg.num_q_heads, cfg.head_dim});
+    for (int copy = 0; copy < 4; ++copy) {
+      ASSERT_EQ(cudaMemcpyAsync(to, from, filler_bytes, cudaMemcpyDeviceToDevice, cudaStreamLegacy), cudaSuccess);
+    }
+    ASSERT_EQ(cudaMemcpyAsync(q_device, q.data(), q_bytes, cudaMemcpyHostToDevice, cudaStreamLegacy), cudaSuccess);
+    stores.subject.decode(0, slot_list({0, 1}),
+                          shadowkv::make_contiguous_view(q_device, dtype::float32, cuda,
+                                                         {batch, cfg.num_q_heads, cfg.head_dim}),
+                          k_view, v_view, out);
+  }
+  EXPECT_EQ(cudaFree(q_device), cudaSuccess);
+  EXPECT_EQ(cudaFree(from), cudaSuccess);
+  EXPECT_EQ(cudaFree(to), cudaSuccess);
+  ASSERT_TRUE(all_finite(out_subject));
+  EXPECT_EQ(out_subject, out_twin) << "the store read q before the legacy stream's copy of it landed";
+}
+#endif
+
 // ---------------------------------------------------------------------------------------------------------------
 // capacity: slots
 // ---------------------------------------------------------------------------------------------------------------
