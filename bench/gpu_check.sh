@@ -2,7 +2,8 @@
 # On a GPU machine: build everything with CUDA, run the C++ and Python tests on CPU and GPU (parity), run the step
 # benchmark and the micro-benchmarks, and write bench/results/<date>-<commit>.json and <date>-<commit>-micro.json
 # (also to $OUT when set). Prints short tables last.
-#   bash bench/gpu_check.sh [--quick]      (--quick: tests only, no benchmarks; SKIP_MICRO=1: no micro-benchmarks;
+#   bash bench/gpu_check.sh [--quick]      (--quick: tests only, no benchmarks, counts in <date>-<commit>-tests.json;
+#                                           SKIP_MICRO=1: no micro-benchmarks;
 #                                           STEP_CONFIGS="24x122880x2048:host 24x122880x2048:host+k2": other rows)
 #   bash bench/gpu_check.sh --sanitize     (build, then compute-sanitizer instead of tests and benchmarks; see below)
 # The micro-benchmarks need Google Benchmark: the system's, or a copy in .device/benchmark made by
@@ -244,6 +245,28 @@ print(json.dumps(counts))
 PY
 )"
 echo "tests: $tests_json"
+
+# --quick: the counts, the failing tests' names, the GPU and the commit in a result file of their own
+# (bench/results/<date>-<commit>-tests.json, also in $out_dir), since no benchmark result carries them.
+if [ "$mode" = "--quick" ]; then
+  quick_result="bench/results/${stamp}-${commit}-tests.json"
+  python3 - "$quick_result" "$tests_json" "$commit" "$out_dir/ctest.log" "$out_dir/pytest.log" <<'PY'
+import json, re, subprocess, sys
+path, counts, commit, ctest_log, pytest_log = sys.argv[1:6]
+try:
+    gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                         capture_output=True, text=True).stdout.strip()
+except OSError:
+    gpu = "unknown (no nvidia-smi)"
+ctest = open(ctest_log).read()
+pytest = open(pytest_log).read()
+failed_ctest = re.findall(r"^\s*\d+ - (\S+) \(Failed\)", ctest, re.M)
+failed_pytest = sorted(set(re.findall(r"^FAILED (\S+)", pytest, re.M)))
+json.dump({"commit": commit, "gpu": gpu, "tests": json.loads(counts), "failed_ctest": failed_ctest,
+           "failed_pytest": failed_pytest}, open(path, "w"), indent=1)
+PY
+  cp "$quick_result" "$out_dir/" 2>/dev/null
+fi
 
 if [ "$mode" != "--quick" ]; then
   step "step benchmark"
