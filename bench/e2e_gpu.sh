@@ -13,13 +13,13 @@ while (($#)); do
   if [ "$1" = "--" ]; then shift; extra=("$@"); break; fi
   lengths+=("$1"); shift
 done
-cutlass_arg=()
-[ -d .device/cutlass/include/cute ] && cutlass_arg=("-DSHADOWKV_CUTLASS_INCLUDE_DIR=$PWD/.device/cutlass/include")
+source bench/cuda_build.sh
+: >"$out_dir/e2e-cmake.log"
 if [ ! -f build/gpu/build.ninja ]; then
-  cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DSHADOWKV_CUDA=ON -DSHADOWKV_BUILD_TESTS=OFF \
-    -DSHADOWKV_BUILD_PYTHON=ON ${cutlass_arg[@]+"${cutlass_arg[@]}"} >"$out_dir/e2e-cmake.log" 2>&1 || { tail -30 "$out_dir/e2e-cmake.log"; exit 1; }
+  cuda_configure build/gpu "$out_dir/e2e-cmake.log" -DSHADOWKV_BUILD_TESTS=OFF -DSHADOWKV_BUILD_PYTHON=ON ||
+    { tail -30 "$out_dir/e2e-cmake.log"; exit 1; }
 fi
-cmake --build build/gpu -j"$(nproc)" --target _core >>"$out_dir/e2e-cmake.log" 2>&1 || { tail -30 "$out_dir/e2e-cmake.log"; exit 1; }
+cuda_build build/gpu "$out_dir/e2e-cmake.log" _core || { tail -30 "$out_dir/e2e-cmake.log"; exit 1; }
 cp build/gpu/_core*.so python/shadowkv_core/
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 COMMIT="$commit"
 status=0

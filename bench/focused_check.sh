@@ -11,13 +11,11 @@ cd "$(dirname "$0")/.."
 out="$(cd "${OUT:-bench/results}" && pwd)"
 commit="${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 export COMMIT="$commit"
-cutlass_arg=()
-[ -d .device/cutlass/include/cute ] && cutlass_arg=("-DSHADOWKV_CUTLASS_INCLUDE_DIR=$PWD/.device/cutlass/include")
 targets=(_core)
 for t in ${TESTS:-}; do targets+=("$t"); done
-cmake -S . -B build/focused -G Ninja -DCMAKE_BUILD_TYPE=Release -DSHADOWKV_CUDA=ON -DSHADOWKV_BUILD_TESTS=ON \
-  -DSHADOWKV_BUILD_PYTHON=ON -DSHADOWKV_BUILD_BENCHMARKS=OFF ${cutlass_arg[@]+"${cutlass_arg[@]}"} >"$out/cmake.log" 2>&1 &&
-  cmake --build build/focused -j"$(nproc)" --target "${targets[@]}" >>"$out/cmake.log" 2>&1 ||
+source bench/cuda_build.sh
+cuda_configure build/focused "$out/cmake.log" -DSHADOWKV_BUILD_TESTS=ON -DSHADOWKV_BUILD_PYTHON=ON &&
+  cuda_build build/focused "$out/cmake.log" "${targets[@]}" ||
   { tail -40 "$out/cmake.log"; exit 1; }
 cp build/focused/_core*.so python/shadowkv_core/
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"

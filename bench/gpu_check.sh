@@ -26,12 +26,9 @@ nvcc --version | tail -1
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 
 step "build (CMake, CUDA on, tests on)"
-cutlass_arg=()  # the headers carried by bench/carry_cutlass.sh, where the machine has no nvidia-cutlass package
-[ -d .device/cutlass/include/cute ] && cutlass_arg=("-DSHADOWKV_CUTLASS_INCLUDE_DIR=$PWD/.device/cutlass/include")
-cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DSHADOWKV_CUDA=ON -DSHADOWKV_BUILD_TESTS=ON \
-  ${cutlass_arg[@]+"${cutlass_arg[@]}"} \
-  -DSHADOWKV_BUILD_PYTHON=ON -DSHADOWKV_BUILD_BENCHMARKS=OFF \
-  >"$out_dir/cmake.log" 2>&1 && cmake --build build/gpu -j"$jobs" >>"$out_dir/cmake.log" 2>&1
+source bench/cuda_build.sh
+cuda_configure build/gpu "$out_dir/cmake.log" -DSHADOWKV_BUILD_TESTS=ON -DSHADOWKV_BUILD_PYTHON=ON &&
+  cuda_build build/gpu "$out_dir/cmake.log"
 build_rc=$?
 tail -30 "$out_dir/cmake.log" | grep -E "error|Error|warning: |FAILED" | head -40
 [ $build_rc -eq 0 ] || { echo "BUILD FAILED"; tail -60 "$out_dir/cmake.log"; exit 1; }

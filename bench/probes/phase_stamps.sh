@@ -8,12 +8,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out="$(cd "${OUT:-bench/results}" && pwd)"
-cutlass_arg=()
-[ -d .device/cutlass/include/cute ] && cutlass_arg=("-DSHADOWKV_CUTLASS_INCLUDE_DIR=$PWD/.device/cutlass/include")
-cmake -S . -B build/stamps -G Ninja -DCMAKE_BUILD_TYPE=Release -DSHADOWKV_CUDA=ON -DSHADOWKV_BUILD_TESTS=OFF \
-  -DSHADOWKV_BUILD_PYTHON=ON -DSHADOWKV_BUILD_BENCHMARKS=OFF -DCMAKE_CUDA_FLAGS=-DSHADOWKV_PHASE_STAMPS \
-  ${cutlass_arg[@]+"${cutlass_arg[@]}"} >"$out/stamps-cmake.log" 2>&1 &&
-  cmake --build build/stamps -j"$(nproc)" --target _core >>"$out/stamps-cmake.log" 2>&1 ||
+source bench/cuda_build.sh
+cuda_configure build/stamps "$out/stamps-cmake.log" -DSHADOWKV_BUILD_TESTS=OFF -DSHADOWKV_BUILD_PYTHON=ON \
+  -DCMAKE_CUDA_FLAGS=-DSHADOWKV_PHASE_STAMPS && cuda_build build/stamps "$out/stamps-cmake.log" _core ||
   { tail -40 "$out/stamps-cmake.log"; exit 1; }
 cp build/stamps/_core*.so python/shadowkv_core/
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"

@@ -6,11 +6,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out="${OUT:-bench/results}"
-cutlass_arg=()
-[ -d .device/cutlass/include/cute ] && cutlass_arg=("-DSHADOWKV_CUTLASS_INCLUDE_DIR=$PWD/.device/cutlass/include")
-cmake -S . -B build/profile -G Ninja -DCMAKE_BUILD_TYPE=Release -DSHADOWKV_CUDA=ON -DSHADOWKV_BUILD_TESTS=OFF \
-  -DSHADOWKV_BUILD_PYTHON=ON -DSHADOWKV_BUILD_BENCHMARKS=OFF ${cutlass_arg[@]+"${cutlass_arg[@]}"} >"$out/cmake.log" 2>&1 &&
-  cmake --build build/profile -j"$(nproc)" --target _core >>"$out/cmake.log" 2>&1 || { tail -40 "$out/cmake.log"; exit 1; }
+source bench/cuda_build.sh
+cuda_configure build/profile "$out/cmake.log" -DSHADOWKV_BUILD_TESTS=OFF -DSHADOWKV_BUILD_PYTHON=ON &&
+  cuda_build build/profile "$out/cmake.log" _core || { tail -40 "$out/cmake.log"; exit 1; }
 cp build/profile/_core*.so python/shadowkv_core/
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
 sections=(--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats

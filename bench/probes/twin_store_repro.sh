@@ -8,11 +8,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out="$(cd "${OUT:-bench/results}" && pwd)"
-cutlass_arg=()
-[ -d .device/cutlass/include/cute ] && cutlass_arg=("-DSHADOWKV_CUTLASS_INCLUDE_DIR=$PWD/.device/cutlass/include")
-cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DSHADOWKV_CUDA=ON -DSHADOWKV_BUILD_TESTS=ON \
-  -DSHADOWKV_BUILD_PYTHON=OFF -DSHADOWKV_BUILD_BENCHMARKS=OFF ${cutlass_arg[@]+"${cutlass_arg[@]}"} \
-  >"$out/twin-cmake.log" 2>&1 && cmake --build build/gpu -j"$(nproc)" --target test_store >>"$out/twin-cmake.log" 2>&1 ||
+source bench/cuda_build.sh
+cuda_configure build/gpu "$out/twin-cmake.log" -DSHADOWKV_BUILD_TESTS=ON -DSHADOWKV_BUILD_PYTHON=OFF &&
+  cuda_build build/gpu "$out/twin-cmake.log" test_store ||
   { tail -40 "$out/twin-cmake.log"; exit 1; }
 exe=build/gpu/tests/cpp/test_store
 procs="${PROCS:-12}"
