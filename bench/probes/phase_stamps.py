@@ -9,7 +9,7 @@ import re
 import statistics
 import sys
 
-KERNELS = {0: "select", 1: "rebuild", 2: "logits", 3: "attention"}
+KERNELS = {0: "select", 1: "rebuild", 2: "logits", 3: "attention", 4: "fetch"}
 LABELS = {
     0: "start", 1: "prior grids done",
     # select
@@ -27,11 +27,12 @@ LABELS = {
     42: "views read", 43: "tiles described", 44: "first copies issued, q staged", 45: "tile done (barrier)",
     40: "tile landed", 41: "tile done", 49: "last tile (end)",
     # sparse attention (tensor cores)
+    79: "fetch done (end)",
     60: "row walk begun (barrier)", 61: "q staged, first steps issued", 62: "step landed (barrier)",
     63: "next step issued", 64: "all steps done (barrier)", 65: "warps merged (barrier)", 69: "partials written (end)",
 }
 LINE = re.compile(r"phase_stamps (\d+) sm (\d+) ns (\d+) :(.*)")
-SPANS = re.compile(r"cta_spans (\d+) ctas (\d+) starts ([0-9: ]*) ends ([0-9: ]*)")
+SPANS = re.compile(r"cta_spans (\d+) ctas (\d+) starts ([0-9: ]*) ends ([0-9: ]*)(?:first_ns (\d+))?")
 
 
 def _bins(text: str) -> dict:
@@ -70,6 +71,32 @@ def print_spans(text: str) -> None:
               f"{_quantile(ends, 0.9)} / {max(ends)} |")
 
 
+def print_aligned_spans(text: str) -> None:
+    """The kernels of one step side by side: each kernel's n-th printed launch (a step launches each once, and every
+    kernel prints its launches 7, 23, ...), as µs from the earliest first start among them: first CTA start, median
+    and last CTA end (lines with first_ns only)."""
+    launches = collections.defaultdict(list)  # kernel -> [(first_ns, starts, ends)]
+    for match in SPANS.finditer(text):
+        if match[5] is not None:
+            launches[int(match[1])].append((int(match[5]), _bins(match[3]), _bins(match[4])))
+    if len(launches) < 2:
+        return
+    count = min(len(v) for v in launches.values())
+    print("\nOne step's kernels side by side (µs from the earliest first CTA start of the step; first start, p90 start,"
+          " p50 end, last end):")
+    print("| step | " + " | ".join(KERNELS.get(k, str(k)) for k in sorted(launches)) + " |")
+    print("| --- |" + " --- |" * len(launches))
+    for n in range(count):
+        origin = min(launches[k][n][0] for k in launches)
+        cells = []
+        for k in sorted(launches):
+            first, starts, ends = launches[k][n]
+            at = (first - origin) / 1000.0
+            cells.append(f"{at:.1f}, {at + _quantile(starts, 0.9):.0f}, {at + _quantile(ends, 0.5):.0f}, "
+                         f"{at + max(ends):.0f}")
+        print(f"| {n} | " + " | ".join(cells) + " |")
+
+
 def main() -> None:
     text = "".join(open(p).read() for p in sys.argv[1:]) if len(sys.argv) > 1 else sys.stdin.read()
     steps = collections.defaultdict(lambda: collections.defaultdict(list))  # kernel -> (i, a, b) -> µs
@@ -97,6 +124,7 @@ def main() -> None:
             print(f"| {i} | {LABELS.get(a, a)} | {LABELS.get(b, b)} | {statistics.median(values):.2f} | "
                   f"{min(values):.2f} | {max(values):.2f} | {len(values)} |")
     print_spans(text)
+    print_aligned_spans(text)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@
 #include "common/dispatch.cuh"
 #include "common/element_access.cuh"
 #include "common/fp8_vectors.cuh"
+#include "common/phase_stamps.cuh"
 #include "cuda_check.hpp"
 #include "shadowkv/errors.hpp"
 #include "shadowkv/fp8.hpp"
@@ -32,6 +33,7 @@ constexpr int kFetchWarps = 8;  // per CTA of the value fetch
 template <typename T, int kItemsPerWarp>
 __global__ void fetch_values_kernel(dims d, layer_view* views, const int* batch_slots, int layer, int batch,
                                     step_workspace workspace) {
+  start_phase_stamps(stamped_kernel::fetch);  // (common/phase_stamps.cuh: empty unless built to measure)
   constexpr int kLanes = 32 / kItemsPerWarp;  // lanes per item
   const int lane = threadIdx.x % kLanes;
   const int sub = (threadIdx.x % 32) / kLanes;  // which of the unit's items this lane copies
@@ -128,6 +130,7 @@ __global__ void fetch_values_kernel(dims d, layer_view* views, const int* batch_
     }
     unit += warps;
   }
+  finish_phase_stamps(stamped_kernel::fetch, 79);
 }
 
 }  // namespace

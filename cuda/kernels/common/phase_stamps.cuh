@@ -7,10 +7,12 @@
 // the CTA waited for the kernel before it. The line names the SM and the global timer's nanoseconds between the
 // first and the last stamp, so the cycles can be read as time.
 //
-// CTA spans (the rebuild, logits and attention kernels, whose every CTA ends in finish_phase_stamps): every CTA notes
-// the global timer at its start and end; the CTA that ends last prints, for one launch in 16, when the grid's CTAs
-// started and ended, as histograms of 1 µs bins from the first start ("cta_spans <kernel> ctas <n> starts
-// bin:count ... ends bin:count ..."), so that a kernel's time can be told apart into late starts and slow CTAs.
+// CTA spans (the rebuild, logits, attention and value-fetch kernels, whose every CTA ends in finish_phase_stamps):
+// every CTA notes the global timer at its start and end; the CTA that ends last prints, for one launch in 16, when the
+// grid's CTAs started and ended, as histograms of 1 µs bins from the first start, and that first start on the global
+// timer ("cta_spans <kernel> ctas <n> starts bin:count ... ends bin:count ... first_ns <t>"), so that a kernel's time
+// can be told apart into late starts and slow CTAs, and the kernels of one step (each kernel's n-th printed launch,
+// where a step launches each once) laid side by side.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -21,22 +23,23 @@
 
 namespace shadowkv::cuda {
 
-enum class stamped_kernel : int { select = 0, rebuild = 1, logits = 2, attention = 3 };
+enum class stamped_kernel : int { select = 0, rebuild = 1, logits = 2, attention = 3, fetch = 4 };
+constexpr int kStampedKernels = 5;
 
 #ifdef SHADOWKV_PHASE_STAMPS
 constexpr int kMaxPhaseStamps = 64;
-static __device__ long long phase_stamp_cycles[4][kMaxPhaseStamps];
-static __device__ unsigned long long phase_stamp_times[4][2];
-static __device__ int phase_stamp_labels[4][kMaxPhaseStamps];
-static __device__ int phase_stamp_count[4];
-static __device__ unsigned phase_stamp_launches[4];
+static __device__ long long phase_stamp_cycles[kStampedKernels][kMaxPhaseStamps];
+static __device__ unsigned long long phase_stamp_times[kStampedKernels][2];
+static __device__ int phase_stamp_labels[kStampedKernels][kMaxPhaseStamps];
+static __device__ int phase_stamp_count[kStampedKernels];
+static __device__ unsigned phase_stamp_launches[kStampedKernels];
 
 constexpr int kMaxSpanCtas = 8192;
 constexpr int kSpanBins = 64;  // of 1 µs
-static __device__ unsigned long long cta_span_start[4][kMaxSpanCtas];
-static __device__ unsigned long long cta_span_end[4][kMaxSpanCtas];
-static __device__ unsigned cta_spans_done[4];
-static __device__ unsigned cta_span_launches[4];
+static __device__ unsigned long long cta_span_start[kStampedKernels][kMaxSpanCtas];
+static __device__ unsigned long long cta_span_end[kStampedKernels][kMaxSpanCtas];
+static __device__ unsigned cta_spans_done[kStampedKernels];
+static __device__ unsigned cta_span_launches[kStampedKernels];
 
 __device__ __forceinline__ bool stamping_cta() {
   return threadIdx.x == 0 && threadIdx.y == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0;
@@ -91,7 +94,7 @@ __device__ __forceinline__ void print_cta_spans(int k, unsigned ctas) {
   put_bins(" starts", starts);
   put_bins(" ends", ends);
   line[at] = '\0';
-  printf("cta_spans %d ctas %u%s\n", k, ctas, line);
+  printf("cta_spans %d ctas %u%s first_ns %llu\n", k, ctas, line, first);
 }
 
 /// The first stamp of a launch (label 0).
