@@ -71,26 +71,38 @@ def print_spans(text: str) -> None:
               f"{_quantile(ends, 0.9)} / {max(ends)} |")
 
 
-def print_aligned_spans(text: str) -> None:
-    """The kernels of one step side by side: each kernel's n-th printed launch (a step launches each once, and every
-    kernel prints its launches 7, 23, ...), as µs from the earliest first start among them: first CTA start, median
-    and last CTA end (lines with first_ns only)."""
+def print_aligned_spans(text: str, window_us: float = 100.0) -> None:
+    """Kernels of one step side by side: for each printed launch of the first kernel that has first_ns (the anchor),
+    each other kernel's printed launch whose first CTA start is nearest to the anchor's, if within `window_us` (each
+    kernel prints one launch in 16 of its own, and the kernels are not launched equally often, so the n-th printed
+    launches need not be one step's). Cells: first CTA start, p90 start, p50 end, last end, in µs from the earliest
+    first start of the row."""
     launches = collections.defaultdict(list)  # kernel -> [(first_ns, starts, ends)]
     for match in SPANS.finditer(text):
         if match[5] is not None:
             launches[int(match[1])].append((int(match[5]), _bins(match[3]), _bins(match[4])))
     if len(launches) < 2:
         return
-    count = min(len(v) for v in launches.values())
-    print("\nOne step's kernels side by side (µs from the earliest first CTA start of the step; first start, p90 start,"
-          " p50 end, last end):")
-    print("| step | " + " | ".join(KERNELS.get(k, str(k)) for k in sorted(launches)) + " |")
-    print("| --- |" + " --- |" * len(launches))
-    for n in range(count):
-        origin = min(launches[k][n][0] for k in launches)
+    kernels = sorted(launches)
+    anchor = kernels[0]
+    print(f"\nOne step's kernels side by side, around each printed {KERNELS.get(anchor, anchor)} launch (µs from the "
+          "row's earliest first CTA start: first start, p90 start, p50 end, last end; '-' none within "
+          f"{window_us:.0f} µs):")
+    print("| row | " + " | ".join(KERNELS.get(k, str(k)) for k in kernels) + " |")
+    print("| --- |" + " --- |" * len(kernels))
+    for n, (anchor_ns, _, _) in enumerate(launches[anchor]):
+        row = {}
+        for k in kernels:
+            nearest = min(launches[k], key=lambda launch: abs(launch[0] - anchor_ns))
+            if abs(nearest[0] - anchor_ns) <= window_us * 1000:
+                row[k] = nearest
+        origin = min(launch[0] for launch in row.values())
         cells = []
-        for k in sorted(launches):
-            first, starts, ends = launches[k][n]
+        for k in kernels:
+            if k not in row:
+                cells.append("-")
+                continue
+            first, starts, ends = row[k]
             at = (first - origin) / 1000.0
             cells.append(f"{at:.1f}, {at + _quantile(starts, 0.9):.0f}, {at + _quantile(ends, 0.5):.0f}, "
                          f"{at + max(ends):.0f}")
