@@ -20,6 +20,7 @@ LABELS = {
     21: "digit 1 counted", 22: "digit 2 counted", 26: "digit 1 barrier", 27: "digit 2 barrier",
     # rebuild
     30: "main loop done", 31: "barrier A (next tables)", 32: "barrier B (RoPE)", 33: "barrier C (stores)",
+    34: "K tile 0 issued (thread 0)", 35: "K tile 1 issued (thread 0)",
     38: "no group (end)", 39: "last stores (end)",
     50: "K tile 0 landed", 51: "K tile 1 landed", 52: "K tile 2 landed", 53: "K tile 3 landed",
     54: "K tile 4 landed", 55: "K tile 5 landed",

@@ -553,6 +553,7 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
       for (int kt = 0; kt < kRebuildStages - 1 && kt < k_tiles; ++kt) {
         load_stage(kt, kt, row_token(buffer));
         commit_async_copies();
+        phase_stamp(stamped_kernel::rebuild, 34 + kt);  // thread 0 has issued tile kt (then barrier B waits for all)
       }
     }
 
