@@ -2,7 +2,10 @@
 //  1. The key rebuild's CTA spends ~3.6 µs between two barriers whose only work is issuing its first two K tiles:
 //     ~1500 gathered 16-byte cp.async a CTA (64 coefficient rows of 64 bytes and 32 basis rows of 256 bytes a tile).
 //     Does issuing that many cp.async block for round trips? Timed against the same bytes by bulk copies (one
-//     cp.async.bulk a row piece, an mbarrier a tile), 128 CTAs of 256 threads as the rebuild at B = 1.
+//     cp.async.bulk a row piece, an mbarrier a tile), 128 CTAs of 256 threads as the rebuild at B = 1; the copies
+//     also as the rebuild issues them (zero-fill form, .L2::128B on the coefficient pieces), and beside a value-fetch
+//     like kernel on a second stream (256 CTAs copying 2048 random 2 KiB runs device to device), which runs beside
+//     the rebuild in the step.
 //  2. The B = 1 landmark logits read 31.5 MB at ~2.4-2.8 TB/s: their warps stream 2 KiB batches by per-lane 16-byte
 //     cp.async, two batches in flight a warp, 528 CTAs. Is that the reader, or the bytes? Timed against whole 32 KiB
 //     tiles by bulk copies (264 CTAs, three stages, as the tensor-core path), 16 KiB tiles (528 CTAs), plain loads,
@@ -41,6 +44,16 @@ __device__ __forceinline__ unsigned smem_address(const void* p) {
 }
 __device__ __forceinline__ void copy16(void* shared, const void* global) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_address(shared)), "l"(global) : "memory");
+}
+__device__ __forceinline__ void copy16_as_rebuild(void* shared, const void* global, bool prefetch) {
+  if (prefetch) {
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(smem_address(shared)), "l"(global),
+                 "r"(16)
+                 : "memory");
+  } else {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(shared)), "l"(global), "r"(16)
+                 : "memory");
+  }
 }
 __device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
@@ -85,7 +98,9 @@ constexpr int kMaxTiles = 5;
 constexpr int kTileBytesMoved = kRows * kRankTile * 2 + kRankTile * kD * 2;  // 12 KiB
 
 // `tiles` K tiles of 64 random rows into `tiles` stages; per CTA: issue end and landing, ns after the CTA's start.
-template <bool kBulk>
+// kMode: 0 plain 16-byte cp.async, 1 as the rebuild issues them (zero-fill form; .L2::128B on the coefficient pieces),
+// 2 bulk copies.
+template <int kMode>
 __global__ void __launch_bounds__(256) rebuild_tiles(const std::uint16_t* coefficients, const std::uint16_t* basis,
                                                      const int* tokens, int tiles, unsigned long long* spans,
                                                      unsigned* sink) {
@@ -94,6 +109,7 @@ __global__ void __launch_bounds__(256) rebuild_tiles(const std::uint16_t* coeffi
   const int head = static_cast<int>(blockIdx.x) % 8;
   const int* rows = tokens + static_cast<long long>(blockIdx.x) * kRows;
   const std::uint16_t* head_basis = basis + head * kD;
+  constexpr bool kBulk = kMode == 2;
   if (kBulk && threadIdx.x == 0) {
     for (int t = 0; t < tiles; ++t) barrier_init(&barriers[t]);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -119,13 +135,21 @@ __global__ void __launch_bounds__(256) rebuild_tiles(const std::uint16_t* coeffi
     } else {
       for (int v = static_cast<int>(threadIdx.x); v < kRows * 4; v += 256) {  // 4 x 16 bytes a row
         const int row = v / 4;
-        copy16(stage + row * kAStride + (v % 4) * 8, coefficients + static_cast<long long>(rows[row]) * kRank + k0 +
-                                                         (v % 4) * 8);
+        const std::uint16_t* from = coefficients + static_cast<long long>(rows[row]) * kRank + k0 + (v % 4) * 8;
+        if constexpr (kMode == 1) {
+          copy16_as_rebuild(stage + row * kAStride + (v % 4) * 8, from, true);
+        } else {
+          copy16(stage + row * kAStride + (v % 4) * 8, from);
+        }
       }
       for (int v = static_cast<int>(threadIdx.x); v < kRankTile * 16; v += 256) {  // 16 x 16 bytes a basis row
         const int k = v / 16;
-        copy16(stage + kRows * kAStride + k * kBStride + (v % 16) * 8,
-               head_basis + static_cast<long long>(k0 + k) * kWidth + (v % 16) * 8);
+        const std::uint16_t* from = head_basis + static_cast<long long>(k0 + k) * kWidth + (v % 16) * 8;
+        if constexpr (kMode == 1) {
+          copy16_as_rebuild(stage + kRows * kAStride + k * kBStride + (v % 16) * 8, from, true);
+        } else {
+          copy16(stage + kRows * kAStride + k * kBStride + (v % 16) * 8, from);
+        }
       }
       commit();
     }
@@ -148,6 +172,19 @@ __global__ void __launch_bounds__(256) rebuild_tiles(const std::uint16_t* coeffi
     spans[2 * blockIdx.x] = issued - start;
     spans[2 * blockIdx.x + 1] = landed - start;
   }
+}
+
+// A value-fetch like kernel: warp w copies 2 KiB run w (of `runs`) from source run order[w], 4 x 16 bytes a lane.
+__global__ void __launch_bounds__(256) gather_runs(const uint4* source, const int* order, uint4* target, int runs) {
+  const int warp = static_cast<int>(blockIdx.x) * 8 + static_cast<int>(threadIdx.x) / 32;
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  if (warp >= runs) return;
+  const uint4* from = source + static_cast<long long>(order[warp]) * 128;
+  uint4 v[4];
+#pragma unroll
+  for (int u = 0; u < 4; ++u) v[u] = from[lane + 32 * u];
+#pragma unroll
+  for (int u = 0; u < 4; ++u) target[static_cast<long long>(warp) * 128 + lane + 32 * u] = v[u];
 }
 
 // ---- Part 2: streaming 31.5 MB of landmark tiles (960 tiles of 32 KiB) ----
@@ -306,22 +343,53 @@ int main(int argc, char** argv) {
               ctas);
   std::printf("| reader | tiles | kernel µs | CTA issue µs median / max | CTA landed µs median / max |\n");
   std::printf("| --- | --- | --- | --- | --- |\n");
-  for (const int tiles : {2, 5}) {
-    for (const bool bulk : {false, true}) {
-      const std::size_t shared = static_cast<std::size_t>(tiles) * kTileElements * 2;
-      auto kernel = bulk ? rebuild_tiles<true> : rebuild_tiles<false>;
-      CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
-      const double us = time_it([&] { kernel<<<ctas, 256, shared>>>(coefficients, basis, tokens, tiles, spans, sink); });
-      std::vector<unsigned long long> host_spans(2 * ctas);
-      CHECK(cudaMemcpy(host_spans.data(), spans, host_spans.size() * 8, cudaMemcpyDeviceToHost));
-      std::vector<double> issue, landed;
-      for (int c = 0; c < ctas; ++c) {
-        issue.push_back(host_spans[2 * c] / 1e3);
-        landed.push_back(host_spans[2 * c + 1] / 1e3);
+  // The fetch-like kernel's buffers: 2048 runs gathered from a 256 MB store.
+  const int runs = 2048;
+  const long long store_runs = (256LL << 20) / 2048;
+  uint4* run_store = nullptr;
+  uint4* run_target = nullptr;
+  int* run_order = nullptr;
+  CHECK(cudaMalloc(&run_store, store_runs * 2048));
+  CHECK(cudaMalloc(&run_target, static_cast<long long>(runs) * 2048));
+  CHECK(cudaMalloc(&run_order, runs * sizeof(int)));
+  std::vector<int> host_order(runs);
+  for (int& r : host_order) r = static_cast<int>(random() % store_runs);
+  CHECK(cudaMemcpy(run_order, host_order.data(), runs * sizeof(int), cudaMemcpyHostToDevice));
+  cudaStream_t side = nullptr;
+  CHECK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+  cudaEvent_t flushed = nullptr;
+  CHECK(cudaEventCreateWithFlags(&flushed, cudaEventDisableTiming));
+  const char* mode_names[3] = {"cp.async 16 B", "cp.async as the rebuild", "bulk copies"};
+  for (const bool beside : {false, true}) {
+    for (const int tiles : {2, 5}) {
+      for (const int mode : {0, 1, 2}) {
+        const std::size_t shared = static_cast<std::size_t>(tiles) * kTileElements * 2;
+        auto kernel = mode == 0 ? rebuild_tiles<0> : (mode == 1 ? rebuild_tiles<1> : rebuild_tiles<2>);
+        CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
+        const double us = time_it([&] {
+          if (beside) {  // the fetch-like kernel first, on the side stream, after the flush
+            CHECK(cudaEventRecord(flushed, 0));
+            CHECK(cudaStreamWaitEvent(side, flushed, 0));
+            gather_runs<<<runs / 8, 256, 0, side>>>(run_store, run_order, run_target, runs);
+          }
+          kernel<<<ctas, 256, shared>>>(coefficients, basis, tokens, tiles, spans, sink);
+          if (beside) {
+            CHECK(cudaEventRecord(flushed, side));
+            CHECK(cudaStreamWaitEvent(0, flushed, 0));
+          }
+        });
+        std::vector<unsigned long long> host_spans(2 * ctas);
+        CHECK(cudaMemcpy(host_spans.data(), spans, host_spans.size() * 8, cudaMemcpyDeviceToHost));
+        std::vector<double> issue, landed;
+        for (int c = 0; c < ctas; ++c) {
+          issue.push_back(host_spans[2 * c] / 1e3);
+          landed.push_back(host_spans[2 * c + 1] / 1e3);
+        }
+        std::printf("| %s%s | %d | %.1f | %.2f / %.2f | %.2f / %.2f |\n", mode_names[mode],
+                    beside ? ", beside a fetch" : "", tiles, us, median(issue),
+                    *std::max_element(issue.begin(), issue.end()), median(landed),
+                    *std::max_element(landed.begin(), landed.end()));
       }
-      std::printf("| %s | %d | %.1f | %.2f / %.2f | %.2f / %.2f |\n", bulk ? "bulk copies" : "cp.async 16 B", tiles,
-                  us, median(issue), *std::max_element(issue.begin(), issue.end()), median(landed),
-                  *std::max_element(landed.begin(), landed.end()));
     }
   }
 
