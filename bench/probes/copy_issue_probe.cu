@@ -11,8 +11,9 @@
 //     tiles by bulk copies (264 CTAs, three stages, as the tensor-core path), 16 KiB tiles (528 CTAs), plain loads,
 //     and a device copy of the same bytes.
 // Every variant's CTA reads its bytes and folds them into one word (so the reads are real), written to `sink`.
-// Prints µs per variant (median of `reps` launches, each after an L2 flush) and, for part 1, the per-CTA issue and
-// landing times (median and max over CTAs, from %globaltimer).
+// Prints µs per variant (median of `reps` launches, each after an L2 flush by a 256 MB read; the first run, session
+// 22, flushed by a memset, whose dirty lines were written back during the launches) and, for part 1, the per-CTA
+// issue and landing times (median and max over CTAs, from %globaltimer).
 //   nvcc -O3 -std=c++17 -arch=sm_90a -o copy_issue_probe bench/probes/copy_issue_probe.cu && ./copy_issue_probe
 #include <cuda_runtime.h>
 
@@ -291,10 +292,11 @@ int main(int argc, char** argv) {
   std::printf("device %s, %d SMs\n", properties.name, multiprocessors);
   unsigned* sink = nullptr;
   CHECK(cudaMalloc(&sink, 16));
-  // An L2 flush between launches: 256 MB written.
+  // An L2 flush between launches: 256 MB read.
   const std::size_t flush_bytes = 256u << 20;
   void* flush = nullptr;
   CHECK(cudaMalloc(&flush, flush_bytes));
+  CHECK(cudaMemset(flush, 5, flush_bytes));
   timer clock;
   auto median = [](std::vector<double> v) {
     std::sort(v.begin(), v.end());
@@ -303,7 +305,8 @@ int main(int argc, char** argv) {
   auto time_it = [&](auto&& launch) {
     std::vector<double> us;
     for (int r = 0; r < reps; ++r) {
-      CHECK(cudaMemsetAsync(flush, r, flush_bytes));
+      // L2 flushed by reading 256 MB (clean lines: a memset's dirty ones would be written back during the launch)
+      stream_loads<<<8 * multiprocessors, 256>>>(static_cast<const uint4*>(flush), flush_bytes / 16, sink);
       CHECK(cudaEventRecord(clock.begin));
       launch();
       CHECK(cudaEventRecord(clock.end));
