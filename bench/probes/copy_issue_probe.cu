@@ -24,14 +24,7 @@
 #include <random>
 #include <vector>
 
-#define CHECK(x)                                                                            \
-  do {                                                                                      \
-    const cudaError_t status_ = (x);                                                        \
-    if (status_ != cudaSuccess) {                                                           \
-      std::printf("%s failed: %s at line %d\n", #x, cudaGetErrorString(status_), __LINE__); \
-      std::exit(1);                                                                         \
-    }                                                                                       \
-  } while (0)
+#include "probe_check.cuh"
 
 namespace {
 
