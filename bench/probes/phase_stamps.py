@@ -9,7 +9,7 @@ import re
 import statistics
 import sys
 
-KERNELS = {0: "select", 1: "rebuild", 2: "logits", 3: "attention", 4: "fetch"}
+KERNELS = {0: "select", 1: "rebuild", 2: "logits", 3: "attention", 4: "fetch", 5: "combine"}
 LABELS = {
     0: "start", 1: "prior grids done",
     # select
@@ -28,7 +28,7 @@ LABELS = {
     42: "views read", 43: "tiles described", 44: "first copies issued, q staged", 45: "tile done (barrier)",
     40: "tile landed", 41: "tile done", 49: "last tile (end)",
     # sparse attention (tensor cores)
-    79: "fetch done (end)",
+    79: "fetch done (end)", 70: "split weights (barrier)", 71: "combined (end)",
     60: "row walk begun (barrier)", 61: "q staged, first steps issued", 62: "step landed (barrier)",
     63: "next step issued", 64: "all steps done (barrier)", 65: "warps merged (barrier)", 69: "partials written (end)",
 }

@@ -923,7 +923,9 @@ __global__ void __launch_bounds__(kMmaThreads, 2)
 __global__ void __launch_bounds__(kCombineThreads)
     sparse_attention_combine_kernel(int head_dim, int q_heads, const float* partial, int splits, int max_splits,
                                     strided_tensor out) {
+  start_phase_stamps(stamped_kernel::combine);
   wait_for_prior_grids();  // common/dependent_launch.cuh: nothing before the previous kernel is done
+  phase_stamp(stamped_kernel::combine, 1);
   __shared__ float weights[kMaxSplits];
   __shared__ float inverse_total;
   const int j = static_cast<int>(blockIdx.x);
@@ -932,6 +934,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   const float* source = partial + (static_cast<long long>(b) * q_heads + j) * max_splits * entry;
   if (threadIdx.x < 32) split_weights_warp(source, splits, entry, weights, &inverse_total);
   __syncthreads();
+  phase_stamp(stamped_kernel::combine, 70);
   void* target = const_cast<void*>(out.data);  // strided_tensor carries a const pointer; out is ours to write
   const long long head_offset = static_cast<long long>(b) * out.stride[0] + static_cast<long long>(j) * out.stride[1];
   for (int dim = 2 * static_cast<int>(threadIdx.x); dim < head_dim; dim += 2 * kCombineThreads) {
@@ -944,6 +947,7 @@ __global__ void __launch_bounds__(kCombineThreads)
     store_any(target, out.type, head_offset + dim * out.stride[2], values[0].x * inverse_total);
     store_any(target, out.type, head_offset + (dim + 1) * out.stride[2], values[0].y * inverse_total);
   }
+  finish_phase_stamps(stamped_kernel::combine, 71);
 }
 
 bool valid_element_type(int type) { return type == element_f32 || type == element_f16 || type == element_bf16; }

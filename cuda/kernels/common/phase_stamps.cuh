@@ -7,12 +7,12 @@
 // the CTA waited for the kernel before it. The line names the SM and the global timer's nanoseconds between the
 // first and the last stamp, so the cycles can be read as time.
 //
-// CTA spans (the rebuild, logits, attention and value-fetch kernels, whose every CTA ends in finish_phase_stamps):
-// every CTA notes the global timer at its start and end; the CTA that ends last prints, for one launch in 16, when the
-// grid's CTAs started and ended, as histograms of 1 µs bins from the first start, and that first start on the global
-// timer ("cta_spans <kernel> ctas <n> starts bin:count ... ends bin:count ... first_ns <t>"), so that a kernel's time
-// can be told apart into late starts and slow CTAs, and the kernels of one step (each kernel's n-th printed launch,
-// where a step launches each once) laid side by side.
+// CTA spans (the rebuild, logits, attention, value-fetch and combine kernels, whose every CTA ends in
+// finish_phase_stamps): every CTA notes the global timer at its start and end; the CTA that ends last prints, for one
+// launch in 16, when the grid's CTAs started and ended, as histograms of 1 µs bins from the first start, and that
+// first start on the global timer ("cta_spans <kernel> ctas <n> starts bin:count ... ends bin:count ... first_ns
+// <t>"), so that a kernel's time can be told apart into late starts and slow CTAs, and the kernels of one step laid
+// side by side (phase_stamps.py pairs the printed launches by their first starts).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -23,8 +23,8 @@
 
 namespace shadowkv::cuda {
 
-enum class stamped_kernel : int { select = 0, rebuild = 1, logits = 2, attention = 3, fetch = 4 };
-constexpr int kStampedKernels = 5;
+enum class stamped_kernel : int { select = 0, rebuild = 1, logits = 2, attention = 3, fetch = 4, combine = 5 };
+constexpr int kStampedKernels = 6;
 
 #ifdef SHADOWKV_PHASE_STAMPS
 constexpr int kMaxPhaseStamps = 64;
