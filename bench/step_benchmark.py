@@ -141,7 +141,8 @@ def run_case(args, device, batch, seq_len, budget, value_store, target_hit, band
              "SHADOWKV_REBUILD_ROPE": "shared" if "rs" in options else None,
              "SHADOWKV_LOGITS": "fma" if "lf" in options else ("mma" if "lm" in options else None),
              "SHADOWKV_LOGITS_POOL": "off" if "lp0" in options else None,
-             "SHADOWKV_SELECT_HINT": "off" if "sh0" in options else None}
+             "SHADOWKV_SELECT_HINT": "off" if "sh0" in options else None,
+             "SHADOWKV_FUSED_MISSES": "on" if "fm" in options else ("off" if "fm0" in options else None)}
     with _environment(knobs):
         store = KVStore(1, hq, hkv, dim, max_batch=batch, max_seq_len=capacity, rank=args.rank, chunk_size=chunk,
                         budget=budget, outlier_chunks=48, local_chunks=4, generation_window=256, dtype="bfloat16",
@@ -377,14 +378,14 @@ def _parse_config(text: str) -> tuple:
     batch, seq_len, budget = (int(x) for x in shape.split("x"))
     place, *options = value_store.split("+")
     if place not in ("", "host", "device", "host_fp8", "device_fp8") or not all(
-            o in ("f32", "max", "tc", "ip", "tp", "ev", "fma", "pl0", "np", "rt0", "mt", "sma", "rs", "lf", "lm", "lp0", "sh0") or (o[:1] in ("p", "c", "k") and o[1:].isdigit())
+            o in ("f32", "max", "tc", "ip", "tp", "ev", "fma", "pl0", "np", "rt0", "mt", "sma", "rs", "lf", "lm", "lp0", "sh0", "fm", "fm0") or (o[:1] in ("p", "c", "k") and o[1:].isdigit())
             or o in ("s1", "s2", "s4", "s8") for o in options) or any(o[:1] == "k" and int(o[1:]) < 1 for o in options):
         raise SystemExit(f"--config {text}: the value store must be :host, :device, :host_fp8 or :device_fp8, "
                          f"optionally followed by +f32 (float32 factors), +pN (pipeline parts), +max (group_score max), +tc "
                          f"(two-centroid chunk scores), +ip (device values read in place), +ev (even pipeline parts), +fma (CUDA-core attention), "
                          f"+cN (value fetch CTAs), +kN (a selection cache of N >= 1 times the budget), +sN (select kernel on "
                          f"N = 1, 2, 4 or 8 CTAs a head), +pl0 (plain kernel launches), +np (fetch at normal priority), +rt0 (no RoPE table), "
-                         f"+mt (rebuild on TF32 MMAs), +sma (select merge by every CTA), +rs (rebuild RoPE in shared memory), +lf / +lm (FMA / MMA landmark logits), +lp0 (no logits tile pool) and/or +sh0 (no select hint)")
+                         f"+mt (rebuild on TF32 MMAs), +sma (select merge by every CTA), +rs (rebuild RoPE in shared memory), +lf / +lm (FMA / MMA landmark logits), +lp0 (no logits tile pool), +sh0 (no select hint) and/or +fm / +fm0 (fused misses on / off)")
     return batch, seq_len, budget, "+".join([place or "host", *options])
 
 

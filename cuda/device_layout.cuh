@@ -70,6 +70,10 @@ struct dims {
                         ///< (sparse_attention.cu; the backend's choice by batch, SHADOWKV_ATTENTION_EARLY),
                         ///< 0: the attention starts after it
   int attention_ctas;  ///< CTAs the tensor-core attention's split count aims for (SHADOWKV_ATTENTION_CTAS), 0: 264
+  int fused_misses;  ///< 1: the key rebuild also attends over the rows it rebuilds (a partial per group of misses,
+                     ///< chunk_rebuild.cuh's miss_attention) and the attention walks only the other rows, without
+                     ///< waiting for the rebuild (sparse_attention.cu); the backend's choice per step
+                     ///< (SHADOWKV_FUSED_MISSES), 0: the rebuild writes keys, the attention reads every row
 };
 
 /// Everything of one (slot, layer) on the device. Row-major, head-major where a kernel reads one head at a time.

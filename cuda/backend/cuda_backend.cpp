@@ -185,6 +185,20 @@ int attention_early_setting() {
   return -1;
 }
 
+// Whether a decode step's key rebuild also attends over the rows it rebuilds while the attention walks the others
+// (dims::fused_misses; chunk_rebuild.cuh's miss_attention): "auto" (the default: steps of up to
+// kFusedMissesMaxBatch sequences whose values are all in device memory, where the shapes allow it), "on" (every step
+// the shapes allow) or "off". SHADOWKV_FUSED_MISSES picks one (a measurement knob; bench/NOTES.md, session 23).
+// 1: on, 0: auto, -1: off.
+int fused_misses_setting() {
+  const char* text = std::getenv("SHADOWKV_FUSED_MISSES");
+  if (text == nullptr || *text == '\0' || std::strcmp(text, "auto") == 0) return 0;
+  if (std::strcmp(text, "on") == 0) return 1;
+  SHADOWKV_EXPECTS(std::strcmp(text, "off") == 0, "SHADOWKV_FUSED_MISSES must be 'auto', 'on' or 'off', got '", text,
+                   "'");
+  return -1;
+}
+
 // The CTAs the tensor-core attention's split count aims for (dims::attention_ctas): SHADOWKV_ATTENTION_CTAS, a number
 // from 1 to 4096; unset: the kernel's constant (two a multiprocessor of an H200).
 int attention_ctas_setting() {
@@ -351,6 +365,7 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   dims_.select_hint = select_hint_setting() ? 1 : 0;
   attention_early_ = attention_early_setting();
   dims_.attention_ctas = attention_ctas_setting();
+  fused_misses_ = fused_misses_setting();
 
   // The store's own stream (calls given no stream) is ordered after the legacy default stream, where a caller's
   // cudaMemcpy of an input may still be landing when it returns (from pageable memory it returns once the data is
@@ -427,7 +442,9 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
 
   // Decode workspace for max_batch sequences.
   const std::size_t batch = static_cast<std::size_t>(cfg.max_batch);
-  workspace_.max_splits = sparse_attention_max_splits(dims_);
+  // Room for the key rebuild's partials after the attention's where steps may be fused (sparse_attention_partials).
+  workspace_.max_splits =
+      fused_misses_ < 0 ? sparse_attention_max_splits(dims_) : sparse_attention_partials(dims_, kv_type_);
   const std::size_t logits = align_up(batch * cfg.num_q_heads * dims_.max_chunks * sizeof(float));
   const std::size_t scores = align_up(batch * cfg.num_kv_heads * dims_.max_chunks * sizeof(float));
   const std::size_t lists = align_up(batch * cfg.num_kv_heads * cfg.budget_chunks() * sizeof(int));
@@ -528,6 +545,8 @@ bool cuda_backend::capturing() const {
 }
 
 void cuda_backend::finish_call() {
+  fused_step_ = false;
+  prefilling_ = false;
   launch_queued_append(false);  // (none is left by a call that reached its attention)
   join_append();
   join_fetch();
@@ -918,6 +937,7 @@ void cuda_backend::prefill_one(int layer, std::span<const batch_entry> entries, 
 
 void cuda_backend::prefill(int layer, std::span<const batch_entry> entries, const prefill_inputs& inputs) {
   device_guard guard(device_);
+  prefilling_ = true;  // its selection (with q_last) is not followed by an attention: no fused rebuild (fuse_step)
   // The device's cuBLAS/cuSOLVER handles, bound to this call's stream, for the whole call (another store on the same
   // device waits for them; device_resources.hpp).
   const device_resources::library_lease libraries = resources_->libraries(stream_);
@@ -1008,6 +1028,7 @@ void cuda_backend::fold_oldest_generated_chunk(int /*layer*/, std::span<const ba
 }
 
 void cuda_backend::append_token(int layer, std::span<const batch_entry> entries, const append_inputs& inputs) {
+  prefilling_ = false;  // a decode call (a prefill that failed before its finish_call may have left it set)
   upload_batch(entries);
   if (fold_requested_) {  // fold_oldest_generated_chunk
     fold_requested_ = false;
@@ -1099,9 +1120,14 @@ void cuda_backend::select_chunks(int layer, std::span<const batch_entry> entries
 
 void cuda_backend::select_parts(int layer, std::span<const batch_entry> entries, const tensor_view& queries) {
   join_fetch();  // a call that failed after its fetch was queued: the selection below rewrites what it reads
+  fused_step_ = false;
   upload_batch(entries);
   parts_ = pipeline_parts(entries);
   const strided_tensor all_queries = as_strided(queries);
+  // [B, L, Hq, D] -> the first query token's [B, Hq, D], for a fused step's key rebuild (miss_attention).
+  selection_queries_ = all_queries;
+  selection_queries_.stride[1] = all_queries.stride[2];
+  selection_queries_.stride[2] = all_queries.stride[3];
   const std::size_t element = dtype_size(queries.float_type);
   for (std::size_t p = 0; p < parts_.size(); ++p) {
     const batch_part& part = parts_[p];
@@ -1152,9 +1178,33 @@ dims cuda_backend::step_dims(int batch) const {
   return d;
 }
 
+bool cuda_backend::fuse_step(std::span<const batch_entry> entries) const {
+  if (fused_misses_ < 0 || prefilling_ || parts_.size() != 1 || any_host_values(entries)) return false;
+  if (fused_misses_ == 0 && static_cast<int>(entries.size()) > kFusedMissesMaxBatch) return false;
+  dims d = dims_;
+  d.fused_misses = 1;
+  return sparse_attention_fuses(d, kv_type_, workspace_.max_splits);
+}
+
 void cuda_backend::rebuild_keys(int layer, std::span<const batch_entry> entries) {
-  launch_rebuild_keys(step_dims(static_cast<int>(entries.size())), kv_type_, static_cast<layer_view*>(views_.data()),
-                      static_cast<const int*>(batch_slots_.data()), layer, static_cast<int>(entries.size()), workspace_,
+  const int batch = static_cast<int>(entries.size());
+  dims d = step_dims(batch);
+  fused_step_ = fuse_step(entries);
+  if (fused_step_) {
+    // The rebuild attends over the missed rows (its partials after the attention's splits) and releases the attention
+    // at its start: the attention then walks the other rows beside it (attend).
+    d.fused_misses = 1;
+    d.attention_early = 1;
+    const miss_attention attention{selection_queries_, workspace_.partial,
+                                   sparse_attention_splits(d, kv_type_, batch, workspace_.max_splits),
+                                   workspace_.max_splits};
+    launch_rebuild_keys(d, kv_type_, static_cast<layer_view*>(views_.data()),
+                        static_cast<const int*>(batch_slots_.data()), layer, batch, workspace_,
+                        static_cast<const float*>(inv_freq_.data()), stream_, &attention);
+    return;
+  }
+  launch_rebuild_keys(d, kv_type_, static_cast<layer_view*>(views_.data()),
+                      static_cast<const int*>(batch_slots_.data()), layer, batch, workspace_,
                       static_cast<const float*>(inv_freq_.data()), stream_);
   // No wait for the fetch here: attention waits for each part's values (attend), and finish_call (or the next
   // select_chunks, after a failed call) joins the whole fetch.
@@ -1191,12 +1241,22 @@ void cuda_backend::attend(int layer, std::span<const batch_entry> entries, const
                           });
   launch_queued_append(false);  // (when no selection launched it)
   join_append();                // the new tokens' rows
+  // A fused step (rebuild_keys): the attention reads no slot this step missed, so it does not wait for their values;
+  // stream_ joins the fetch after it.
+  const bool fused = fused_step_ && parts.size() == 1;
+  fused_step_ = false;
+  dims d = step_dims(static_cast<int>(entries.size()));
+  if (fused) {
+    d.fused_misses = 1;
+    d.attention_early = 1;
+  }
   for (std::size_t p = 0; p < parts.size(); ++p) {
     const batch_part& part = parts[p];
-    // The last part waits for the whole fetch (fetched_event_ follows its fetch), the others for their own.
-    if (p + 1 == parts.size()) {
+    // The last part waits for the whole fetch (fetched_event_ follows its fetch), the others for their own; a fused
+    // step's part waits for none.
+    if (p + 1 == parts.size() && !fused) {
       join_fetch();
-    } else if (fetch_pending_) {
+    } else if (fetch_pending_ && !fused) {
       SHADOWKV_CUDA_TRY(cudaStreamWaitEvent(stream_, part_fetched_events_[p], 0));
     }
     strided_tensor part_queries = all_queries;
@@ -1206,12 +1266,14 @@ void cuda_backend::attend(int layer, std::span<const batch_entry> entries, const
     part_out.data = static_cast<const std::uint8_t*>(all_out.data) +
                     static_cast<std::ptrdiff_t>(part.first) * all_out.stride[0] * out_element;
     const bool last = p + 1 == parts.size();
-    launch_sparse_attention(step_dims(static_cast<int>(entries.size())), kv_type_,
-                            static_cast<const layer_view*>(views_.data()),
+    const step_workspace part_workspace = workspace_from(part.first);
+    launch_sparse_attention(d, kv_type_, static_cast<const layer_view*>(views_.data()),
                             static_cast<const int*>(batch_slots_.data()) + part.first, layer, part.count,
-                            part_queries, part_out, workspace_from(part.first).partial, workspace_.max_splits,
-                            stream_, last && fold_after ? static_cast<cudaEvent_t>(splits_done_event_) : nullptr);
+                            part_queries, part_out, part_workspace.partial, workspace_.max_splits, stream_,
+                            last && fold_after ? static_cast<cudaEvent_t>(splits_done_event_) : nullptr,
+                            fused ? part_workspace.miss_slots : nullptr, fused ? part_workspace.miss_counts : nullptr);
   }
+  if (fused) join_fetch();
   // Full rings are folded now, for the next step's selection (fold_oldest_generated_chunk), on the copy stream
   // beside the last combine: after the split kernels, nothing of this step reads the generated region or the
   // context arrays. stream_ waits for it before the call ends (the caller's next work, and a graph's capture, see

@@ -143,6 +143,13 @@ class cuda_backend final : public backend {
   static constexpr int kEarlyAttentionMaxBatch = 8;
   /// dims_ as the kernels of a decode step of `batch` sequences take them (dims::attention_early).
   [[nodiscard]] dims step_dims(int batch) const;
+  /// The largest batch whose steps are fused by default (dims::fused_misses, SHADOWKV_FUSED_MISSES=auto): one
+  /// sequence, where the key rebuild's CTAs are as many as its groups (bench/NOTES.md, session 23).
+  static constexpr int kFusedMissesMaxBatch = 1;
+  /// Whether this step's key rebuild attends over the missed rows (dims::fused_misses): the setting allows it, the
+  /// call decodes (not a prefill), the batch is one pipeline part, every value is in device memory, and the shapes
+  /// allow it (sparse_attention_fuses).
+  [[nodiscard]] bool fuse_step(std::span<const batch_entry> entries) const;
   /// stream_ waits for the whole fetch queued by fetch_values, once (no-op when none is pending).
   void join_fetch();
   /// select_chunks' work (select_chunks launches the queued append if it throws).
@@ -176,6 +183,10 @@ class cuda_backend final : public backend {
   int fetch_ctas_device_ = 1;           ///< value fetch CTAs when every value of the part is in device memory
   int fetch_priority_host_ = 0;         ///< launch priority of a fetch across PCIe (fetch_priority_for_host_values)
   int attention_early_ = 0;             ///< SHADOWKV_ATTENTION_EARLY: 1 on, -1 off, 0 auto (step_dims)
+  int fused_misses_ = 0;                ///< SHADOWKV_FUSED_MISSES: 1 on, -1 off, 0 auto (fuse_step)
+  bool fused_step_ = false;             ///< this call's key rebuild attended over the misses (attend follows it)
+  bool prefilling_ = false;             ///< this call is a prefill (its selection is not followed by an attention)
+  strided_tensor selection_queries_{};  ///< this call's queries as [B, Hq, D] (select_chunks; miss_attention)
   bool values_in_place_ = false;        ///< SHADOWKV_DEVICE_VALUES=in_place (layer_view::values_in_place)
   bool tapered_split_ = true;           ///< SHADOWKV_PIPELINE_SPLIT (tapered unless "even"; pipeline_parts)
   cudaStream_t stream_ = nullptr;       ///< the current call's compute stream (caller's or own_stream_)

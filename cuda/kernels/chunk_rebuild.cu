@@ -13,6 +13,7 @@
 #include "common/dependent_launch.cuh"
 #include "common/dispatch.cuh"
 #include "common/element_access.cuh"
+#include "common/float_constants.cuh"
 #include "common/phase_stamps.cuh"
 #include "cuda_check.hpp"
 #include "shape_support.hpp"
@@ -163,6 +164,18 @@ struct rebuild_tile {
   static_assert(tile_bytes % alignof(long long) == 0, "row tables follow the tiles");
 };
 
+/// The rebuild's attention (miss_attention, kAttend): after the tile's shared memory (and the RoPE coefficients when
+/// the table is used), the current group's values [kRebuildRows, D] (T, copied from the value store during the
+/// group's main loop), the G query heads' scaled queries [G, D] and their scores [G, kRebuildRows] (float).
+template <typename T, int D>
+struct attend_tile {
+  static constexpr std::size_t values_bytes = kRebuildRows * D * sizeof(T);
+  static_assert(values_bytes % 16 == 0, "the queries follow the values");
+  static constexpr std::size_t bytes(int group) {
+    return values_bytes + static_cast<std::size_t>(group) * (D + kRebuildRows) * sizeof(float);
+  }
+};
+
 /// x = big + small with both parts tf32 (low 13 mantissa bits zero) and x - big exact in fp32. Rounding is to
 /// nearest, ties away from zero (cvt.rna), done on the bits so that the discarded bits are certainly zero.
 __device__ __forceinline__ void split_tf32(float x, cutlass::tfloat32_t& big, cutlass::tfloat32_t& small) {
@@ -233,10 +246,13 @@ __device__ __forceinline__ void add_bf16_tile_products(const __nv_bfloat16* stag
   }
 }
 
-template <typename T, typename F, int D>
+// kAttend: the group's attention too (miss_attention, chunk_rebuild.cuh), after its stores. Its registers stay
+// capped as for two CTAs an SM, so that an attention CTA (sparse_attention.cu, which runs beside it in a fused step)
+// still fits beside one rebuild CTA; its shared memory allows one.
+template <typename T, typename F, int D, bool kAttend>
 __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
     rebuild_keys_kernel(dims d, layer_view* views, const int* batch_slots, int layer, step_workspace workspace,
-                        const float* inv_freq) {
+                        const float* inv_freq, miss_attention attend) {
   start_phase_stamps(stamped_kernel::rebuild);
   wait_for_prior_grids();  // common/dependent_launch.cuh: nothing before the previous kernel is done
   // The attention may start now: before its own wait it reads only what the selection and earlier kernels wrote.
@@ -256,7 +272,17 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
   // The current group's RoPE coefficients from the store's table: [kRebuildRows, D / 2] (rebuild_tile).
   // (Asked where needed rather than held: a kernel parameter costs no register across the main loop.)
   const auto use_table = [&] { return tile::table_fits && workspace.rope_table != nullptr; };
+  // The copy group a pass commits after barrier C for the next group: the RoPE coefficients (table) and, with kAttend,
+  // the group's values; the main loop's waits count it.
+  const auto extra_group = [&] { return use_table() || kAttend; };
   float2* const rope_rows = reinterpret_cast<float2*>(shared_bytes + tile::shared_bytes);
+  // kAttend: attend_tile's regions after the tile's (and the coefficients', with the table).
+  using attend_layout = attend_tile<T, D>;
+  unsigned char* const attend_base =
+      shared_bytes + (use_table() ? tile::shared_bytes_with_table : tile::shared_bytes);
+  T* const group_values = reinterpret_cast<T*>(attend_base);                              // [kRebuildRows, D]
+  float* const queries = reinterpret_cast<float*>(attend_base + attend_layout::values_bytes);  // [G, D]
+  float* const scores = queries + d.group * D;                                            // [G, kRebuildRows]
 
   const int b = static_cast<int>(blockIdx.x);
   const int h = static_cast<int>(blockIdx.y);
@@ -386,6 +412,81 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
     }
   };
 
+  // kAttend: the values of a group's first `rows` rows (tokens in `tokens`) from the value store (device memory:
+  // the backend fuses only then) into group_values, 16-byte copies; a (chunk, head) run is [C, D], so a row's D
+  // elements are one piece of it.
+  auto issue_values = [&](int rows, const long long* tokens) {
+    constexpr int kVector = 16 / static_cast<int>(sizeof(T));
+    constexpr int kVectorsPerRow = D / kVector;
+    const T* const store = static_cast<const T*>(view->value_store);
+    for (int v = static_cast<int>(threadIdx.x); v < rows * kVectorsPerRow; v += kRebuildThreads) {
+      const int row = v / kVectorsPerRow;
+      const int column = (v % kVectorsPerRow) * kVector;
+      const long long token = tokens[row];
+      const long long chunk_id = token / d.chunk;
+      const long long source_row = (chunk_id * d.kv_heads + h) * d.chunk + (token - chunk_id * d.chunk);
+      copy_async<16>(group_values + row * D + column, store + source_row * D + column);
+    }
+  };
+
+  // kAttend: the attention over the current group's `rows` rows (keys in sC, rounded to T as they are stored; values
+  // in group_values), each query head's partial to split attend.first_split + `group_index`: the format of
+  // sparse_attention.cu's split kernels (max of the scores in log2 units, sum of 2^(score - max), unnormalised
+  // accumulator). Scores: warp w takes rows w, w + 8, ..., its lanes every 32nd dim, a shuffle sum a (row, head).
+  // Then a thread per (head, pair of dims) reads the head's scores and the rows' values. Called by every thread
+  // (one barrier); the caller's barrier C follows before sC or the buffers are reused.
+  auto attend_group = [&](int rows, int group_index) {
+    constexpr int kDimsPerLane = (D + 31) / 32;
+    const int warp = static_cast<int>(threadIdx.x) / 32;
+    const int lane = static_cast<int>(threadIdx.x) % 32;
+    for (int row = warp; row < rows; row += kRebuildThreads / 32) {
+      float key[kDimsPerLane];
+#pragma unroll
+      for (int i = 0; i < kDimsPerLane; ++i) {
+        const int dim = lane + 32 * i;
+        key[i] = dim < D ? to_float(from_float<T>(sC(row, dim))) : 0.0F;
+      }
+      for (int g = 0; g < d.group; ++g) {
+        float score = 0.0F;
+#pragma unroll
+        for (int i = 0; i < kDimsPerLane; ++i) {
+          const int dim = lane + 32 * i;
+          if (dim < D) score = fmaf(queries[g * D + dim], key[i], score);
+        }
+#pragma unroll
+        for (int offset = 16; offset > 0; offset /= 2) score += __shfl_xor_sync(0xFFFFFFFFU, score, offset);
+        if (lane == 0) scores[g * kRebuildRows + row] = score;
+      }
+    }
+    __syncthreads();
+    const long long b_heads = static_cast<long long>(b) * d.q_heads;
+    for (int item = static_cast<int>(threadIdx.x); item < d.group * (D / 2); item += kRebuildThreads) {
+      const int g = item / (D / 2);
+      const int dim = 2 * (item % (D / 2));
+      const float* const head_scores = scores + g * kRebuildRows;
+      float best = -INFINITY;
+      for (int r = 0; r < rows; ++r) best = fmaxf(best, head_scores[r]);
+      float sum = 0.0F;
+      float acc0 = 0.0F;
+      float acc1 = 0.0F;
+      for (int r = 0; r < rows; ++r) {
+        const float p = best == -INFINITY ? 0.0F : exp2f(head_scores[r] - best);
+        sum += p;
+        acc0 = fmaf(p, to_float(group_values[r * D + dim]), acc0);
+        acc1 = fmaf(p, to_float(group_values[r * D + dim + 1]), acc1);
+      }
+      const long long j = static_cast<long long>(h) * d.group + g;
+      float* const out =
+          attend.partial + ((b_heads + j) * attend.max_splits + attend.first_split + group_index) * (D + 2);
+      out[2 + dim] = acc0;
+      out[3 + dim] = acc1;
+      if (dim == 0) {
+        out[0] = best;
+        out[1] = sum;
+      }
+    }
+  };
+
   // Pass p of the loop below finishes the CTA's group p - 1 ("current"; none at p = 0) and starts its group p ("next";
   // none in the last pass), with row tables in buffers (p - 1) % 2 and p % 2:
   //   main loop of current, its results to sC | row_token, row_target of next; cp.async of its row_position |
@@ -438,7 +539,7 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
         // The last K tile waits for every copy: the coefficients too, which its closing barrier then publishes to
         // the RoPE (in the accumulators right after this loop, or over sC after barrier A).
         const int tiles_after = min(kt + 2, k_tiles - 1) - kt;
-        wait_async_copies_at_most(kt == k_tiles - 1 ? 0 : tiles_after + (use_table() && kt <= 1 ? 1 : 0));
+        wait_async_copies_at_most(kt == k_tiles - 1 ? 0 : tiles_after + (extra_group() && kt <= 1 ? 1 : 0));
         __syncthreads();  // ... and every thread's
         phase_stamp(stamped_kernel::rebuild, 50 + kt);
         const int stage = kt % kRebuildStages;
@@ -556,6 +657,21 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
         phase_stamp(stamped_kernel::rebuild, 34 + kt);  // thread 0 has issued tile kt (then barrier B waits for all)
       }
     }
+    if constexpr (kAttend) {
+      // The KV head's G query heads, scaled so that scores are in log2 units (as the attention's), once: published
+      // by barrier B, read by every group's attention.
+      if (pass == 0) {
+        const float q_scale = d.softmax_scale * kLog2e;
+        const long long head0 = static_cast<long long>(h) * d.group;
+        for (int item = static_cast<int>(threadIdx.x); item < d.group * D; item += kRebuildThreads) {
+          const int g = item / D;
+          const int dim = item % D;
+          queries[item] = q_scale * load_any(attend.q.data, attend.q.type,
+                                             b * attend.q.stride[0] + (head0 + g) * attend.q.stride[1] +
+                                                 dim * attend.q.stride[2]);
+        }
+      }
+    }
 
     // Epilogue of the current group: RoPE in place in sC (a thread per pair; unless it was done in the accumulators),
     // then 16-byte stores of whole rows.
@@ -600,6 +716,9 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
         *reinterpret_cast<uint4*>(cache_keys + targets[row] + column) = packed.vector;
       }
     }
+    if constexpr (kAttend) {
+      if (current_rows > 0) attend_group(current_rows, (next - group_stride) / group_chunks);
+    }
     if (!has_next) {
       finish_phase_stamps(stamped_kernel::rebuild, 39);
       break;
@@ -611,43 +730,57 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
     phase_stamp(stamped_kernel::rebuild, 33);
     // ... so the next group's coefficients are copied from the table now, a group of their own after its K tiles 0
     // and 1, landing during its main loop. The current group's RoPE, their last reader, ended before barrier B.
-    if (use_table()) {
-      issue_coefficients(min(group_chunks, misses - next) * d.chunk, row_position(buffer));
-      commit_async_copies();
-    }
+    if (use_table()) issue_coefficients(min(group_chunks, misses - next) * d.chunk, row_position(buffer));
+    if constexpr (kAttend) issue_values(min(group_chunks, misses - next) * d.chunk, row_token(buffer));
+    if (extra_group()) commit_async_copies();
   }
 }
 
-template <typename T, typename F, int D>
+template <typename T, typename F, int D, bool kAttend>
 void launch_rebuild_for(const dims& d, layer_view* views, const int* batch_slots, int layer, int batch,
-                        const step_workspace& workspace, const float* inv_freq, cudaStream_t stream) {
+                        const step_workspace& workspace, const float* inv_freq, const miss_attention& attend,
+                        cudaStream_t stream) {
   using tile = rebuild_tile<F, D>;
   static std::atomic<std::uint64_t> allowed_on_devices{0};  // above 48 KiB: the opt-in limit, once per device
-  shadowkv_allow_large_shared_memory(rebuild_keys_kernel<T, F, D>, allowed_on_devices);
-  const int group_chunks = kRebuildRows / d.chunk;
-  const int groups = (d.budget + group_chunks - 1) / group_chunks;
-  const dim3 grid(static_cast<unsigned>(batch), static_cast<unsigned>(d.kv_heads),
-                  static_cast<unsigned>(splits_for(batch, d.kv_heads, groups, rebuild_min_ctas_per_sm<D>())));
+  shadowkv_allow_large_shared_memory(rebuild_keys_kernel<T, F, D, kAttend>, allowed_on_devices);
   const bool use_table = tile::table_fits && workspace.rope_table != nullptr;  // as the kernel decides
-  launch_after_prior_grid(rebuild_keys_kernel<T, F, D>, grid, dim3(kRebuildThreads),
-                          use_table ? tile::shared_bytes_with_table : tile::shared_bytes, stream,
-                          d.programmatic_launch != 0, d, views, batch_slots, layer, workspace, inv_freq);
+  std::size_t shared = use_table ? tile::shared_bytes_with_table : tile::shared_bytes;
+  if constexpr (kAttend) shared += attend_tile<T, D>::bytes(d.group);
+  // CTAs an SM: rebuild_min_ctas_per_sm where the shared memory allows it (the attention's regions may not).
+  const int resident = std::max<int>(
+      1, std::min<int>(rebuild_min_ctas_per_sm<D>(),
+                       static_cast<int>(kSharedPerSm / (shared + kSharedReservedPerCta))));
+  const int groups = rebuild_max_groups(d);
+  const dim3 grid(static_cast<unsigned>(batch), static_cast<unsigned>(d.kv_heads),
+                  static_cast<unsigned>(splits_for(batch, d.kv_heads, groups, resident)));
+  launch_after_prior_grid(rebuild_keys_kernel<T, F, D, kAttend>, grid, dim3(kRebuildThreads), shared, stream,
+                          d.programmatic_launch != 0, d, views, batch_slots, layer, workspace, inv_freq, attend);
 }
 
-template <typename T, int D>
+template <typename T, int D, bool kAttend>
 void launch_rebuild_for(const dims& d, layer_view* views, const int* batch_slots, int layer, int batch,
-                        const step_workspace& workspace, const float* inv_freq, cudaStream_t stream) {
+                        const step_workspace& workspace, const float* inv_freq, const miss_attention& attend,
+                        cudaStream_t stream) {
   if (d.factor_bf16 != 0) {
-    launch_rebuild_for<T, __nv_bfloat16, D>(d, views, batch_slots, layer, batch, workspace, inv_freq, stream);
+    launch_rebuild_for<T, __nv_bfloat16, D, kAttend>(d, views, batch_slots, layer, batch, workspace, inv_freq, attend,
+                                                     stream);
   } else {
-    launch_rebuild_for<T, float, D>(d, views, batch_slots, layer, batch, workspace, inv_freq, stream);
+    launch_rebuild_for<T, float, D, kAttend>(d, views, batch_slots, layer, batch, workspace, inv_freq, attend, stream);
   }
 }
 
 }  // namespace
 
+int rebuild_group_chunks(const dims& d) { return d.chunk >= 1 ? std::max(1, kRebuildRows / d.chunk) : 1; }
+
+int rebuild_max_groups(const dims& d) {
+  const int group_chunks = rebuild_group_chunks(d);
+  return (std::max(d.budget, 0) + group_chunks - 1) / group_chunks;
+}
+
 void launch_rebuild_keys(const dims& d, int kv_type, layer_view* views, const int* batch_slots, int layer, int batch,
-                         const step_workspace& workspace, const float* inv_freq, cudaStream_t stream) {
+                         const step_workspace& workspace, const float* inv_freq, cudaStream_t stream,
+                         const miss_attention* attend) {
   SHADOWKV_EXPECTS(supported_head_dim(d.head_dim), "key rebuild supports head_dim 64, 80, 96, 128 or 256, got ",
                    d.head_dim);
   SHADOWKV_EXPECTS(d.chunk >= 1 && d.chunk <= kRebuildRows, "chunk_size ", d.chunk,
@@ -659,12 +792,35 @@ void launch_rebuild_keys(const dims& d, int kv_type, layer_view* views, const in
                    "key rebuild: need 1 <= kv_heads <= 65535, budget >= 1 and cache_slots >= budget, got kv_heads ",
                    d.kv_heads, ", budget ", d.budget, ", cache_slots ", d.cache_slots);
   SHADOWKV_EXPECTS(batch >= 0, "key rebuild: batch must be >= 0, got ", batch);
+  if (attend != nullptr) {
+    SHADOWKV_EXPECTS(kv_type == element_bf16 && d.head_dim <= 128 && d.value_fp8 == 0 && d.group >= 1 &&
+                         d.group <= kMissAttentionMaxGroup,
+                     "key rebuild: the attention over the rebuilt rows needs bf16 keys and values, head_dim <= 128 and "
+                     "1 to ", kMissAttentionMaxGroup, " query heads per KV head, got element type ", kv_type,
+                     ", head_dim ", d.head_dim, ", value_fp8 ", d.value_fp8, ", group ", d.group);
+    SHADOWKV_EXPECTS(attend->partial != nullptr && attend->q.data != nullptr && attend->first_split >= 0 &&
+                         attend->first_split + rebuild_max_groups(d) <= attend->max_splits,
+                     "key rebuild: the attention's partials need first_split + ", rebuild_max_groups(d),
+                     " groups <= max_splits, got first_split ", attend->first_split, ", max_splits ",
+                     attend->max_splits);
+  }
   if (batch == 0) return;
+  if (attend != nullptr) {
+    shadowkv_dispatch_head_dim(d.head_dim, "key rebuild", [&](auto head_dim) {
+      constexpr int kD = decltype(head_dim)::value;
+      if constexpr (kD <= 128) {
+        launch_rebuild_for<__nv_bfloat16, kD, true>(d, views, batch_slots, layer, batch, workspace, inv_freq, *attend,
+                                                    stream);
+      }
+    });
+    SHADOWKV_CUDA_CHECK_LAUNCH();
+    return;
+  }
   shadowkv_dispatch_element(kv_type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     shadowkv_dispatch_head_dim(d.head_dim, "key rebuild", [&](auto head_dim) {
-      launch_rebuild_for<T, decltype(head_dim)::value>(d, views, batch_slots, layer, batch, workspace, inv_freq,
-                                                       stream);
+      launch_rebuild_for<T, decltype(head_dim)::value, false>(d, views, batch_slots, layer, batch, workspace, inv_freq,
+                                                              miss_attention{}, stream);
     });
   });
   SHADOWKV_CUDA_CHECK_LAUNCH();

@@ -36,6 +36,8 @@
 // D * sizeof(T) is a multiple of 16 for every supported D.
 #include "sparse_attention.cuh"
 
+#include "chunk_rebuild.cuh"
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -64,8 +66,13 @@ constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kCombineThreads = 128;
 constexpr int kCombineBatch = 16;  // splits whose partial accumulators one merging thread loads together
-/// Upper bound of sparse_attention_max_splits (the combine kernel keeps one weight per split in shared memory).
-constexpr int kMaxSplits = 64;
+/// Partials a query head can have: the attention's splits (sparse_attention_max_splits: 64 at most) and, in a fused
+/// step, the key rebuild's groups after them (the combine kernel keeps one weight per partial in shared memory).
+constexpr int kMaxSplits = 128;
+constexpr int kMaxAttentionSplits = 64;
+/// CTAs a fused step's attention (dims::fused_misses) aims for: one beside each key-rebuild CTA, whose shared memory
+/// leaves room for one (chunk_rebuild.cu), on the H200's 132 SMs.
+constexpr int kFusedTargetCtas = 128;
 /// A split should have at least this many rows of the largest possible row list: below it the CTA's fixed costs
 /// (counters, query, partial write, combine) outweigh its rows.
 constexpr int kMinRowsPerSplit = 64;
@@ -196,6 +203,69 @@ struct row_walk {
   }
 };
 
+/// A fused step's miss lists (dims::fused_misses; step_workspace::miss_slots and miss_counts of the launch's part):
+/// the attention walks the other rows, the key rebuild attends over these (chunk_rebuild.cuh, miss_attention).
+struct miss_lists {
+  const int* slots = nullptr;   ///< [batch, Hkv, k]
+  const int* counts = nullptr;  ///< [batch, Hkv]; null: not a fused step
+};
+
+/// The selection's slots of (entry, KV head h) that this step did not miss, ascending, into hit_slots; returns how
+/// many. The selection: every filled slot (K == k) or the slots of selected_slots (K > k). `missed`: cache_slots
+/// bytes of shared memory, `warp_counts`: kBlockThreads / 32 ints. Every global load is issued at once (the miss
+/// list's k entries whatever the count, the selection's list); then the flags, then rounds of kBlockThreads entries,
+/// ranked by ballots. Called by every thread of a block of kBlockThreads threads; ends with a barrier. Needs
+/// k <= kSharedSlotEntries and K <= kSharedSlotEntries (the backend fuses only then).
+template <int kBlockThreads>
+__device__ __forceinline__ int compact_hit_slots(const dims& d, const layer_view& view, int h, long long pair,
+                                                 const miss_lists& misses, int* hit_slots, unsigned char* missed,
+                                                 int* warp_counts) {
+  constexpr int kPerThread = kSharedSlotEntries / kBlockThreads;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int lane = tid % 32;
+  const int warp = tid / 32;
+  const bool listed = d.cache_slots > d.budget;
+  const int* const list = listed ? view.selected_slots + static_cast<long long>(h) * d.budget
+                                 : view.cache_chunks + static_cast<long long>(h) * d.cache_slots;
+  const int* const miss_list = misses.slots + pair * d.budget;
+  const int miss_count = misses.counts[pair];
+  int miss_entry[kPerThread];
+  int list_entry[kPerThread];
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    const int s = tid + i * kBlockThreads;
+    miss_entry[i] = s < d.budget ? miss_list[s] : -1;
+    list_entry[i] = s < d.budget ? list[s] : -1;
+  }
+  for (int slot = tid; slot < d.cache_slots; slot += kBlockThreads) missed[slot] = 0;
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    if (tid + i * kBlockThreads < miss_count) missed[miss_entry[i]] = 1;
+  }
+  __syncthreads();
+  int total = 0;
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    if (i * kBlockThreads >= d.budget) break;  // block-uniform
+    const int s = tid + i * kBlockThreads;
+    const int slot = s >= d.budget ? -1 : (listed ? list_entry[i] : (list_entry[i] >= 0 ? s : -1));
+    const bool hit = slot >= 0 && missed[slot] == 0;
+    const unsigned ballot = __ballot_sync(0xFFFFFFFFU, hit);
+    if (lane == 0) warp_counts[warp] = __popc(ballot);
+    __syncthreads();
+    int before = total;
+#pragma unroll
+    for (int w = 0; w < kBlockThreads / 32; ++w) {
+      before += w < warp ? warp_counts[w] : 0;
+      total += warp_counts[w];
+    }
+    if (hit) hit_slots[before + __popc(ballot & ((1U << lane) - 1U))] = slot;
+    __syncthreads();  // warp_counts is rewritten next round; hit_slots is complete after the last
+  }
+  return total;
+}
+
 /// The row walk of KV head h of `view` for split `split` of `splits`; called by every thread of a block of
 /// kBlockThreads threads (it ends with a barrier). The cache part is a list of k entries, each C rows or an empty
 /// (masked) entry. K == k: entry s is buffer slot s (cache_chunks, -1 where empty), so every filled slot is read.
@@ -203,10 +273,13 @@ struct row_walk {
 /// slots, ascending; -1 padding at the end). The cache part ends after the last filled entry. The list is copied to
 /// `shared_slots` (kSharedSlotEntries ints) on the way when it fits, so that the steps' row lookups are not global
 /// loads; `warp_last_filled`: kBlockThreads / 32 ints of shared memory.
+// With `misses` (a fused step; kListed, the list in shared memory): the cache part is the slots this step did not
+// miss (compact_hit_slots; `missed`: its flags), and the split's share is taken of those rows.
 template <typename T, int D, bool kListed, int kBlockThreads>
 __device__ __forceinline__ row_walk<T, D, kListed> begin_row_walk(const dims& d, const layer_view& view, int h,
                                                                  int split, int splits, int* shared_slots,
-                                                                 int* warp_last_filled) {
+                                                                 int* warp_last_filled, const miss_lists& misses = {},
+                                                                 long long pair = 0, unsigned char* missed = nullptr) {
   const int* global_slot_list =
       (kListed ? view.selected_slots : view.cache_chunks) + static_cast<long long>(h) * d.budget;
   const bool list_in_shared = d.budget <= kSharedSlotEntries;
@@ -225,19 +298,25 @@ __device__ __forceinline__ row_walk<T, D, kListed> begin_row_walk(const dims& d,
   const void* cache_keys = view.cache_keys;
   const void* cache_values = view.cache_values;
   int last_filled = -1;
-  for (int s = static_cast<int>(threadIdx.x); s < d.budget; s += kBlockThreads) {
-    const int entry = global_slot_list[s];
-    if (list_in_shared) shared_slots[s] = entry;
-    if (entry >= 0) last_filled = s;
-  }
-  last_filled = __reduce_max_sync(0xFFFFFFFFU, last_filled);
-  if (threadIdx.x % 32 == 0) warp_last_filled[threadIdx.x / 32] = last_filled;
-  __syncthreads();
+  const bool hits_only = kListed && misses.counts != nullptr;
+  if (hits_only) {
+    last_filled =
+        compact_hit_slots<kBlockThreads>(d, view, h, pair, misses, shared_slots, missed, warp_last_filled) - 1;
+  } else {
+    for (int s = static_cast<int>(threadIdx.x); s < d.budget; s += kBlockThreads) {
+      const int entry = global_slot_list[s];
+      if (list_in_shared) shared_slots[s] = entry;
+      if (entry >= 0) last_filled = s;
+    }
+    last_filled = __reduce_max_sync(0xFFFFFFFFU, last_filled);
+    if (threadIdx.x % 32 == 0) warp_last_filled[threadIdx.x / 32] = last_filled;
+    __syncthreads();
 #pragma unroll
-  for (int w = 0; w < kBlockThreads / 32; ++w) last_filled = max(last_filled, warp_last_filled[w]);
+    for (int w = 0; w < kBlockThreads / 32; ++w) last_filled = max(last_filled, warp_last_filled[w]);
+  }
 
   walk.view = &view;
-  walk.slot_list = list_in_shared ? shared_slots : global_slot_list;
+  walk.slot_list = list_in_shared || hits_only ? shared_slots : global_slot_list;
   walk.h = h;
   walk.kv_heads = d.kv_heads;
   walk.chunk = d.chunk;
@@ -270,25 +349,28 @@ __device__ __forceinline__ float merge_weight(float x, float m) { return m == -I
 // element pairs load as float2). Loads bypass L1 (__ldcg): the partials were written by other CTAs.
 
 /// The splits' weights 2^(max_s - max) into weights[0, splits) and 1 / sum_s w_s l_s into *inverse_total. Called by
-/// the 32 lanes of one warp; each loads the (max, sum) pairs of its two splits at once (splits <= kMaxSplits = 64).
+/// the 32 lanes of one warp; each loads the (max, sum) pairs of its kMaxSplits / 32 splits at once.
 __device__ __forceinline__ void split_weights_warp(const float* source, int splits, long long entry, float* weights,
                                                    float* inverse_total) {
-  static_assert(kMaxSplits <= 64, "two splits a lane");
+  constexpr int kPerLane = kMaxSplits / 32;
+  static_assert(kMaxSplits % 32 == 0, "whole splits a lane");
   const int lane = static_cast<int>(threadIdx.x % 32);
-  float2 stats[2];
+  float2 stats[kPerLane];
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
+  for (int i = 0; i < kPerLane; ++i) {
     const int s = lane + 32 * i;
     stats[i] = s < splits ? __ldcg(reinterpret_cast<const float2*>(source + s * entry)) : make_float2(-INFINITY, 0.0F);
   }
-  float global_max = fmaxf(stats[0].x, stats[1].x);
+  float global_max = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) global_max = fmaxf(global_max, stats[i].x);
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) {
     global_max = fmaxf(global_max, __shfl_xor_sync(0xFFFFFFFFU, global_max, offset));
   }
   float total = 0.0F;
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
+  for (int i = 0; i < kPerLane; ++i) {
     const int s = lane + 32 * i;
     if (s < splits) {
       const float weight = merge_weight(stats[i].x, global_max);
@@ -662,14 +744,18 @@ __device__ __forceinline__ void load_matrix_x4_transposed(unsigned (&r)[4], cons
                : "r"(shared_address(row)));
 }
 
+// With `misses` (a fused step, kListed): the hit rows only, and no wait for the key rebuild before them (it writes
+// only the missed slots' keys, and their partials); the wait comes last, so that the combine after this kernel finds
+// the rebuild's partials written.
 template <int D, bool kListed>
 __global__ void __launch_bounds__(kMmaThreads, 2)
     sparse_attention_mma_kernel(dims d, const layer_view* views, const int* batch_slots, int layer, strided_tensor q,
-                                float* partial, int splits, int max_splits) {
+                                float* partial, int splits, int max_splits, miss_lists misses) {
   start_phase_stamps(stamped_kernel::attention);
+  const bool fused = kListed && misses.counts != nullptr;
   // dims::attention_early: the row walk (the views, the selection's slot list) and q come before the wait: nothing the
   // key rebuild (the kernel before this one) writes is read until the first step's copies, issued after it.
-  if (d.attention_early == 0) wait_for_prior_grids();  // common/dependent_launch.cuh
+  if (d.attention_early == 0 && !fused) wait_for_prior_grids();  // common/dependent_launch.cuh
   phase_stamp(stamped_kernel::attention, 1);
   using T = __nv_bfloat16;
   using layout = mma_layout<D>;
@@ -679,6 +765,7 @@ __global__ void __launch_bounds__(kMmaThreads, 2)
   __shared__ int warp_last_filled[kMmaWarps];
   __shared__ int shared_slots[kSharedSlotEntries];
   __shared__ unsigned char row_is_token[kMmaStages][kMmaStepRows];
+  __shared__ unsigned char missed[kListed ? kSharedSlotEntries : 1];  // a fused step's flags (compact_hit_slots)
   T* const stage_rows = reinterpret_cast<T*>(storage);
   auto stage_row = [&](int stage, int which, int row) {
     return stage_rows + ((stage * 2 + which) * kMmaStepRows + row) * kRow;
@@ -700,8 +787,9 @@ __global__ void __launch_bounds__(kMmaThreads, 2)
   const int segment = tid % kLanes;
 
   const layer_view& view = views[static_cast<long long>(batch_slots[b]) * d.num_layers + layer];
-  const row_walk<T, D, kListed> walk =
-      begin_row_walk<T, D, kListed, kMmaThreads>(d, view, h, split, splits, shared_slots, warp_last_filled);
+  const row_walk<T, D, kListed> walk = begin_row_walk<T, D, kListed, kMmaThreads>(
+      d, view, h, split, splits, shared_slots, warp_last_filled, misses,
+      static_cast<long long>(b) * d.kv_heads + h, missed);
   phase_stamp(stamped_kernel::attention, 60);
   const int row_begin = walk.row_begin;
   const int steps = (walk.row_end - row_begin + kMmaStepRows - 1) / kMmaStepRows;
@@ -759,7 +847,7 @@ __global__ void __launch_bounds__(kMmaThreads, 2)
         *reinterpret_cast<unsigned*>(query_rows + (t * kMmaHeads + head) * kRow + dim) = terms[t];
       }
     }
-    if (tile == 0) wait_for_prior_grids();  // (returns at once when it already waited above)
+    if (tile == 0 && !fused) wait_for_prior_grids();  // (returns at once when it already waited above)
 #pragma unroll
     for (int s = 0; s < kMmaStages - 1; ++s) issue_step(s);
     phase_stamp(stamped_kernel::attention, 61);
@@ -917,12 +1005,15 @@ __global__ void __launch_bounds__(kMmaThreads, 2)
     }
     __syncthreads();  // the next tile refills the stages and Q
   }
+  if (fused) wait_for_prior_grids();  // the key rebuild's partials are written when this grid ends
   finish_phase_stamps(stamped_kernel::attention, 69);
 }
 
+// fused_counts (a fused step: the miss counts of the launch's part, [batch, Hkv]): query head j also merges the key
+// rebuild's partials after the splits, ceil(misses / group_chunks) of them for its KV head j / group.
 __global__ void __launch_bounds__(kCombineThreads)
     sparse_attention_combine_kernel(int head_dim, int q_heads, const float* partial, int splits, int max_splits,
-                                    strided_tensor out) {
+                                    strided_tensor out, const int* fused_counts, int group, int group_chunks) {
   start_phase_stamps(stamped_kernel::combine);
   wait_for_prior_grids();  // common/dependent_launch.cuh: nothing before the previous kernel is done
   phase_stamp(stamped_kernel::combine, 1);
@@ -930,6 +1021,10 @@ __global__ void __launch_bounds__(kCombineThreads)
   __shared__ float inverse_total;
   const int j = static_cast<int>(blockIdx.x);
   const int b = static_cast<int>(blockIdx.y);
+  if (fused_counts != nullptr) {
+    const int misses = fused_counts[static_cast<long long>(b) * (q_heads / group) + j / group];
+    splits += (misses + group_chunks - 1) / group_chunks;
+  }
   const long long entry = static_cast<long long>(head_dim) + 2;
   const float* source = partial + (static_cast<long long>(b) * q_heads + j) * max_splits * entry;
   if (threadIdx.x < 32) split_weights_warp(source, splits, entry, weights, &inverse_total);
@@ -952,6 +1047,12 @@ __global__ void __launch_bounds__(kCombineThreads)
 
 bool valid_element_type(int type) { return type == element_f32 || type == element_f16 || type == element_bf16; }
 
+/// Whether the tensor-core kernel serves these dims and element type: bf16 keys and values, D <= 128 (its float32
+/// accumulators of 16 heads x D stay in registers), and dims::attention_fma not set.
+bool mma_kernel_serves(const dims& d, int kv_type) {
+  return d.attention_fma == 0 && kv_type == element_bf16 && d.head_dim <= 128 && d.head_dim % 16 == 0;
+}
+
 int choose_splits(const dims& d, int batch, int max_splits, int target_ctas) {
   // Rounded down: the grid stays within one wave rather than spilling a partial second one.
   const long long heads = static_cast<long long>(batch) * d.kv_heads;
@@ -962,6 +1063,7 @@ int choose_splits(const dims& d, int batch, int max_splits, int target_ctas) {
 
 /// Arguments of one split-kernel launch.
 struct split_launch {
+  miss_lists misses;
   dims d;
   const layer_view* views;
   const int* batch_slots;
@@ -982,13 +1084,7 @@ void launch_mma_split(const split_launch& a) {
   const dim3 grid(static_cast<unsigned>(a.splits), static_cast<unsigned>(a.d.kv_heads), static_cast<unsigned>(a.batch));
   launch_after_prior_grid(sparse_attention_mma_kernel<D, kListed>, grid, dim3(kMmaThreads), layout::shared_bytes,
                           a.stream, a.d.programmatic_launch != 0, a.d, a.views, a.batch_slots, a.layer, a.q, a.partial,
-                          a.splits, a.max_splits);
-}
-
-/// Whether the tensor-core kernel serves these dims and element type: bf16 keys and values, D <= 128 (its float32
-/// accumulators of 16 heads x D stay in registers), and dims::attention_fma not set.
-bool mma_kernel_serves(const dims& d, int kv_type) {
-  return d.attention_fma == 0 && kv_type == element_bf16 && d.head_dim <= 128 && d.head_dim % 16 == 0;
+                          a.splits, a.max_splits, a.misses);
 }
 
 template <typename T, int D, int HeadTile, bool kListed>
@@ -1011,12 +1107,36 @@ int sparse_attention_max_splits(const dims& d) {
   const long long rows = std::max(d.max_outliers, 0) * chunk + std::max(d.local_capacity, 0) +
                          std::max(d.window, 0) + std::max(d.budget, 0) * chunk;
   const long long by_rows = (rows + kMinRowsPerSplit - 1) / kMinRowsPerSplit;
-  return static_cast<int>(std::clamp<long long>(by_rows, 1, kMaxSplits));
+  return static_cast<int>(std::clamp<long long>(by_rows, 1, kMaxAttentionSplits));
+}
+
+bool sparse_attention_fuses(const dims& d, int kv_type, int max_splits) {
+  return mma_kernel_serves(d, kv_type) && d.value_fp8 == 0 && d.group >= 1 && d.group <= kMissAttentionMaxGroup &&
+         d.budget <= kSharedSlotEntries && d.cache_slots <= kSharedSlotEntries && max_splits <= kMaxSplits &&
+         max_splits - rebuild_max_groups(d) >= 1;
+}
+
+int sparse_attention_partials(const dims& d, int kv_type) {
+  const int splits = sparse_attention_max_splits(d);
+  const int with_groups = std::min(kMaxSplits, splits + rebuild_max_groups(d));
+  return sparse_attention_fuses(d, kv_type, with_groups) ? with_groups : splits;
+}
+
+int sparse_attention_splits(const dims& d, int kv_type, int batch, int max_splits) {
+  const bool tensor_cores = mma_kernel_serves(d, kv_type);
+  if (d.fused_misses != 0) {
+    // The key rebuild's partials follow the splits (rebuild_max_groups of them at most).
+    return choose_splits(d, batch, max_splits - rebuild_max_groups(d),
+                         d.attention_ctas > 0 ? d.attention_ctas : kFusedTargetCtas);
+  }
+  return choose_splits(d, batch, max_splits,
+                       tensor_cores ? (d.attention_ctas > 0 ? d.attention_ctas : kMmaTargetCtas) : kTargetCtas);
 }
 
 void launch_sparse_attention(const dims& d, int kv_type, const layer_view* views, const int* batch_slots, int layer,
                              int batch, strided_tensor q, strided_tensor out, float* partial, int max_splits,
-                             cudaStream_t stream, cudaEvent_t splits_done) {
+                             cudaStream_t stream, cudaEvent_t splits_done, const int* miss_slots,
+                             const int* miss_counts) {
   SHADOWKV_EXPECTS(supported_head_dim(d.head_dim), "sparse attention supports head_dim 64, 80, 96, 128 or 256, got ",
                    d.head_dim);
   SHADOWKV_EXPECTS(d.kv_heads >= 1 && d.kv_heads <= 65535 && d.group >= 1 && d.q_heads == d.kv_heads * d.group,
@@ -1044,16 +1164,28 @@ void launch_sparse_attention(const dims& d, int kv_type, const layer_view* views
                    "sparse attention: null views, batch_slots, partial, q or out");
 
   const bool tensor_cores = mma_kernel_serves(d, kv_type);
-  const int splits = choose_splits(d, batch, max_splits,
-                                   tensor_cores ? (d.attention_ctas > 0 ? d.attention_ctas : kMmaTargetCtas) : kTargetCtas);
-  const split_launch launch{d, views, batch_slots, layer, batch, q, partial, splits, max_splits, stream};
+  const bool fused = d.fused_misses != 0;
+  if (fused) {
+    SHADOWKV_EXPECTS(sparse_attention_fuses(d, kv_type, max_splits) && miss_slots != nullptr && miss_counts != nullptr,
+                     "sparse attention: a fused step needs the tensor-core kernel's shapes (bf16, head_dim <= 128), "
+                     "bf16 values, 1 to ", kMissAttentionMaxGroup, " query heads per KV head, k and K <= ",
+                     kSharedSlotEntries, ", room for the key rebuild's ", rebuild_max_groups(d), " partials in ",
+                     max_splits, " (at most ", kMaxSplits, "), and the miss lists");
+  }
+  const int splits = sparse_attention_splits(d, kv_type, batch, max_splits);
+  miss_lists misses;
+  if (fused) {
+    misses.slots = miss_slots;
+    misses.counts = miss_counts;
+  }
+  const split_launch launch{misses, d, views, batch_slots, layer, batch, q, partial, splits, max_splits, stream};
   shadowkv_dispatch_element(kv_type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     shadowkv_dispatch_head_dim(d.head_dim, "sparse attention", [&](auto head_dim) {
       constexpr int kD = decltype(head_dim)::value;
       if constexpr (std::is_same_v<T, __nv_bfloat16> && kD <= 128) {
         if (tensor_cores) {
-          if (d.cache_slots > d.budget) {
+          if (d.cache_slots > d.budget || fused) {
             launch_mma_split<kD, true>(launch);
           } else {
             launch_mma_split<kD, false>(launch);
@@ -1076,7 +1208,7 @@ void launch_sparse_attention(const dims& d, int kv_type, const layer_view* views
   launch_after_prior_grid(sparse_attention_combine_kernel,
                           dim3(static_cast<unsigned>(d.q_heads), static_cast<unsigned>(batch)), dim3(kCombineThreads),
                           0, stream, d.programmatic_launch != 0, d.head_dim, d.q_heads, partial, splits, max_splits,
-                          out);
+                          out, fused ? miss_counts : nullptr, d.group, rebuild_group_chunks(d));
 }
 
 }  // namespace shadowkv::cuda

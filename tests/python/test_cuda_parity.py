@@ -31,19 +31,22 @@ CASES = [
     (3, 8, 1, 128, 20, 16, [517, 900, 260], "float32", "half", 64),
     (4, 16, 2, 64, 128, 300, [640, 400], "float32", "half", None),  # budget covers everything
     (5, 4, 1, 256, 80, 8, [450], "bfloat16", "half", None),
+    # One sequence with bf16 values in device memory: the step the backend fuses by default (the key rebuild attends
+    # over the missed rows, the attention over the others; dims::fused_misses).
+    (6, 8, 2, 128, 96, 24, [1500], "bfloat16", "half", None),
 ]
 STEPS = 24
 WINDOW = 16
 # Where the values live, per case (same on both backends): "auto" gets a budget of one sequence, so the first
 # sequence's values are in device memory and the others' in pinned host memory.
-PLACEMENT = {1: "host", 2: "device", 3: "auto", 4: "device", 5: "auto"}
+PLACEMENT = {1: "host", 2: "device", 3: "auto", 4: "device", 5: "auto", 6: "device"}
 # The value format per case: fp8 (e4m3 codes + a scale per run) with host, device and auto placement.
-VALUE_DTYPE = {1: "float8_e4m3", 2: "float8_e4m3", 3: None, 4: None, 5: "float8_e4m3"}
+VALUE_DTYPE = {1: "float8_e4m3", 2: "float8_e4m3", 3: None, 4: None, 5: "float8_e4m3", 6: None}
 # The factors' element type per case (None: the default, bf16 for the bf16 cases): float32 factors in a bf16 store keep
 # the 3xTF32 rebuild covered next to the bf16 one; bf16 factors in a float32 store isolate their rounding.
-FACTOR_DTYPE = {1: None, 2: "float32", 3: "bfloat16", 4: None, 5: None}
+FACTOR_DTYPE = {1: None, 2: "float32", 3: "bfloat16", 4: None, 5: None, 6: None}
 # How a chunk's score combines the group's heads: the mean in the GQA cases 1 (G=4) and 3 (G=8), the max elsewhere.
-GROUP_SCORE = {1: "mean", 2: "max", 3: "mean", 4: "max", 5: "max"}
+GROUP_SCORE = {1: "mean", 2: "max", 3: "mean", 4: "max", 5: "max", 6: "mean"}
 
 
 def _sequence_value_bytes(hkv, d, dtype, value_dtype, layers=2, max_len=2048, chunk=8):
@@ -62,8 +65,8 @@ def test_cuda_matches_cpu(case):
 
 # Caches of 2 and 4 times the budget on the cases whose contexts hold more chunks than 4k (evictions happen): bf16
 # with fp8 values in host (1), device (2) and auto (5) placement, float32 with auto placement and three ragged
-# sequences (3).
-LARGER_CACHE_CASES = [c for c in CASES if c[0] in (1, 2, 3, 5)]
+# sequences (3), and the fused step (6).
+LARGER_CACHE_CASES = [c for c in CASES if c[0] in (1, 2, 3, 5, 6)]
 
 
 @pytest.mark.parametrize("multiple", [2, 4])
@@ -289,15 +292,19 @@ def test_cuda_graph_replay_matches_eager(cache_tokens):
     assert eager.memory_report()["selection_cache"] == graphed.memory_report()["selection_cache"]
 
 
-def test_cuda_graph_of_several_steps_matches_eager():
+@pytest.mark.parametrize("fused", [False, True], ids=["host-values", "device-values-fused"])
+def test_cuda_graph_of_several_steps_matches_eager(fused, monkeypatch):
     """Several decode steps captured in one CUDA graph (as a model captures its whole decode) equal the same steps
     decoded eagerly, folds included: the append (beside the selection) and the fold (at the end of the step that fills
-    the ring) of each step are ordered before the next step's, inside one graph."""
+    the ring) of each step are ordered before the next step's, inside one graph. Also with fused steps (values in
+    device memory, SHADOWKV_FUSED_MISSES=on: the key rebuild attends over the missed rows beside the attention)."""
     seed, hq, hkv, d, n, per_graph, replays = 22, 8, 2, 64, 600, 4, 10
     g = H.generator(seed)
     kw = dict(num_layers=1, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, max_batch=2, max_seq_len=1024, rank=64,
               chunk_size=8, budget=128, outlier_chunks=2, local_chunks=2, generation_window=16, dtype="bfloat16",
-              device="cuda:0")
+              device="cuda:0", value_store="device" if fused else "host")
+    if fused:
+        monkeypatch.setenv("SHADOWKV_FUSED_MISSES", "on")
     eager, graphed = KVStore(**kw), KVStore(**kw)
     keys = torch.stack([H.structured_keys(g, n, hkv, d) for _ in range(2)]).cuda()
     values = H.randn(g, 2, n, hkv, d).cuda()
@@ -383,12 +390,13 @@ TWIN_LENGTHS = [900, 530, 1200, 610, 770, 1000, 480]
 
 
 def _twin_kw(value_dtype, **extra):
-    """One layer, Hq 8, Hkv 2, D 128, a batch of 7 ragged sequences with pinned host values: the shape of the tests
-    that run the same steps through two CUDA stores that differ only in how the work is laid out."""
-    return dict(num_layers=1, num_q_heads=8, num_kv_heads=2, head_dim=128, max_batch=len(TWIN_LENGTHS),
-                max_seq_len=2048, rank=64, chunk_size=8, budget=128, outlier_chunks=2, local_chunks=2,
-                generation_window=16, dtype="bfloat16", device="cuda:0", value_store="host", value_dtype=value_dtype,
-                **extra)
+    """One layer, Hq 8, Hkv 2, D 128, a batch of 7 ragged sequences with pinned host values (unless `extra` says
+    otherwise): the shape of the tests that run the same steps through two CUDA stores that differ only in how the work
+    is laid out."""
+    return {**dict(num_layers=1, num_q_heads=8, num_kv_heads=2, head_dim=128, max_batch=len(TWIN_LENGTHS),
+                   max_seq_len=2048, rank=64, chunk_size=8, budget=128, outlier_chunks=2, local_chunks=2,
+                   generation_window=16, dtype="bfloat16", device="cuda:0", value_store="host",
+                   value_dtype=value_dtype), **extra}
 
 
 def _run_twins(stores, g, steps, compare_outputs, what):
@@ -473,6 +481,31 @@ def test_cuda_attention_kernels_agree(monkeypatch):
     monkeypatch.setenv("SHADOWKV_ATTENTION", "wmma")
     with pytest.raises(ValueError, match="SHADOWKV_ATTENTION"):
         KVStore(**_twin_kw(None))
+
+
+def test_cuda_fused_misses_change_only_rounding(monkeypatch):
+    """A fused step (dims::fused_misses: the key rebuild attends over the rows it rebuilds, the attention over the
+    others, and the combine merges both kinds of partials) equals the unfused one up to the combine's rounding:
+    selections and statistics identical, outputs to a few float32 ulps before the output rounding, with the 7
+    sequences' values in device memory, gathered or read in place, and with a cache of 4 x the budget.
+    SHADOWKV_FUSED_MISSES=on fuses every step the shapes allow (the default only single-sequence steps), off none;
+    a value that is neither is refused."""
+    g = H.generator(53)
+
+    def close(a, b, where):
+        err = H.rel_err(b.float(), a.float())
+        assert err < 2e-3, f"{where}: fused and unfused steps differ by {err:.2e}"
+
+    for in_place, cache_tokens in ((False, 0), (True, 0), (False, 512)):
+        if in_place:
+            monkeypatch.setenv("SHADOWKV_DEVICE_VALUES", "in_place")
+        kw = _twin_kw(None, value_store="device", cache_tokens=cache_tokens)
+        stores = _stores_by_knob(monkeypatch, "SHADOWKV_FUSED_MISSES", ("off", "on"), kw)
+        monkeypatch.delenv("SHADOWKV_DEVICE_VALUES", raising=False)
+        _run_twins(stores, g, 10, close, f"in place {in_place}, cache_tokens {cache_tokens}")
+    monkeypatch.setenv("SHADOWKV_FUSED_MISSES", "sometimes")
+    with pytest.raises(ValueError, match="SHADOWKV_FUSED_MISSES"):
+        KVStore(**_twin_kw(None, value_store="device"))
 
 
 def _stores_by_knob(monkeypatch, knob, settings, kw):
