@@ -65,7 +65,7 @@ namespace {
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kCombineThreads = 128;
-constexpr int kCombineBatch = 16;  // splits whose partial accumulators one merging thread loads together
+constexpr int kCombineBatch = 24;  // splits whose partial accumulators one merging thread loads together
 /// Partials a query head can have: the attention's splits (sparse_attention_max_splits: 64 at most) and, in a fused
 /// step, the key rebuild's groups after them (the combine kernel keeps one weight per partial in shared memory).
 constexpr int kMaxSplits = 128;
@@ -384,43 +384,6 @@ __device__ __forceinline__ void split_weights_warp(const float* source, int spli
   // partial sum NaN, and that NaN reaches the output as on the CPU backend: the splits' weights alone would drop it
   // (a split whose scores are all NaN keeps max = -inf and so weight 0). No rows at all (total 0) give zeros.
   if (lane == 0) *inverse_total = total > 0.0F ? 1.0F / total : (total == total ? 0.0F : total);
-}
-
-/// One output pair: elements dim, dim + 1 (dim even) of sum_s w_s acc_s, in split order, one FMA a split and
-/// element. kItems pairs a thread at once (sources, weights and dims per item): the loads of kCombineBatch splits of
-/// every item are issued before their FMAs, so a thread waits ceil(splits / kCombineBatch) round trips in all. (One
-/// load, then its FMA, split after split, kept one L2 round trip in flight per thread: 14 µs for the ~43 splits of a
-/// B=1 step in ncu, against ~1 µs of bytes.) A split with weight 0 (no rows, or all scores NaN) is not read.
-template <int kItems>
-__device__ __forceinline__ void merged_pairs(const float* const (&sources)[kItems], const float* const (&weights)[kItems],
-                                             const int (&dims)[kItems], const bool (&active)[kItems], int splits,
-                                             long long entry, float2 (&values)[kItems]) {
-#pragma unroll
-  for (int t = 0; t < kItems; ++t) values[t] = make_float2(0.0F, 0.0F);
-  for (int first = 0; first < splits; first += kCombineBatch) {
-    float2 loaded[kItems][kCombineBatch];
-#pragma unroll
-    for (int t = 0; t < kItems; ++t) {
-#pragma unroll
-      for (int i = 0; i < kCombineBatch; ++i) {
-        const int s = first + i;
-        loaded[t][i] = active[t] && s < splits && weights[t][s] != 0.0F
-                           ? __ldcg(reinterpret_cast<const float2*>(sources[t] + s * entry + 2 + dims[t]))
-                           : make_float2(0.0F, 0.0F);
-      }
-    }
-#pragma unroll
-    for (int t = 0; t < kItems; ++t) {
-#pragma unroll
-      for (int i = 0; i < kCombineBatch; ++i) {
-        const int s = first + i;
-        if (active[t] && s < splits && weights[t][s] != 0.0F) {
-          values[t].x = fmaf(weights[t][s], loaded[t][i].x, values[t].x);
-          values[t].y = fmaf(weights[t][s], loaded[t][i].y, values[t].y);
-        }
-      }
-    }
-  }
 }
 
 // At most 170 registers: 3 CTAs (12 warps) per SM. kListed: the cache is larger than the budget (K > k) and its part
@@ -1009,6 +972,13 @@ __global__ void __launch_bounds__(kMmaThreads, 2)
   finish_phase_stamps(stamped_kernel::attention, 69);
 }
 
+// One CTA a (query head j, entry b): out = sum_s w_s acc_s / sum_s w_s l_s over the head's partials. Thread t takes
+// the output pair of dims 2p, 2p + 1, p = t % (D / 2), for part t / (D / 2) of the splits (kCombineThreads / (D / 2)
+// parts, contiguous ranges; D = 128: two), and issues the loads of its first kCombineBatch accumulators before the
+// splits' weights are known: the weights' round trip (warp 0) and the accumulators' overlap, where the weights were
+// waited for first and the accumulators loaded then (5.1-5.5 µs at B = 1's 33 splits a head, bench/NOTES.md). The
+// parts' sums meet in shared memory, added in part order. A split with weight 0 (no rows, or all scores NaN) is not
+// added (its accumulator may be NaN).
 // fused_counts (a fused step: the miss counts of the launch's part, [batch, Hkv]): query head j also merges the key
 // rebuild's partials after the splits, ceil(misses / group_chunks) of them for its KV head j / group.
 __global__ void __launch_bounds__(kCombineThreads)
@@ -1019,6 +989,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   phase_stamp(stamped_kernel::combine, 1);
   __shared__ float weights[kMaxSplits];
   __shared__ float inverse_total;
+  __shared__ float2 part_sums[kCombineThreads];
   const int j = static_cast<int>(blockIdx.x);
   const int b = static_cast<int>(blockIdx.y);
   if (fused_counts != nullptr) {
@@ -1027,20 +998,54 @@ __global__ void __launch_bounds__(kCombineThreads)
   }
   const long long entry = static_cast<long long>(head_dim) + 2;
   const float* source = partial + (static_cast<long long>(b) * q_heads + j) * max_splits * entry;
-  if (threadIdx.x < 32) split_weights_warp(source, splits, entry, weights, &inverse_total);
+  const int pairs = head_dim / 2;  // <= kCombineThreads (D <= 256)
+  const int parts = max(1, min(kCombineThreads / pairs, splits));
+  const int per_part = (splits + parts - 1) / parts;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int part = tid / pairs;
+  const int dim = 2 * (tid % pairs);
+  const int first = part * per_part;
+  const int end = part < parts ? min(splits, first + per_part) : first;
+  float2 loaded[kCombineBatch];
+#pragma unroll
+  for (int i = 0; i < kCombineBatch; ++i) {
+    const int s = first + i;
+    loaded[i] = s < end ? __ldcg(reinterpret_cast<const float2*>(source + s * entry + 2 + dim)) : make_float2(0.0F, 0.0F);
+  }
+  if (tid < 32) split_weights_warp(source, splits, entry, weights, &inverse_total);
   __syncthreads();
   phase_stamp(stamped_kernel::combine, 70);
-  void* target = const_cast<void*>(out.data);  // strided_tensor carries a const pointer; out is ours to write
-  const long long head_offset = static_cast<long long>(b) * out.stride[0] + static_cast<long long>(j) * out.stride[1];
-  for (int dim = 2 * static_cast<int>(threadIdx.x); dim < head_dim; dim += 2 * kCombineThreads) {
-    const float* const sources[1] = {source};
-    const float* const pair_weights[1] = {weights};
-    const int pair_dims[1] = {dim};
-    const bool active[1] = {true};
-    float2 values[1];
-    merged_pairs<1>(sources, pair_weights, pair_dims, active, splits, entry, values);
-    store_any(target, out.type, head_offset + dim * out.stride[2], values[0].x * inverse_total);
-    store_any(target, out.type, head_offset + (dim + 1) * out.stride[2], values[0].y * inverse_total);
+  float2 sum = make_float2(0.0F, 0.0F);
+  for (int batch = first; batch < end; batch += kCombineBatch) {
+    if (batch != first) {
+#pragma unroll
+      for (int i = 0; i < kCombineBatch; ++i) {
+        const int s = batch + i;
+        loaded[i] =
+            s < end ? __ldcg(reinterpret_cast<const float2*>(source + s * entry + 2 + dim)) : make_float2(0.0F, 0.0F);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kCombineBatch; ++i) {
+      const int s = batch + i;
+      if (s < end && weights[s] != 0.0F) {
+        sum.x = fmaf(weights[s], loaded[i].x, sum.x);
+        sum.y = fmaf(weights[s], loaded[i].y, sum.y);
+      }
+    }
+  }
+  part_sums[tid] = sum;
+  __syncthreads();
+  if (tid < pairs) {
+    for (int p = 1; p < parts; ++p) {
+      sum.x += part_sums[p * pairs + tid].x;
+      sum.y += part_sums[p * pairs + tid].y;
+    }
+    void* target = const_cast<void*>(out.data);  // strided_tensor carries a const pointer; out is ours to write
+    const long long head_offset =
+        static_cast<long long>(b) * out.stride[0] + static_cast<long long>(j) * out.stride[1];
+    store_any(target, out.type, head_offset + dim * out.stride[2], sum.x * inverse_total);
+    store_any(target, out.type, head_offset + (dim + 1) * out.stride[2], sum.y * inverse_total);
   }
   finish_phase_stamps(stamped_kernel::combine, 71);
 }
