@@ -1010,7 +1010,8 @@ __global__ void __launch_bounds__(kCombineThreads)
 #pragma unroll
   for (int i = 0; i < kCombineBatch; ++i) {
     const int s = first + i;
-    loaded[i] = s < end ? __ldcg(reinterpret_cast<const float2*>(source + s * entry + 2 + dim)) : make_float2(0.0F, 0.0F);
+    loaded[i] =
+        s < end ? __ldcg(reinterpret_cast<const float2*>(source + s * entry + 2 + dim)) : make_float2(0.0F, 0.0F);
   }
   if (tid < 32) split_weights_warp(source, splits, entry, weights, &inverse_total);
   __syncthreads();
