@@ -164,15 +164,29 @@ struct rebuild_tile {
   static_assert(tile_bytes % alignof(long long) == 0, "row tables follow the tiles");
 };
 
-/// The rebuild's attention (miss_attention, kAttend): after the tile's shared memory (and the RoPE coefficients when
-/// the table is used), the current group's values [kRebuildRows, D] (T, copied from the value store during the
-/// group's main loop), the G query heads' scaled queries [G, D] and their scores [G, kRebuildRows] (float).
-template <typename T, int D>
+/// The rebuild's attention (miss_attention, kAttend) in shared memory: the current group's values [kRebuildRows, D]
+/// (T), then the G query heads' scaled queries [G, D] and their scores [G, kRebuildRows] (float). The values take the
+/// RoPE coefficients' place when the RoPE runs in the accumulators: the coefficients are dead from barrier A (after
+/// that RoPE) until barrier C (after which the next group's are copied), and the values are copied after A and read
+/// before C. So the rebuild keeps two CTAs an SM at D = 128 with a group of 4 (~106 KiB a CTA). Otherwise (RoPE over
+/// sC, which reads the coefficients between A and B) they follow the coefficients.
+template <typename T, typename F, int D>
 struct attend_tile {
+  using tile = rebuild_tile<F, D>;
   static constexpr std::size_t values_bytes = kRebuildRows * D * sizeof(T);
-  static_assert(values_bytes % 16 == 0, "the queries follow the values");
-  static constexpr std::size_t bytes(int group) {
-    return values_bytes + static_cast<std::size_t>(group) * (D + kRebuildRows) * sizeof(float);
+  static_assert(values_bytes % 16 == 0 && values_bytes <= tile::coefficient_bytes, "the values fit the coefficients");
+  /// Offset of the values from the start of the kernel's shared memory.
+  static constexpr std::size_t values_offset(bool table, bool values_in_coefficients) {
+    return values_in_coefficients ? tile::shared_bytes : (table ? tile::shared_bytes_with_table : tile::shared_bytes);
+  }
+  /// Offset of the queries (the scores follow them).
+  static constexpr std::size_t queries_offset(bool table, bool values_in_coefficients) {
+    return values_in_coefficients ? tile::shared_bytes_with_table : values_offset(table, false) + values_bytes;
+  }
+  /// The kernel's shared memory.
+  static constexpr std::size_t shared_bytes(bool table, bool values_in_coefficients, int group) {
+    return queries_offset(table, values_in_coefficients) +
+           static_cast<std::size_t>(group) * (D + kRebuildRows) * sizeof(float);
   }
 };
 
@@ -199,7 +213,7 @@ __device__ __forceinline__ cutlass::tfloat32_t exact_tf32(__nv_bfloat16 x) {
 /// Elsewhere (half-split at D = 80 or with a partial rotary_dim, or no table) RoPE runs over the results in shared
 /// memory as before, as it does with SHADOWKV_REBUILD_ROPE=shared (dims::rebuild_rope_shared).
 template <int D>
-__device__ __forceinline__ bool rope_in_registers(const dims& d, bool table) {
+__host__ __device__ __forceinline__ bool rope_in_registers(const dims& d, bool table) {
   if (d.rebuild_rope_shared != 0 || !table) return false;
   return d.rope_interleaved != 0 || ((D / 2) % 16 == 0 && d.rotary_dim == D);
 }
@@ -272,17 +286,18 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
   // The current group's RoPE coefficients from the store's table: [kRebuildRows, D / 2] (rebuild_tile).
   // (Asked where needed rather than held: a kernel parameter costs no register across the main loop.)
   const auto use_table = [&] { return tile::table_fits && workspace.rope_table != nullptr; };
-  // The copy group a pass commits after barrier C for the next group: the RoPE coefficients (table) and, with kAttend,
-  // the group's values; the main loop's waits count it.
-  const auto extra_group = [&] { return use_table() || kAttend; };
+  // The copy group a pass commits after barrier C for the next group (the RoPE coefficients, with the table); the main
+  // loop's waits count it.
+  const auto extra_group = [&] { return use_table(); };
   float2* const rope_rows = reinterpret_cast<float2*>(shared_bytes + tile::shared_bytes);
-  // kAttend: attend_tile's regions after the tile's (and the coefficients', with the table).
-  using attend_layout = attend_tile<T, D>;
-  unsigned char* const attend_base =
-      shared_bytes + (use_table() ? tile::shared_bytes_with_table : tile::shared_bytes);
-  T* const group_values = reinterpret_cast<T*>(attend_base);                              // [kRebuildRows, D]
-  float* const queries = reinterpret_cast<float*>(attend_base + attend_layout::values_bytes);  // [G, D]
-  float* const scores = queries + d.group * D;                                            // [G, kRebuildRows]
+  // kAttend: attend_tile's regions.
+  using attend_layout = attend_tile<T, F, D>;
+  const bool values_in_coefficients = rope_in_registers<D>(d, use_table());
+  T* const group_values = reinterpret_cast<T*>(
+      shared_bytes + attend_layout::values_offset(use_table(), values_in_coefficients));  // [kRebuildRows, D]
+  float* const queries = reinterpret_cast<float*>(
+      shared_bytes + attend_layout::queries_offset(use_table(), values_in_coefficients));  // [G, D]
+  float* const scores = queries + d.group * D;                                             // [G, kRebuildRows]
 
   const int b = static_cast<int>(blockIdx.x);
   const int h = static_cast<int>(blockIdx.y);
@@ -646,6 +661,12 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
     }
     __syncthreads();  // A: sC and the next group's row_token are written
     phase_stamp(stamped_kernel::rebuild, 31);
+    if constexpr (kAttend) {
+      // The current group's values (attend_tile: in the coefficients' place, which its RoPE is done with), a copy
+      // group of their own before the next group's prologue; waited for before its attention, after the stores.
+      if (current_rows > 0) issue_values(current_rows, row_token(buffer ^ 1));
+      commit_async_copies();
+    }
 
     if (has_next) {
       // The next group's prologue: K tiles 0 and 1 into stages 0 and 1, landing during the RoPE below.
@@ -717,7 +738,12 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
       }
     }
     if constexpr (kAttend) {
-      if (current_rows > 0) attend_group(current_rows, (next - group_stride) / group_chunks);
+      if (current_rows > 0) {
+        // The values' group is older than the next group's prologue (up to two groups, committed after it).
+        wait_async_copies_at_most(has_next ? min(kRebuildStages - 1, k_tiles) : 0);
+        __syncthreads();  // every thread's values have landed
+        attend_group(current_rows, (next - group_stride) / group_chunks);
+      }
     }
     if (!has_next) {
       finish_phase_stamps(stamped_kernel::rebuild, 39);
@@ -730,9 +756,10 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
     phase_stamp(stamped_kernel::rebuild, 33);
     // ... so the next group's coefficients are copied from the table now, a group of their own after its K tiles 0
     // and 1, landing during its main loop. The current group's RoPE, their last reader, ended before barrier B.
-    if (use_table()) issue_coefficients(min(group_chunks, misses - next) * d.chunk, row_position(buffer));
-    if constexpr (kAttend) issue_values(min(group_chunks, misses - next) * d.chunk, row_token(buffer));
-    if (extra_group()) commit_async_copies();
+    if (use_table()) {
+      issue_coefficients(min(group_chunks, misses - next) * d.chunk, row_position(buffer));
+      commit_async_copies();
+    }
   }
 }
 
@@ -745,7 +772,9 @@ void launch_rebuild_for(const dims& d, layer_view* views, const int* batch_slots
   shadowkv_allow_large_shared_memory(rebuild_keys_kernel<T, F, D, kAttend>, allowed_on_devices);
   const bool use_table = tile::table_fits && workspace.rope_table != nullptr;  // as the kernel decides
   std::size_t shared = use_table ? tile::shared_bytes_with_table : tile::shared_bytes;
-  if constexpr (kAttend) shared += attend_tile<T, D>::bytes(d.group);
+  if constexpr (kAttend) {
+    shared = attend_tile<T, F, D>::shared_bytes(use_table, rope_in_registers<D>(d, use_table), d.group);
+  }
   // CTAs an SM: rebuild_min_ctas_per_sm where the shared memory allows it (the attention's regions may not).
   const int resident = std::max<int>(
       1, std::min<int>(rebuild_min_ctas_per_sm<D>(),
