@@ -428,77 +428,106 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
   };
 
   // kAttend: the values of a group's first `rows` rows (tokens in `tokens`) from the value store (device memory:
-  // the backend fuses only then) into group_values, 16-byte copies; a (chunk, head) run is [C, D], so a row's D
-  // elements are one piece of it.
+  // the backend fuses only then) into group_values, 16-byte copies, and zeros in its other rows (so that the
+  // attention's fixed-length loops add 0 x 0 there); a (chunk, head) run is [C, D], so a row's D elements are one
+  // piece of it.
   auto issue_values = [&](int rows, const long long* tokens) {
     constexpr int kVector = 16 / static_cast<int>(sizeof(T));
     constexpr int kVectorsPerRow = D / kVector;
     const T* const store = static_cast<const T*>(view->value_store);
-    for (int v = static_cast<int>(threadIdx.x); v < rows * kVectorsPerRow; v += kRebuildThreads) {
+    for (int v = static_cast<int>(threadIdx.x); v < kRebuildRows * kVectorsPerRow; v += kRebuildThreads) {
       const int row = v / kVectorsPerRow;
       const int column = (v % kVectorsPerRow) * kVector;
-      const long long token = tokens[row];
+      const bool live = row < rows;
+      const long long token = live ? tokens[row] : 0;
       const long long chunk_id = token / d.chunk;
       const long long source_row = (chunk_id * d.kv_heads + h) * d.chunk + (token - chunk_id * d.chunk);
-      copy_async<16>(group_values + row * D + column, store + source_row * D + column);
+      copy_async_or_zero<16>(group_values + row * D + column, store + source_row * D + column, live);
     }
   };
 
   // kAttend: the attention over the current group's `rows` rows (keys in sC, rounded to T as they are stored; values
-  // in group_values), each query head's partial to split attend.first_split + `group_index`: the format of
-  // sparse_attention.cu's split kernels (max of the scores in log2 units, sum of 2^(score - max), unnormalised
-  // accumulator). Scores: warp w takes rows w, w + 8, ..., its lanes every 32nd dim, a shuffle sum a (row, head).
-  // Then a thread per (head, pair of dims) reads the head's scores and the rows' values. Called by every thread
-  // (one barrier); the caller's barrier C follows before sC or the buffers are reused.
+  // in group_values, zeros past `rows`), each query head's partial to split attend.first_split + `group_index`: the
+  // format of sparse_attention.cu's split kernels (max of the scores in log2 units, sum of 2^(score - max),
+  // unnormalised accumulator). Three phases, a barrier after each of the first two:
+  //  1. scores: a thread a (head, row), the whole dot product, its 16-byte pieces of the row in an order rotated by
+  //     the row (the 32 rows of a warp then read distinct banks);
+  //  2. softmax: a warp a head, two rows a lane: the max, the probabilities (into the scores' place, 0 past `rows`),
+  //     their sum; lane 0 writes the partial's (max, sum);
+  //  3. P V: a thread a (head, pair of dims), all kRebuildRows rows (zero probabilities and values past `rows`).
+  // (Session 23's first version, a warp a row with a shuffle sum a (row, head) and a pass over the scores per
+  // thread, took ~10 µs a group.) Called by every thread; the caller's barrier C follows before sC or the buffers
+  // are reused.
   auto attend_group = [&](int rows, int group_index) {
-    constexpr int kDimsPerLane = (D + 31) / 32;
-    const int warp = static_cast<int>(threadIdx.x) / 32;
-    const int lane = static_cast<int>(threadIdx.x) % 32;
-    for (int row = warp; row < rows; row += kRebuildThreads / 32) {
-      float key[kDimsPerLane];
-#pragma unroll
-      for (int i = 0; i < kDimsPerLane; ++i) {
-        const int dim = lane + 32 * i;
-        key[i] = dim < D ? to_float(from_float<T>(sC(row, dim))) : 0.0F;
-      }
-      for (int g = 0; g < d.group; ++g) {
-        float score = 0.0F;
-#pragma unroll
-        for (int i = 0; i < kDimsPerLane; ++i) {
-          const int dim = lane + 32 * i;
-          if (dim < D) score = fmaf(queries[g * D + dim], key[i], score);
+    const int tid = static_cast<int>(threadIdx.x);
+    constexpr int kPieces = D / 4;  // float4 pieces of a key row
+    static_assert(kRebuildRows == 64 && kRebuildThreads % kRebuildRows == 0, "rows and threads as assumed below");
+    for (int item = tid; item < d.group * kRebuildRows; item += kRebuildThreads) {
+      const int g = item / kRebuildRows;
+      const int row = item % kRebuildRows;
+      float sums[4] = {0.0F, 0.0F, 0.0F, 0.0F};
+      if (row < rows) {
+        const float4* const key = reinterpret_cast<const float4*>(&sC(row, 0));
+        const float4* const query = reinterpret_cast<const float4*>(queries + g * D);
+#pragma unroll 8
+        for (int i = 0; i < kPieces; ++i) {
+          const int piece = (i + row) % kPieces;
+          const float4 k = key[piece];
+          const float4 q = query[piece];
+          sums[0] = fmaf(q.x, to_float(from_float<T>(k.x)), sums[0]);
+          sums[1] = fmaf(q.y, to_float(from_float<T>(k.y)), sums[1]);
+          sums[2] = fmaf(q.z, to_float(from_float<T>(k.z)), sums[2]);
+          sums[3] = fmaf(q.w, to_float(from_float<T>(k.w)), sums[3]);
         }
-#pragma unroll
-        for (int offset = 16; offset > 0; offset /= 2) score += __shfl_xor_sync(0xFFFFFFFFU, score, offset);
-        if (lane == 0) scores[g * kRebuildRows + row] = score;
       }
+      scores[item] = (sums[0] + sums[1]) + (sums[2] + sums[3]);
     }
     __syncthreads();
     const long long b_heads = static_cast<long long>(b) * d.q_heads;
-    for (int item = static_cast<int>(threadIdx.x); item < d.group * (D / 2); item += kRebuildThreads) {
+    const auto partial_of = [&](int g) {
+      const long long j = static_cast<long long>(h) * d.group + g;
+      return attend.partial + ((b_heads + j) * attend.max_splits + attend.first_split + group_index) * (D + 2);
+    };
+    {
+      const int warp = tid / 32;
+      const int lane = tid % 32;
+      for (int g = warp; g < d.group; g += kRebuildThreads / 32) {
+        float* const head = scores + g * kRebuildRows;
+        const float s0 = lane < rows ? head[lane] : -INFINITY;
+        const float s1 = lane + 32 < rows ? head[lane + 32] : -INFINITY;
+        float best = fmaxf(s0, s1);
+#pragma unroll
+        for (int offset = 16; offset > 0; offset /= 2) best = fmaxf(best, __shfl_xor_sync(0xFFFFFFFFU, best, offset));
+        const float p0 = lane < rows && best != -INFINITY ? exp2f(s0 - best) : 0.0F;
+        const float p1 = lane + 32 < rows && best != -INFINITY ? exp2f(s1 - best) : 0.0F;
+        float sum = p0 + p1;
+#pragma unroll
+        for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xFFFFFFFFU, sum, offset);
+        head[lane] = p0;
+        head[lane + 32] = p1;
+        if (lane == 0) {
+          float* const out = partial_of(g);
+          out[0] = best;
+          out[1] = sum;
+        }
+      }
+    }
+    __syncthreads();
+    for (int item = tid; item < d.group * (D / 2); item += kRebuildThreads) {
       const int g = item / (D / 2);
       const int dim = 2 * (item % (D / 2));
-      const float* const head_scores = scores + g * kRebuildRows;
-      float best = -INFINITY;
-      for (int r = 0; r < rows; ++r) best = fmaxf(best, head_scores[r]);
-      float sum = 0.0F;
+      const float* const probabilities = scores + g * kRebuildRows;
       float acc0 = 0.0F;
       float acc1 = 0.0F;
-      for (int r = 0; r < rows; ++r) {
-        const float p = best == -INFINITY ? 0.0F : exp2f(head_scores[r] - best);
-        sum += p;
+#pragma unroll 16
+      for (int r = 0; r < kRebuildRows; ++r) {
+        const float p = probabilities[r];
         acc0 = fmaf(p, to_float(group_values[r * D + dim]), acc0);
         acc1 = fmaf(p, to_float(group_values[r * D + dim + 1]), acc1);
       }
-      const long long j = static_cast<long long>(h) * d.group + g;
-      float* const out =
-          attend.partial + ((b_heads + j) * attend.max_splits + attend.first_split + group_index) * (D + 2);
+      float* const out = partial_of(g);
       out[2 + dim] = acc0;
       out[3 + dim] = acc1;
-      if (dim == 0) {
-        out[0] = best;
-        out[1] = sum;
-      }
     }
   };
 
@@ -651,6 +680,17 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
         const int j = row % d.chunk;
         token = static_cast<long long>(cache_chunks[slot]) * d.chunk + j;
         target = (static_cast<long long>(slot) * d.chunk + j) * D;
+        if constexpr (kAttend) {
+          // The row's values into L2 now (the group's attention copies them to shared memory only after its own
+          // main loop and RoPE: attend_tile): a 128-byte line at a time.
+          const long long chunk_id = token / d.chunk;
+          const T* const value_row =
+              static_cast<const T*>(view->value_store) + ((chunk_id * d.kv_heads + h) * d.chunk + j) * D;
+#pragma unroll
+          for (int line = 0; line < (D * static_cast<int>(sizeof(T)) + 127) / 128; ++line) {
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(value_row) + 128 * line));
+          }
+        }
       }
       row_token(buffer)[row] = token;
       row_target(buffer)[row] = target;
