@@ -446,8 +446,8 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
     }
   };
 
-  // kAttend: the attention over the current group's `rows` rows (keys in sC, rounded to T as they are stored; values
-  // in group_values, zeros past `rows`), each query head's partial to split attend.first_split + `group_index`: the
+  // kAttend: the attention over the current group's `rows` rows (keys in sC, rounded to T by the stores as they are
+  // stored; values in group_values (T = bf16: the backend fuses only bf16 keys and values), zeros past `rows`), each query head's partial to split attend.first_split + `group_index`: the
   // format of sparse_attention.cu's split kernels (max of the scores in log2 units, sum of 2^(score - max),
   // unnormalised accumulator). Three phases, a barrier after each of the first two:
   //  1. scores: a thread a (head, row), the whole dot product, its 16-byte pieces of the row in an order rotated by
@@ -462,6 +462,7 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
     const int tid = static_cast<int>(threadIdx.x);
     constexpr int kPieces = D / 4;  // float4 pieces of a key row
     static_assert(kRebuildRows == 64 && kRebuildThreads % kRebuildRows == 0, "rows and threads as assumed below");
+    static_assert(!kAttend || std::is_same_v<T, __nv_bfloat16>, "the rebuild attends over bf16 keys and values");
     for (int item = tid; item < d.group * kRebuildRows; item += kRebuildThreads) {
       const int g = item / kRebuildRows;
       const int row = item % kRebuildRows;
@@ -474,10 +475,10 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
           const int piece = (i + row) % kPieces;
           const float4 k = key[piece];
           const float4 q = query[piece];
-          sums[0] = fmaf(q.x, to_float(from_float<T>(k.x)), sums[0]);
-          sums[1] = fmaf(q.y, to_float(from_float<T>(k.y)), sums[1]);
-          sums[2] = fmaf(q.z, to_float(from_float<T>(k.z)), sums[2]);
-          sums[3] = fmaf(q.w, to_float(from_float<T>(k.w)), sums[3]);
+          sums[0] = fmaf(q.x, k.x, sums[0]);
+          sums[1] = fmaf(q.y, k.y, sums[1]);
+          sums[2] = fmaf(q.z, k.z, sums[2]);
+          sums[3] = fmaf(q.w, k.w, sums[3]);
         }
       }
       scores[item] = (sums[0] + sums[1]) + (sums[2] + sums[3]);
@@ -522,8 +523,9 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
 #pragma unroll 16
       for (int r = 0; r < kRebuildRows; ++r) {
         const float p = probabilities[r];
-        acc0 = fmaf(p, to_float(group_values[r * D + dim]), acc0);
-        acc1 = fmaf(p, to_float(group_values[r * D + dim + 1]), acc1);
+        const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(group_values + r * D + dim));
+        acc0 = fmaf(p, v.x, acc0);
+        acc1 = fmaf(p, v.y, acc1);
       }
       float* const out = partial_of(g);
       out[2 + dim] = acc0;
@@ -775,6 +777,11 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
 #pragma unroll
         for (int i = 0; i < kVector; ++i) packed.elements[i] = from_float<T>(sC(row, column + i));
         *reinterpret_cast<uint4*>(cache_keys + targets[row] + column) = packed.vector;
+        if constexpr (kAttend) {
+          // The keys as stored, for the group's attention (attend_group reads sC).
+#pragma unroll
+          for (int i = 0; i < kVector; ++i) sC(row, column + i) = to_float(packed.elements[i]);
+        }
       }
     }
     if constexpr (kAttend) {
