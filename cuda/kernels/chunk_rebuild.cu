@@ -484,6 +484,7 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
       scores[item] = (sums[0] + sums[1]) + (sums[2] + sums[3]);
     }
     __syncthreads();
+    phase_stamp(stamped_kernel::rebuild, 37);
     const long long b_heads = static_cast<long long>(b) * d.q_heads;
     const auto partial_of = [&](int g) {
       const long long j = static_cast<long long>(h) * d.group + g;
@@ -514,6 +515,7 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
       }
     }
     __syncthreads();
+    phase_stamp(stamped_kernel::rebuild, 46);
     for (int item = tid; item < d.group * (D / 2); item += kRebuildThreads) {
       const int g = item / (D / 2);
       const int dim = 2 * (item % (D / 2));
@@ -789,7 +791,9 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
         // The values' group is older than the next group's prologue (up to two groups, committed after it).
         wait_async_copies_at_most(has_next ? min(kRebuildStages - 1, k_tiles) : 0);
         __syncthreads();  // every thread's values have landed
+        phase_stamp(stamped_kernel::rebuild, 36);
         attend_group(current_rows, (next - group_stride) / group_chunks);
+        phase_stamp(stamped_kernel::rebuild, 47);
       }
     }
     if (!has_next) {
