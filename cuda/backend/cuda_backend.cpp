@@ -187,8 +187,9 @@ int attention_early_setting() {
 
 // Whether a decode step's key rebuild also attends over the rows it rebuilds while the attention walks the others
 // (dims::fused_misses; chunk_rebuild.cuh's miss_attention): "auto" (the default: steps of up to
-// kFusedMissesMaxBatch sequences whose values are all in device memory, where the shapes allow it), "on" (every step
-// the shapes allow) or "off". SHADOWKV_FUSED_MISSES picks one (a measurement knob; bench/NOTES.md, session 23).
+// kFusedMissesMaxBatch sequences whose values are all in device memory, where the shapes allow it; none while that
+// is 0), "on" (every such step, whatever its batch) or "off". SHADOWKV_FUSED_MISSES picks one (a measurement knob;
+// bench/NOTES.md, session 23).
 // 1: on, 0: auto, -1: off.
 int fused_misses_setting() {
   const char* text = std::getenv("SHADOWKV_FUSED_MISSES");
@@ -442,9 +443,11 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
 
   // Decode workspace for max_batch sequences.
   const std::size_t batch = static_cast<std::size_t>(cfg.max_batch);
-  // Room for the key rebuild's partials after the attention's where steps may be fused (sparse_attention_partials).
+  // Room for the key rebuild's partials after the attention's where steps may be fused (sparse_attention_partials;
+  // fuse_step finds no room otherwise).
+  const bool may_fuse = fused_misses_ > 0 || (fused_misses_ == 0 && kFusedMissesMaxBatch > 0);
   workspace_.max_splits =
-      fused_misses_ < 0 ? sparse_attention_max_splits(dims_) : sparse_attention_partials(dims_, kv_type_);
+      may_fuse ? sparse_attention_partials(dims_, kv_type_) : sparse_attention_max_splits(dims_);
   const std::size_t logits = align_up(batch * cfg.num_q_heads * dims_.max_chunks * sizeof(float));
   const std::size_t scores = align_up(batch * cfg.num_kv_heads * dims_.max_chunks * sizeof(float));
   const std::size_t lists = align_up(batch * cfg.num_kv_heads * cfg.budget_chunks() * sizeof(int));

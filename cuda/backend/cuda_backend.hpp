@@ -143,9 +143,11 @@ class cuda_backend final : public backend {
   static constexpr int kEarlyAttentionMaxBatch = 8;
   /// dims_ as the kernels of a decode step of `batch` sequences take them (dims::attention_early).
   [[nodiscard]] dims step_dims(int batch) const;
-  /// The largest batch whose steps are fused by default (dims::fused_misses, SHADOWKV_FUSED_MISSES=auto): one
-  /// sequence, where the key rebuild's CTAs are as many as its groups (bench/NOTES.md, session 23).
-  static constexpr int kFusedMissesMaxBatch = 1;
+  /// The largest batch whose steps are fused by default (dims::fused_misses, SHADOWKV_FUSED_MISSES=auto): none yet.
+  /// Measured on the H200 at B = 1, device values, hit 0.52 (bench/NOTES.md, session 23): the fused rebuild takes
+  /// 20.2 µs against 13.1, its attention over 64 rows ~8 µs where ~2 were counted, so the step is level (0.069 ms
+  /// either way in one-step graphs) and slower at hit 0.04 (0.084 against 0.076). `on` fuses for measurement.
+  static constexpr int kFusedMissesMaxBatch = 0;
   /// Whether this step's key rebuild attends over the missed rows (dims::fused_misses): the setting allows it, the
   /// call decodes (not a prefill), the batch is one pipeline part, every value is in device memory, and the shapes
   /// allow it (sparse_attention_fuses).

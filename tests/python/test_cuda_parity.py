@@ -8,6 +8,9 @@ The whole rest of the suite also runs on the GPU with SHADOWKV_TEST_DEVICES=cpu,
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import pytest
 import torch
 
@@ -31,8 +34,8 @@ CASES = [
     (3, 8, 1, 128, 20, 16, [517, 900, 260], "float32", "half", 64),
     (4, 16, 2, 64, 128, 300, [640, 400], "float32", "half", None),  # budget covers everything
     (5, 4, 1, 256, 80, 8, [450], "bfloat16", "half", None),
-    # One sequence with bf16 values in device memory: the step the backend fuses by default (the key rebuild attends
-    # over the missed rows, the attention over the others; dims::fused_misses).
+    # One sequence with bf16 values in device memory, its steps fused (SHADOWKV_FUSED_MISSES=on, FUSED below: the key
+    # rebuild attends over the missed rows, the attention over the others; dims::fused_misses).
     (6, 8, 2, 128, 96, 24, [1500], "bfloat16", "half", None),
 ]
 STEPS = 24
@@ -47,6 +50,8 @@ VALUE_DTYPE = {1: "float8_e4m3", 2: "float8_e4m3", 3: None, 4: None, 5: "float8_
 FACTOR_DTYPE = {1: None, 2: "float32", 3: "bfloat16", 4: None, 5: None, 6: None}
 # How a chunk's score combines the group's heads: the mean in the GQA cases 1 (G=4) and 3 (G=8), the max elsewhere.
 GROUP_SCORE = {1: "mean", 2: "max", 3: "mean", 4: "max", 5: "max", 6: "mean"}
+# SHADOWKV_FUSED_MISSES per case (read when the CUDA store is built; None: the default).
+FUSED = {6: "on"}
 
 
 def _sequence_value_bytes(hkv, d, dtype, value_dtype, layers=2, max_len=2048, chunk=8):
@@ -56,6 +61,23 @@ def _sequence_value_bytes(hkv, d, dtype, value_dtype, layers=2, max_len=2048, ch
 
 def _make(kw, device):
     return KVStore(**{**kw, "device": device})
+
+
+@contextlib.contextmanager
+def _environment(name, value):
+    """The environment variable `name` set to `value` (None: unset) inside the block, as it was after."""
+    before = os.environ.get(name)
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"seed{c[0]}-{c[1]}x{c[2]}-d{c[3]}-{c[7]}")
@@ -87,7 +109,8 @@ def _check_parity(case, cache_multiple):
         kw["cache_tokens"] = cache_multiple * budget * 8
     if PLACEMENT[seed] == "auto":
         kw["device_value_budget"] = _sequence_value_bytes(hkv, d, dtype, VALUE_DTYPE[seed])
-    stores = {dev: _make(kw, dev) for dev in ("cpu", "cuda:0")}
+    with _environment("SHADOWKV_FUSED_MISSES", FUSED.get(seed)):
+        stores = {dev: _make(kw, dev) for dev in ("cpu", "cuda:0")}
     slots = {dev: s.add_sequences(len(lengths)) for dev, s in stores.items()}
     places = {dev: [s.sequence_info(0, slot)["values_on"] for slot in slots[dev]] for dev, s in stores.items()}
     assert places["cpu"] == places["cuda:0"], places
@@ -488,7 +511,7 @@ def test_cuda_fused_misses_change_only_rounding(monkeypatch):
     others, and the combine merges both kinds of partials) equals the unfused one up to the combine's rounding:
     selections and statistics identical, outputs to a few float32 ulps before the output rounding, with the 7
     sequences' values in device memory, gathered or read in place, and with a cache of 4 x the budget.
-    SHADOWKV_FUSED_MISSES=on fuses every step the shapes allow (the default only single-sequence steps), off none;
+    SHADOWKV_FUSED_MISSES=on fuses every step the shapes allow (the default, auto, none yet), off none;
     a value that is neither is refused."""
     g = H.generator(53)
 
