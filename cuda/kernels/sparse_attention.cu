@@ -28,7 +28,10 @@
 //    For bf16 keys and values with D <= 128 the tensor-core split kernel (sparse_attention_mma_kernel, below) takes
 //    its place: same grid, row walk and partials, Q K^T and P V on mma.sync (dims::attention_fma keeps the FMA one).
 // 2. combine kernel, grid (query head, entry): weights 2^(max_s - max) per split, out = sum_s w_s acc_s / sum_s w_s l_s
-//    written in out.type with out.stride (0 when no row at all exists). (The same merge by the split kernel's CTA
+//    written in out.type with out.stride (0 when no row at all exists).
+// A fused step (dims::fused_misses, off by default): the split kernel walks only the rows of the slots this step did
+// not miss, beside the key rebuild, which attends over the missed rows itself (chunk_rebuild.cuh, miss_attention) and
+// writes its partials after the splits'; the combine merges both. (The same merge by the split kernel's CTA
 //    that finished last for its (entry, KV head), counted in a workspace array, measured no faster on the H200: slower
 //    at B = 1's 33 splits a head, level at B = 8 and 24; bench/NOTES.md, session 18.)
 //
