@@ -37,21 +37,26 @@ CASES = [
     # One sequence with bf16 values in device memory, its steps fused (SHADOWKV_FUSED_MISSES=on, FUSED below: the key
     # rebuild attends over the missed rows, the attention over the others; dims::fused_misses).
     (6, 8, 2, 128, 96, 24, [1500], "bfloat16", "half", None),
+    # Fused steps at the other head dims: D = 64 with interleaved RoPE (the rebuild's RoPE in its accumulators, the
+    # values in the coefficients' place) and D = 96 with a partial rotary_dim (RoPE over shared memory, the values in
+    # a region of their own).
+    (7, 4, 2, 64, 48, 16, [900], "bfloat16", "interleaved", None),
+    (8, 8, 2, 96, 64, 16, [800], "bfloat16", "half", 48),
 ]
 STEPS = 24
 WINDOW = 16
 # Where the values live, per case (same on both backends): "auto" gets a budget of one sequence, so the first
 # sequence's values are in device memory and the others' in pinned host memory.
-PLACEMENT = {1: "host", 2: "device", 3: "auto", 4: "device", 5: "auto", 6: "device"}
+PLACEMENT = {1: "host", 2: "device", 3: "auto", 4: "device", 5: "auto", 6: "device", 7: "device", 8: "device"}
 # The value format per case: fp8 (e4m3 codes + a scale per run) with host, device and auto placement.
-VALUE_DTYPE = {1: "float8_e4m3", 2: "float8_e4m3", 3: None, 4: None, 5: "float8_e4m3", 6: None}
+VALUE_DTYPE = {1: "float8_e4m3", 2: "float8_e4m3", 3: None, 4: None, 5: "float8_e4m3", 6: None, 7: None, 8: None}
 # The factors' element type per case (None: the default, bf16 for the bf16 cases): float32 factors in a bf16 store keep
 # the 3xTF32 rebuild covered next to the bf16 one; bf16 factors in a float32 store isolate their rounding.
-FACTOR_DTYPE = {1: None, 2: "float32", 3: "bfloat16", 4: None, 5: None, 6: None}
+FACTOR_DTYPE = {1: None, 2: "float32", 3: "bfloat16", 4: None, 5: None, 6: None, 7: None, 8: None}
 # How a chunk's score combines the group's heads: the mean in the GQA cases 1 (G=4) and 3 (G=8), the max elsewhere.
-GROUP_SCORE = {1: "mean", 2: "max", 3: "mean", 4: "max", 5: "max", 6: "mean"}
+GROUP_SCORE = {1: "mean", 2: "max", 3: "mean", 4: "max", 5: "max", 6: "mean", 7: "max", 8: "mean"}
 # SHADOWKV_FUSED_MISSES per case (read when the CUDA store is built; None: the default).
-FUSED = {6: "on"}
+FUSED = {6: "on", 7: "on", 8: "on"}
 
 
 def _sequence_value_bytes(hkv, d, dtype, value_dtype, layers=2, max_len=2048, chunk=8):
