@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# On the GPU machine: the tree as it is (A) against a copy with PATCH applied (B, e.g. `git diff main branch -- cuda/`
+# saved under the carried .device/), in one call. Builds A's and B's module and test executables TESTS side by side
+# (and B's phase-stamp build, niced, when STAMP_CONFIGS is set), runs the gtest TESTS and the pytest files PYTESTS on
+# the CUDA backend in both trees, then the step benchmark's STEP_CONFIGS rows at hits 0.0 and 0.6 (STEP_ARGS added)
+# in A, B, and A again (the second A run says how much of an A/B difference is the run's own spread), then B's phase
+# stamps for STAMP_CONFIGS at hit 0.6 when time is left (DEADLINE_S after the start, default 560). Writes $OUT/a/ and
+# $OUT/b/ (tests.log, step-*.log/json, cmake.log) and $OUT/ab-summary.txt (the tests' counts and the step rows).
+#   PATCH=.device/lanes.patch TESTS="test_chunk_rebuild" PYTESTS="test_cuda_parity.py" \
+#     STEP_CONFIGS="1x122880x2048:device+fm" STAMP_CONFIGS="1x122880x2048:device+fm" COMMIT=<sha> \
+#     bash bench/probes/patch_ab.sh
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+started=$SECONDS
+out="$(mkdir -p "${OUT:-bench/results}" && cd "${OUT:-bench/results}" && pwd)"
+mkdir -p "$out/a" "$out/b"
+[ -f "${PATCH:-}" ] || { echo "PATCH=${PATCH:-} is not a file"; exit 1; }
+a="$PWD"
+b=/tmp/patch-ab-b
+rm -rf "$b" && mkdir -p "$b"
+tar --exclude=./build --exclude=./.git -cf - . | (cd "$b" && tar xf -)
+(cd "$b" && { patch -p1 --forward <"$a/$PATCH" || git apply --verbose "$a/$PATCH"; } >"$out/b/patch.log" 2>&1) ||
+  { cat "$out/b/patch.log"; exit 1; }
+echo "B = A + $PATCH: $(tr '\n' ' ' <"$out/b/patch.log")"
+targets=(_core ${TESTS:-})
+jobs=$(nproc)
+build() {  # <tree> <build dir> <log> [cmake options...]: configure and build the targets
+  local tree="$1" dir="$2" log="$3"
+  shift 3
+  (cd "$tree" && source bench/cuda_build.sh && cuda_configure "$dir" "$log" "$@" &&
+    cmake --build "$dir" -j"$jobs" --target "${targets[@]}" >>"$log" 2>&1)
+}
+build "$a" build/ab "$out/a/cmake.log" -DSHADOWKV_BUILD_TESTS=ON -DSHADOWKV_BUILD_PYTHON=ON &
+pid_a=$!
+build "$b" build/ab "$out/b/cmake.log" -DSHADOWKV_BUILD_TESTS=ON -DSHADOWKV_BUILD_PYTHON=ON &
+pid_b=$!
+if [ -n "${STAMP_CONFIGS:-}" ]; then
+  (renice -n 19 $BASHPID >/dev/null; targets=(_core); build "$b" build/stamps "$out/b/stamps-cmake.log" \
+    -DSHADOWKV_BUILD_TESTS=OFF -DSHADOWKV_BUILD_PYTHON=ON -DCMAKE_CUDA_FLAGS=-DSHADOWKV_PHASE_STAMPS) &
+  pid_stamps=$!
+fi
+wait $pid_a || { echo "A's build failed"; tail -40 "$out/a/cmake.log"; exit 1; }
+wait $pid_b || { echo "B's build failed"; tail -40 "$out/b/cmake.log"; exit 1; }
+echo "built A and B at $((SECONDS - started)) s"
+: >"$out/ab-summary.txt"
+for tree in a b; do
+  root=$a
+  [ $tree = b ] && root=$b
+  cp "$root"/build/ab/_core*.so "$root/python/shadowkv_core/"
+  : >"$out/$tree/tests.log"
+  for t in ${TESTS:-}; do
+    exe=$(find "$root/build/ab/tests" -name "$t" -type f -perm -u+x | head -1)
+    timeout 300 "$exe" --gtest_brief=1 >>"$out/$tree/tests.log" 2>&1
+    echo "$tree gtest $t: rc $?" | tee -a "$out/ab-summary.txt"
+  done
+  for f in ${PYTESTS:-}; do
+    (cd "$root/tests/python" && PYTHONPATH="$root/python" SHADOWKV_TEST_DEVICES=cuda timeout 300 \
+      python3 -m pytest -q -rf -p no:cacheprovider "$f" >>"$out/$tree/tests.log" 2>&1)
+    echo "$tree pytest $f: rc $? ($(grep -E ' in [0-9.]+s' "$out/$tree/tests.log" | tail -1))" |
+      tee -a "$out/ab-summary.txt"
+  done
+  grep -E "^\[  (PASSED|FAILED)  \]" "$out/$tree/tests.log" | sed "s/^/$tree /" | tee -a "$out/ab-summary.txt"
+done
+echo "tests done at $((SECONDS - started)) s"
+if [ -n "${STEP_CONFIGS:-}" ]; then
+  for run in a b a2; do
+    tree=${run:0:1}
+    root=$a
+    [ $tree = b ] && root=$b
+    (cd "$root" && PYTHONPATH="$root/python" timeout "${STEP_TIMEOUT_S:-200}" python3 bench/step_benchmark.py \
+      --config $STEP_CONFIGS --hit 0.0 0.6 --profile ${STEP_ARGS:-} --json "$out/$tree/step-$run.json" \
+      >"$out/$tree/step-$run.log" 2>&1)
+    echo "== step $run (rc $?, at $((SECONDS - started)) s)" | tee -a "$out/ab-summary.txt"
+    grep -E "^\| [0-9]" "$out/$tree/step-$run.log" | tee -a "$out/ab-summary.txt"
+  done
+fi
+if [ -n "${STAMP_CONFIGS:-}" ]; then
+  if ! wait $pid_stamps; then
+    echo "B's stamps build failed"
+    tail -20 "$out/b/stamps-cmake.log"
+  elif ((SECONDS - started > ${DEADLINE_S:-560} - 90)); then
+    echo "no time left for the stamps ($((SECONDS - started)) s)"
+  else
+    (cd "$b" && OUT="$out/b" CONFIGS="$STAMP_CONFIGS" HIT=0.6 STEP_TIMEOUT_S=$((${DEADLINE_S:-560} - SECONDS + started - 10)) \
+      bash bench/probes/phase_stamps.sh >"$out/b/stamps.log" 2>&1)
+    echo "stamps (rc $?, at $((SECONDS - started)) s)"
+    grep -vE "^(--|$)" "$out/b/stamps.log" | tail -40
+  fi
+fi
+echo "== summary"
+cat "$out/ab-summary.txt"
