@@ -5,7 +5,8 @@
 # the CUDA backend in both trees, then the step benchmark's STEP_CONFIGS rows at hits 0.0 and 0.6 (STEP_ARGS added)
 # in A, B, and A again (the second A run says how much of an A/B difference is the run's own spread), then B's phase
 # stamps for STAMP_CONFIGS at hit 0.6 when time is left (DEADLINE_S after the start, default 560). Writes $OUT/a/ and
-# $OUT/b/ (tests.log, step-*.log/json, cmake.log) and $OUT/ab-summary.txt (the tests' counts and the step rows).
+# $OUT/b/ (tests.log, step-*.log/json, cmake.log, the stamps), packed at the end into $OUT/ab.tgz (the device call
+# returns 8 files at most), and $OUT/ab-summary.txt (the tests' counts and the step rows).
 #   PATCH=.device/lanes.patch TESTS="test_chunk_rebuild" PYTESTS="test_cuda_parity.py" \
 #     STEP_CONFIGS="1x122880x2048:device+fm" STAMP_CONFIGS="1x122880x2048:device+fm" COMMIT=<sha> \
 #     bash bench/probes/patch_ab.sh
@@ -89,3 +90,4 @@ if [ -n "${STAMP_CONFIGS:-}" ]; then
 fi
 echo "== summary"
 cat "$out/ab-summary.txt"
+tar -C "$out" -czf "$out/ab.tgz" a b && rm -rf "$out/a" "$out/b"
