@@ -82,7 +82,8 @@ if [ -n "${STAMP_CONFIGS:-}" ]; then
   elif ((SECONDS - started > ${DEADLINE_S:-560} - 90)); then
     echo "no time left for the stamps ($((SECONDS - started)) s)"
   else
-    (cd "$b" && OUT="$out/b" CONFIGS="$STAMP_CONFIGS" HIT="${STAMP_HIT:-0.6}" STEP_TIMEOUT_S=$((${DEADLINE_S:-560} - SECONDS + started - 10)) \
+    left=$((${DEADLINE_S:-560} - SECONDS + started - 10))
+    (cd "$b" && OUT="$out/b" CONFIGS="$STAMP_CONFIGS" HIT="${STAMP_HIT:-0.6}" STEP_TIMEOUT_S=$left \
       bash bench/probes/phase_stamps.sh >"$out/b/stamps.log" 2>&1)
     echo "stamps (rc $?, at $((SECONDS - started)) s)"
     grep -vE "^(--|$)" "$out/b/stamps.log" | tail -40
