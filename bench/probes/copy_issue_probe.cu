@@ -2,10 +2,10 @@
 //  1. The key rebuild's CTA spends ~3.6 µs between two barriers whose only work is issuing its first two K tiles:
 //     ~1500 gathered 16-byte cp.async a CTA (64 coefficient rows of 64 bytes and 32 basis rows of 256 bytes a tile).
 //     Does issuing that many cp.async block for round trips? Timed against the same bytes by bulk copies (one
-//     cp.async.bulk a row piece, an mbarrier a tile), 128 CTAs of 256 threads as the rebuild at B = 1; the copies
-//     also as the rebuild issues them (zero-fill form, .L2::128B on the coefficient pieces), and beside a value-fetch
-//     like kernel on a second stream (256 CTAs copying 2048 random 2 KiB runs device to device), which runs beside
-//     the rebuild in the step.
+//     cp.async.bulk a row piece, an mbarrier a tile), 128 and 256 CTAs of 256 threads (the rebuild at B = 1 has 256,
+//     two an SM, both issuing at once in the step: session 24 added the 256); the copies also as the rebuild issues
+//     them (zero-fill form, .L2::128B on the coefficient pieces), and beside a value-fetch like kernel on a second
+//     stream (256 CTAs copying 2048 random 2 KiB runs device to device), which runs beside the rebuild in the step.
 //  2. The B = 1 landmark logits read 31.5 MB at ~2.4-2.8 TB/s: their warps stream 2 KiB batches by per-lane 16-byte
 //     cp.async, two batches in flight a warp, 528 CTAs. Is that the reader, or the bytes? Timed against whole 32 KiB
 //     tiles by bulk copies (264 CTAs, three stages, as the tensor-core path), 16 KiB tiles (528 CTAs), plain loads,
@@ -321,16 +321,16 @@ int main(int argc, char** argv) {
   std::uint16_t* basis = nullptr;
   int* tokens = nullptr;
   unsigned long long* spans = nullptr;
-  const int ctas = 128;
+  const int max_ctas = 256;  // as the rebuild's grid at B = 1 (two an SM); 128 = one an SM
   CHECK(cudaMalloc(&coefficients, tokens_total * kRank * 2));
   CHECK(cudaMalloc(&basis, static_cast<long long>(kRank) * kWidth * 2));
   CHECK(cudaMemset(coefficients, 1, tokens_total * kRank * 2));
   CHECK(cudaMemset(basis, 2, static_cast<long long>(kRank) * kWidth * 2));
-  CHECK(cudaMalloc(&tokens, ctas * kRows * sizeof(int)));
-  CHECK(cudaMalloc(&spans, 2 * ctas * sizeof(unsigned long long)));
+  CHECK(cudaMalloc(&tokens, max_ctas * kRows * sizeof(int)));
+  CHECK(cudaMalloc(&spans, 2 * max_ctas * sizeof(unsigned long long)));
   std::mt19937 random(7);
-  std::vector<int> host_tokens(ctas * kRows);
-  for (int c = 0; c < ctas; ++c) {
+  std::vector<int> host_tokens(max_ctas * kRows);
+  for (int c = 0; c < max_ctas; ++c) {
     for (int r = 0; r < kRows; ++r) {  // 8 chunks of 8 consecutive tokens, at random chunks
       const int chunk = static_cast<int>(random() % (tokens_total / 8));
       if (r % 8 == 0)
@@ -340,10 +340,9 @@ int main(int argc, char** argv) {
     }
   }
   CHECK(cudaMemcpy(tokens, host_tokens.data(), host_tokens.size() * sizeof(int), cudaMemcpyHostToDevice));
-  std::printf("\npart 1: %d CTAs x 256 threads, K tiles of 64 gathered 64-byte row pieces + 32 basis rows (12 KiB)\n",
-              ctas);
-  std::printf("| reader | tiles | kernel µs | CTA issue µs median / max | CTA landed µs median / max |\n");
-  std::printf("| --- | --- | --- | --- | --- |\n");
+  std::printf("\npart 1: CTAs of 256 threads, K tiles of 64 gathered 64-byte row pieces + 32 basis rows (12 KiB)\n");
+  std::printf("| reader | CTAs | tiles | kernel µs | CTA issue µs median / max | CTA landed µs median / max |\n");
+  std::printf("| --- | --- | --- | --- | --- | --- |\n");
   // The fetch-like kernel's buffers: 2048 runs gathered from a 256 MB store.
   const int runs = 2048;
   const long long store_runs = (256LL << 20) / 2048;
@@ -361,35 +360,37 @@ int main(int argc, char** argv) {
   cudaEvent_t flushed = nullptr;
   CHECK(cudaEventCreateWithFlags(&flushed, cudaEventDisableTiming));
   const char* mode_names[3] = {"cp.async 16 B", "cp.async as the rebuild", "bulk copies"};
-  for (const bool beside : {false, true}) {
-    for (const int tiles : {2, 5}) {
-      for (const int mode : {0, 1, 2}) {
-        const std::size_t shared = static_cast<std::size_t>(tiles) * kTileElements * 2;
-        auto kernel = mode == 0 ? rebuild_tiles<0> : (mode == 1 ? rebuild_tiles<1> : rebuild_tiles<2>);
-        CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
-        const double us = time_it([&] {
-          if (beside) {  // the fetch-like kernel first, on the side stream, after the flush
-            CHECK(cudaEventRecord(flushed, 0));
-            CHECK(cudaStreamWaitEvent(side, flushed, 0));
-            gather_runs<<<runs / 8, 256, 0, side>>>(run_store, run_order, run_target, runs);
+  for (const int ctas : {128, max_ctas}) {
+    for (const bool beside : {false, true}) {
+      for (const int tiles : {2, 5}) {
+        for (const int mode : {0, 1, 2}) {
+          const std::size_t shared = static_cast<std::size_t>(tiles) * kTileElements * 2;
+          auto kernel = mode == 0 ? rebuild_tiles<0> : (mode == 1 ? rebuild_tiles<1> : rebuild_tiles<2>);
+          CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
+          const double us = time_it([&] {
+            if (beside) {  // the fetch-like kernel first, on the side stream, after the flush
+              CHECK(cudaEventRecord(flushed, 0));
+              CHECK(cudaStreamWaitEvent(side, flushed, 0));
+              gather_runs<<<runs / 8, 256, 0, side>>>(run_store, run_order, run_target, runs);
+            }
+            kernel<<<ctas, 256, shared>>>(coefficients, basis, tokens, tiles, spans, sink);
+            if (beside) {
+              CHECK(cudaEventRecord(flushed, side));
+              CHECK(cudaStreamWaitEvent(0, flushed, 0));
+            }
+          });
+          std::vector<unsigned long long> host_spans(2 * ctas);
+          CHECK(cudaMemcpy(host_spans.data(), spans, host_spans.size() * 8, cudaMemcpyDeviceToHost));
+          std::vector<double> issue, landed;
+          for (int c = 0; c < ctas; ++c) {
+            issue.push_back(host_spans[2 * c] / 1e3);
+            landed.push_back(host_spans[2 * c + 1] / 1e3);
           }
-          kernel<<<ctas, 256, shared>>>(coefficients, basis, tokens, tiles, spans, sink);
-          if (beside) {
-            CHECK(cudaEventRecord(flushed, side));
-            CHECK(cudaStreamWaitEvent(0, flushed, 0));
-          }
-        });
-        std::vector<unsigned long long> host_spans(2 * ctas);
-        CHECK(cudaMemcpy(host_spans.data(), spans, host_spans.size() * 8, cudaMemcpyDeviceToHost));
-        std::vector<double> issue, landed;
-        for (int c = 0; c < ctas; ++c) {
-          issue.push_back(host_spans[2 * c] / 1e3);
-          landed.push_back(host_spans[2 * c + 1] / 1e3);
+          std::printf("| %s%s | %d | %d | %.1f | %.2f / %.2f | %.2f / %.2f |\n", mode_names[mode],
+                      beside ? ", beside a fetch" : "", ctas, tiles, us, median(issue),
+                      *std::max_element(issue.begin(), issue.end()), median(landed),
+                      *std::max_element(landed.begin(), landed.end()));
         }
-        std::printf("| %s%s | %d | %.1f | %.2f / %.2f | %.2f / %.2f |\n", mode_names[mode],
-                    beside ? ", beside a fetch" : "", tiles, us, median(issue),
-                    *std::max_element(issue.begin(), issue.end()), median(landed),
-                    *std::max_element(landed.begin(), landed.end()));
       }
     }
   }
