@@ -3,7 +3,8 @@
 # saved under the carried .device/), in one call. Builds A's and B's module and test executables TESTS side by side
 # (and B's phase-stamp build, niced, when STAMP_CONFIGS is set), runs the gtest TESTS and the pytest files PYTESTS on
 # the CUDA backend in both trees, then the step benchmark's STEP_CONFIGS rows at hits 0.0 and 0.6 (STEP_ARGS added)
-# in A, B, and A again (the second A run says how much of an A/B difference is the run's own spread), then B's phase
+# in A, B, and A again (the second A run says how much of an A/B difference is the run's own spread), and B again with
+# the environment settings B2_ENV (e.g. "SHADOWKV_SELECT_RELEASE=off": a knob of B's, as b2) when set, then B's phase
 # stamps for STAMP_CONFIGS at hit STAMP_HIT (default 0.6) when time is left (DEADLINE_S after the start, default 560).
 # Writes $OUT/a/ and $OUT/b/ (tests.log, step-*.log/json, cmake.log, the stamps), packed at the end into $OUT/ab.tgz
 # (a device call returns 8 files at most), and $OUT/ab-summary.txt (the tests' counts and the step rows).
@@ -64,11 +65,15 @@ for tree in a b; do
 done
 echo "tests done at $((SECONDS - started)) s"
 if [ -n "${STEP_CONFIGS:-}" ]; then
-  for run in a b a2; do
+  runs="a b a2"
+  [ -n "${B2_ENV:-}" ] && runs="a b a2 b2"
+  for run in $runs; do
     tree=${run:0:1}
     root=$a
     [ $tree = b ] && root=$b
-    (cd "$root" && PYTHONPATH="$root/python" timeout "${STEP_TIMEOUT_S:-200}" python3 bench/step_benchmark.py \
+    run_env=()
+    [ $run = b2 ] && read -ra run_env <<<"$B2_ENV"
+    (cd "$root" && env "${run_env[@]}" PYTHONPATH="$root/python" timeout "${STEP_TIMEOUT_S:-200}" python3 bench/step_benchmark.py \
       --config $STEP_CONFIGS --hit 0.0 0.6 --profile ${STEP_ARGS:-} --json "$out/$tree/step-$run.json" \
       >"$out/$tree/step-$run.log" 2>&1)
     echo "== step $run (rc $?, at $((SECONDS - started)) s)" | tee -a "$out/ab-summary.txt"
