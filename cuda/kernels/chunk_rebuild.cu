@@ -165,7 +165,9 @@ struct rebuild_tile {
 };
 
 /// The rebuild's attention (miss_attention, kAttend) in shared memory: the current group's values [kRebuildRows, D]
-/// (T), then the G query heads' scaled queries [G, D] and their scores [G, kRebuildRows] (float). The values take the
+/// (T), then the G query heads' scaled queries [G, D] and their scores [G, kRebuildRows] (float), then two buffers of
+/// the rows' value addresses [2, kRebuildRows] (found with the row tables, so that the values' copies are issued
+/// without arithmetic or loads of their own, and prefetched to L2 then). The values take the
 /// RoPE coefficients' place when the RoPE runs in the accumulators: the coefficients are dead from barrier A (after
 /// that RoPE) until barrier C (after which the next group's are copied), and the values are copied after A and read
 /// before C. So the rebuild keeps two CTAs an SM at D = 128 with a group of 4 (~106 KiB a CTA). Otherwise (RoPE over
@@ -183,10 +185,14 @@ struct attend_tile {
   static constexpr std::size_t queries_offset(bool table, bool values_in_coefficients) {
     return values_in_coefficients ? tile::shared_bytes_with_table : values_offset(table, false) + values_bytes;
   }
-  /// The kernel's shared memory.
-  static constexpr std::size_t shared_bytes(bool table, bool values_in_coefficients, int group) {
+  /// Offset of the value addresses (after the scores).
+  static constexpr std::size_t value_rows_offset(bool table, bool values_in_coefficients, int group) {
     return queries_offset(table, values_in_coefficients) +
            static_cast<std::size_t>(group) * (D + kRebuildRows) * sizeof(float);
+  }
+  /// The kernel's shared memory.
+  static constexpr std::size_t shared_bytes(bool table, bool values_in_coefficients, int group) {
+    return value_rows_offset(table, values_in_coefficients, group) + 2 * kRebuildRows * sizeof(const T*);
   }
 };
 
@@ -298,6 +304,12 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
   float* const queries = reinterpret_cast<float*>(
       shared_bytes + attend_layout::queries_offset(use_table(), values_in_coefficients));  // [G, D]
   float* const scores = queries + d.group * D;                                             // [G, kRebuildRows]
+  const auto value_rows = [&](int buffer) {  // [kRebuildRows]: a row's values in the value store (padding: nullptr)
+    return reinterpret_cast<const T**>(shared_bytes + attend_layout::value_rows_offset(use_table(),
+                                                                                       values_in_coefficients,
+                                                                                       d.group)) +
+           buffer * kRebuildRows;
+  };
 
   const int b = static_cast<int>(blockIdx.x);
   const int h = static_cast<int>(blockIdx.y);
@@ -427,22 +439,19 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
     }
   };
 
-  // kAttend: the values of a group's first `rows` rows (tokens in `tokens`) from the value store (device memory:
-  // the backend fuses only then) into group_values, 16-byte copies, and zeros in its other rows (so that the
-  // attention's fixed-length loops add 0 x 0 there); a (chunk, head) run is [C, D], so a row's D elements are one
-  // piece of it.
-  auto issue_values = [&](int rows, const long long* tokens) {
+  // kAttend: the values of a group's first `rows` rows (their addresses in `sources`, value_rows) from the value
+  // store (device memory: the backend fuses only then) into group_values, 16-byte copies, and zeros in its other rows
+  // (so that the attention's fixed-length loops add 0 x 0 there).
+  auto issue_values = [&](int rows, const T* const* sources) {
     constexpr int kVector = 16 / static_cast<int>(sizeof(T));
     constexpr int kVectorsPerRow = D / kVector;
-    const T* const store = static_cast<const T*>(view->value_store);
     for (int v = static_cast<int>(threadIdx.x); v < kRebuildRows * kVectorsPerRow; v += kRebuildThreads) {
       const int row = v / kVectorsPerRow;
       const int column = (v % kVectorsPerRow) * kVector;
       const bool live = row < rows;
-      const long long token = live ? tokens[row] : 0;
-      const long long chunk_id = token / d.chunk;
-      const long long source_row = (chunk_id * d.kv_heads + h) * d.chunk + (token - chunk_id * d.chunk);
-      copy_async_or_zero<16>(group_values + row * D + column, store + source_row * D + column, live);
+      // Not live: zeros, from any valid global address (attend.partial).
+      const void* const source = live ? static_cast<const void*>(sources[row] + column) : attend.partial;
+      copy_async_or_zero<16>(group_values + row * D + column, source, live);
     }
   };
 
@@ -677,25 +686,29 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
     if (has_next && threadIdx.x < kRebuildRows) {
       const int next_rows = min(group_chunks, misses - next) * d.chunk;
       const int row = static_cast<int>(threadIdx.x);
+      // kAttend: the value store's address, asked before the two dependent loads below so that it lands beside them.
+      [[maybe_unused]] const T* const value_store = kAttend ? static_cast<const T*>(view->value_store) : nullptr;
       long long token = -1;
       long long target = 0;
+      [[maybe_unused]] const T* value_row = nullptr;
       if (row < next_rows) {
         const int slot = miss_slots[next + row / d.chunk];
         const int j = row % d.chunk;
-        token = static_cast<long long>(cache_chunks[slot]) * d.chunk + j;
+        const long long chunk_id = cache_chunks[slot];
+        token = chunk_id * d.chunk + j;
         target = (static_cast<long long>(slot) * d.chunk + j) * D;
         if constexpr (kAttend) {
-          // The row's values into L2 now (the group's attention copies them to shared memory only after its own
-          // main loop and RoPE: attend_tile): a 128-byte line at a time.
-          const long long chunk_id = token / d.chunk;
-          const T* const value_row =
-              static_cast<const T*>(view->value_store) + ((chunk_id * d.kv_heads + h) * d.chunk + j) * D;
+          // The row's values (a (chunk, head) run is [C, D] in the value store), into L2 now: the group's attention
+          // copies them to shared memory only after its own main loop and RoPE (attend_tile). A 128-byte line at a
+          // time.
+          value_row = value_store + ((chunk_id * d.kv_heads + h) * d.chunk + j) * D;
 #pragma unroll
           for (int line = 0; line < (D * static_cast<int>(sizeof(T)) + 127) / 128; ++line) {
             asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(value_row) + 128 * line));
           }
         }
       }
+      if constexpr (kAttend) value_rows(buffer)[row] = value_row;
       row_token(buffer)[row] = token;
       row_target(buffer)[row] = target;
       const long long* const positions = view->context_positions;
@@ -703,12 +716,29 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
       copy_async_or_zero<8, copy_cache::all_levels>(row_position(buffer) + row, live ? positions + token : positions,
                                                     live);
     }
+    if constexpr (kAttend) {
+      // The KV head's G query heads, scaled so that scores are in log2 units (as the attention's), once, by the
+      // threads that write no row table (their loads land beside the tables' dependent ones): published by barrier
+      // A, read by every group's attention.
+      if (pass == 0 && threadIdx.x >= kRebuildRows) {
+        const float q_scale = d.softmax_scale * kLog2e;
+        const long long head0 = static_cast<long long>(h) * d.group;
+        for (int item = static_cast<int>(threadIdx.x) - kRebuildRows; item < d.group * D;
+             item += kRebuildThreads - kRebuildRows) {
+          const int g = item / D;
+          const int dim = item % D;
+          queries[item] = q_scale * load_any(attend.q.data, attend.q.type,
+                                             b * attend.q.stride[0] + (head0 + g) * attend.q.stride[1] +
+                                                 dim * attend.q.stride[2]);
+        }
+      }
+    }
     __syncthreads();  // A: sC and the next group's row_token are written
     phase_stamp(stamped_kernel::rebuild, 31);
     if constexpr (kAttend) {
       // The current group's values (attend_tile: in the coefficients' place, which its RoPE is done with), a copy
       // group of their own before the next group's prologue; waited for before its attention, after the stores.
-      if (current_rows > 0) issue_values(current_rows, row_token(buffer ^ 1));
+      if (current_rows > 0) issue_values(current_rows, value_rows(buffer ^ 1));
       commit_async_copies();
     }
 
@@ -720,21 +750,6 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
         load_stage(kt, kt, row_token(buffer));
         commit_async_copies();
         phase_stamp(stamped_kernel::rebuild, 34 + kt);  // thread 0 has issued tile kt (then barrier B waits for all)
-      }
-    }
-    if constexpr (kAttend) {
-      // The KV head's G query heads, scaled so that scores are in log2 units (as the attention's), once: published
-      // by barrier B, read by every group's attention.
-      if (pass == 0) {
-        const float q_scale = d.softmax_scale * kLog2e;
-        const long long head0 = static_cast<long long>(h) * d.group;
-        for (int item = static_cast<int>(threadIdx.x); item < d.group * D; item += kRebuildThreads) {
-          const int g = item / D;
-          const int dim = item % D;
-          queries[item] = q_scale * load_any(attend.q.data, attend.q.type,
-                                             b * attend.q.stride[0] + (head0 + g) * attend.q.stride[1] +
-                                                 dim * attend.q.stride[2]);
-        }
       }
     }
 
