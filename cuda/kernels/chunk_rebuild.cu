@@ -456,41 +456,58 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
   };
 
   // kAttend: the attention over the current group's `rows` rows (keys in sC, rounded to T by the stores as they are
-  // stored; values in group_values (T = bf16: the backend fuses only bf16 keys and values), zeros past `rows`), each query head's partial to split attend.first_split + `group_index`: the
-  // format of sparse_attention.cu's split kernels (max of the scores in log2 units, sum of 2^(score - max),
-  // unnormalised accumulator). Three phases, a barrier after each of the first two:
-  //  1. scores: a thread a (head, row), the whole dot product, its 16-byte pieces of the row in an order rotated by
-  //     the row (the 32 rows of a warp then read distinct banks);
+  // stored; values in group_values (T = bf16: the backend fuses only bf16 keys and values), zeros past `rows`), each
+  // query head's partial to split attend.first_split + `group_index`: the format of sparse_attention.cu's split
+  // kernels (max of the scores in log2 units, sum of 2^(score - max), unnormalised accumulator). Phases:
+  //  1. scores, kHeadsPerPass heads at a time: warp w takes rows w, w + 8, ...; its lanes are 4 heads x 8 dim slices
+  //     (slice c: dims 16 i + 2c, + 1), the slice's query pairs in registers, a row's key pairs read once for the 4
+  //     heads (one wavefront a pair: the 8 slices are 64 consecutive bytes), three shuffles a (row, head);
   //  2. softmax: a warp a head, two rows a lane: the max, the probabilities (into the scores' place, 0 past `rows`),
   //     their sum; lane 0 writes the partial's (max, sum);
-  //  3. P V: a thread a (head, pair of dims), all kRebuildRows rows (zero probabilities and values past `rows`).
-  // (Session 23's first version, a warp a row with a shuffle sum a (row, head) and a pass over the scores per
-  // thread, took ~10 µs a group.) Called by every thread; the caller's barrier C follows before sC or the buffers
-  // are reused.
+  //  3. P V, kHeadsPerPass heads at a time: a thread a (pair of dims, part of the rows), a value pair read once for the
+  //     4 heads; the parts' sums meet in sC (free after phase 1), added in part order, and go to the partials.
+  // (Session 23's versions, a thread a (head, row) reading every key row once a head and a thread a (head, pair)
+  // reading every value row once a head, took ~8 µs a group: bench/NOTES.md.) Called by every thread; the caller's
+  // barrier C follows before sC or the buffers are reused.
   auto attend_group = [&](int rows, int group_index) {
-    const int tid = static_cast<int>(threadIdx.x);
-    constexpr int kPieces = D / 4;  // float4 pieces of a key row
-    static_assert(kRebuildRows == 64 && kRebuildThreads % kRebuildRows == 0, "rows and threads as assumed below");
+    static_assert(kRebuildRows == 64 && kRebuildThreads == 256, "rows and threads as assumed below");
     static_assert(!kAttend || std::is_same_v<T, __nv_bfloat16>, "the rebuild attends over bf16 keys and values");
-    for (int item = tid; item < d.group * kRebuildRows; item += kRebuildThreads) {
-      const int g = item / kRebuildRows;
-      const int row = item % kRebuildRows;
-      float sums[4] = {0.0F, 0.0F, 0.0F, 0.0F};
-      if (row < rows) {
-        const float4* const key = reinterpret_cast<const float4*>(&sC(row, 0));
-        const float4* const query = reinterpret_cast<const float4*>(queries + g * D);
-#pragma unroll 8
-        for (int i = 0; i < kPieces; ++i) {
-          const int piece = (i + row) % kPieces;
-          const float4 k = key[piece];
-          const float4 q = query[piece];
-          sums[0] = fmaf(q.x, k.x, sums[0]);
-          sums[1] = fmaf(q.y, k.y, sums[1]);
-          sums[2] = fmaf(q.z, k.z, sums[2]);
-          sums[3] = fmaf(q.w, k.w, sums[3]);
+    constexpr int kHeadsPerPass = 4;
+    constexpr int kLanesPerHead = 32 / kHeadsPerPass;
+    constexpr int kSlicePairs = D / (2 * kLanesPerHead);  // key pairs a lane takes of a row
+    static_assert(D % (2 * kLanesPerHead) == 0, "whole pairs a slice");
+    const int tid = static_cast<int>(threadIdx.x);
+    const int warp = tid / 32;
+    const int lane = tid % 32;
+    {
+      const int pass_head = lane / kLanesPerHead;
+      const int slice = 2 * (lane % kLanesPerHead);
+      for (int first = 0; first < d.group; first += kHeadsPerPass) {
+        const int g = first + pass_head;
+        float2 query[kSlicePairs];
+#pragma unroll
+        for (int i = 0; i < kSlicePairs; ++i) {
+          query[i] = g < d.group
+                         ? *reinterpret_cast<const float2*>(queries + g * D + 2 * kLanesPerHead * i + slice)
+                         : make_float2(0.0F, 0.0F);
+        }
+        for (int row = warp; row < rows; row += kRebuildThreads / 32) {
+          float s0 = 0.0F;
+          float s1 = 0.0F;
+#pragma unroll
+          for (int i = 0; i < kSlicePairs; ++i) {
+            const float2 key = *reinterpret_cast<const float2*>(&sC(row, 2 * kLanesPerHead * i + slice));
+            s0 = fmaf(query[i].x, key.x, s0);
+            s1 = fmaf(query[i].y, key.y, s1);
+          }
+          float score = s0 + s1;
+#pragma unroll
+          for (int offset = 1; offset < kLanesPerHead; offset *= 2) {
+            score += __shfl_xor_sync(0xFFFFFFFFU, score, offset);
+          }
+          if (slice == 0 && g < d.group) scores[g * kRebuildRows + row] = score;
         }
       }
-      scores[item] = (sums[0] + sums[1]) + (sums[2] + sums[3]);
     }
     __syncthreads();
     phase_stamp(stamped_kernel::rebuild, 37);
@@ -499,48 +516,72 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
       const long long j = static_cast<long long>(h) * d.group + g;
       return attend.partial + ((b_heads + j) * attend.max_splits + attend.first_split + group_index) * (D + 2);
     };
-    {
-      const int warp = tid / 32;
-      const int lane = tid % 32;
-      for (int g = warp; g < d.group; g += kRebuildThreads / 32) {
-        float* const head = scores + g * kRebuildRows;
-        const float s0 = lane < rows ? head[lane] : -INFINITY;
-        const float s1 = lane + 32 < rows ? head[lane + 32] : -INFINITY;
-        float best = fmaxf(s0, s1);
+    for (int g = warp; g < d.group; g += kRebuildThreads / 32) {
+      float* const head = scores + g * kRebuildRows;
+      const float s0 = lane < rows ? head[lane] : -INFINITY;
+      const float s1 = lane + 32 < rows ? head[lane + 32] : -INFINITY;
+      float best = fmaxf(s0, s1);
 #pragma unroll
-        for (int offset = 16; offset > 0; offset /= 2) best = fmaxf(best, __shfl_xor_sync(0xFFFFFFFFU, best, offset));
-        const float p0 = lane < rows && best != -INFINITY ? exp2f(s0 - best) : 0.0F;
-        const float p1 = lane + 32 < rows && best != -INFINITY ? exp2f(s1 - best) : 0.0F;
-        float sum = p0 + p1;
+      for (int offset = 16; offset > 0; offset /= 2) best = fmaxf(best, __shfl_xor_sync(0xFFFFFFFFU, best, offset));
+      const float p0 = lane < rows && best != -INFINITY ? exp2f(s0 - best) : 0.0F;
+      const float p1 = lane + 32 < rows && best != -INFINITY ? exp2f(s1 - best) : 0.0F;
+      float sum = p0 + p1;
 #pragma unroll
-        for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xFFFFFFFFU, sum, offset);
-        head[lane] = p0;
-        head[lane + 32] = p1;
-        if (lane == 0) {
-          float* const out = partial_of(g);
-          out[0] = best;
-          out[1] = sum;
-        }
+      for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xFFFFFFFFU, sum, offset);
+      head[lane] = p0;
+      head[lane + 32] = p1;
+      if (lane == 0) {
+        float* const out = partial_of(g);
+        out[0] = best;
+        out[1] = sum;
       }
     }
     __syncthreads();
     phase_stamp(stamped_kernel::rebuild, 46);
-    for (int item = tid; item < d.group * (D / 2); item += kRebuildThreads) {
-      const int g = item / (D / 2);
-      const int dim = 2 * (item % (D / 2));
-      const float* const probabilities = scores + g * kRebuildRows;
-      float acc0 = 0.0F;
-      float acc1 = 0.0F;
-#pragma unroll 16
-      for (int r = 0; r < kRebuildRows; ++r) {
-        const float p = probabilities[r];
-        const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(group_values + r * D + dim));
-        acc0 = fmaf(p, v.x, acc0);
-        acc1 = fmaf(p, v.y, acc1);
+    constexpr int kDimPairs = D / 2;
+    constexpr int kRowParts = kRebuildThreads / kDimPairs >= 8 ? 8 : (kRebuildThreads / kDimPairs >= 4 ? 4 : 2);
+    constexpr int kPartRows = kRebuildRows / kRowParts;
+    static_assert(kRowParts * kDimPairs <= kRebuildThreads && kRowParts * kHeadsPerPass * D <= kRebuildRows * (D + 8),
+                  "the parts' sums fit sC");
+    float* const part_sums = &sC(0, 0);  // [kRowParts][kHeadsPerPass][D]
+    const int pair = 2 * (tid % kDimPairs);
+    const int part = tid / kDimPairs;
+    for (int first = 0; first < d.group; first += kHeadsPerPass) {
+      if (part < kRowParts) {
+        float acc[kHeadsPerPass][2] = {};
+#pragma unroll 8
+        for (int r = part * kPartRows; r < (part + 1) * kPartRows; ++r) {
+          const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(group_values + r * D + pair));
+#pragma unroll
+          for (int k = 0; k < kHeadsPerPass; ++k) {
+            const float p = first + k < d.group ? scores[(first + k) * kRebuildRows + r] : 0.0F;
+            acc[k][0] = fmaf(p, v.x, acc[k][0]);
+            acc[k][1] = fmaf(p, v.y, acc[k][1]);
+          }
+        }
+#pragma unroll
+        for (int k = 0; k < kHeadsPerPass; ++k) {
+          part_sums[(part * kHeadsPerPass + k) * D + pair] = acc[k][0];
+          part_sums[(part * kHeadsPerPass + k) * D + pair + 1] = acc[k][1];
+        }
       }
-      float* const out = partial_of(g);
-      out[2 + dim] = acc0;
-      out[3 + dim] = acc1;
+      __syncthreads();
+      for (int item = tid; item < kHeadsPerPass * kDimPairs; item += kRebuildThreads) {
+        const int k = item / kDimPairs;
+        const int dim = 2 * (item % kDimPairs);
+        if (first + k >= d.group) continue;
+        float acc0 = 0.0F;
+        float acc1 = 0.0F;
+#pragma unroll
+        for (int p = 0; p < kRowParts; ++p) {
+          acc0 += part_sums[(p * kHeadsPerPass + k) * D + dim];
+          acc1 += part_sums[(p * kHeadsPerPass + k) * D + dim + 1];
+        }
+        float* const out = partial_of(first + k);
+        out[2 + dim] = acc0;
+        out[3 + dim] = acc1;
+      }
+      __syncthreads();  // the next pass rewrites the parts' sums
     }
   };
 
