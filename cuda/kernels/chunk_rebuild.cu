@@ -304,6 +304,10 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
   float* const queries = reinterpret_cast<float*>(
       shared_bytes + attend_layout::queries_offset(use_table(), values_in_coefficients));  // [G, D]
   float* const scores = queries + d.group * D;                                             // [G, kRebuildRows]
+  // kAttend: this head's values in the selection cache (cache_values, [K, C, D] a head), where the group's values go
+  // once they have landed (what the value fetch does in an unfused step; the backend launches none in a fused one);
+  // nullptr when the attention reads the values in place (layer_view::values_in_place). Set by thread 0 in pass 0.
+  __shared__ T* cache_values_of_head;
   const auto value_rows = [&](int buffer) {  // [kRebuildRows]: a row's values in the value store (padding: nullptr)
     return reinterpret_cast<const T**>(shared_bytes + attend_layout::value_rows_offset(use_table(),
                                                                                        values_in_coefficients,
@@ -761,6 +765,18 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
       // The KV head's G query heads, scaled so that scores are in log2 units (as the attention's), once, by the
       // threads that write no row table (their loads land beside the tables' dependent ones): published by barrier
       // A, read by every group's attention.
+      if (pass == 0 && threadIdx.x == kRebuildRows) {
+        // The head's values in the selection cache, and the bytes this (sequence, head) reads from the value store
+        // this step counted once (by its CTA 0), as the value fetch counts them (counters[3]).
+        cache_values_of_head = view->values_in_place != 0
+                                   ? nullptr
+                                   : static_cast<T*>(view->cache_values) +
+                                         static_cast<long long>(h) * d.cache_slots * d.chunk * D;
+        if (blockIdx.z == 0) {
+          atomicAdd(workspace.counters + 3,
+                    static_cast<unsigned long long>(misses) * d.chunk * D * static_cast<unsigned long long>(sizeof(T)));
+        }
+      }
       if (pass == 0 && threadIdx.x >= kRebuildRows) {
         const float q_scale = d.softmax_scale * kLog2e;
         const long long head0 = static_cast<long long>(h) * d.group;
@@ -848,6 +864,17 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
         wait_async_copies_at_most(has_next ? min(kRebuildStages - 1, k_tiles) : 0);
         __syncthreads();  // every thread's values have landed
         phase_stamp(stamped_kernel::rebuild, 36);
+        if (cache_values_of_head != nullptr) {
+          // The group's values into their selection-cache slots (the keys' targets), 16-byte stores.
+          const long long* const targets = row_target(buffer ^ 1);
+          constexpr int kVectorsPerRow = D * static_cast<int>(sizeof(T)) / 16;
+          for (int v = static_cast<int>(threadIdx.x); v < current_rows * kVectorsPerRow; v += kRebuildThreads) {
+            const int row = v / kVectorsPerRow;
+            const int piece = v % kVectorsPerRow;
+            reinterpret_cast<uint4*>(cache_values_of_head + targets[row])[piece] =
+                reinterpret_cast<const uint4*>(group_values + row * D)[piece];
+          }
+        }
         attend_group(current_rows, (next - group_stride) / group_chunks);
         phase_stamp(stamped_kernel::rebuild, 47);
       }
