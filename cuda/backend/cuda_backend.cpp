@@ -1151,6 +1151,11 @@ void cuda_backend::select_parts(int layer, std::span<const batch_entry> entries,
 }
 
 void cuda_backend::fetch_values(int layer, std::span<const batch_entry> entries) {
+  // A fused step (fuse_step, decided here for rebuild_keys and attend) launches no fetch: its key rebuild copies the
+  // missed values into the selection cache itself, from the shared memory its attention over them reads, and counts
+  // their bytes.
+  fused_step_ = fuse_step(entries);
+  if (fused_step_) return;
   for (std::size_t p = 0; p < parts_.size(); ++p) {
     const batch_part& part = parts_[p];
     SHADOWKV_CUDA_TRY(cudaStreamWaitEvent(copy_stream_, part_selected_events_[p], 0));
@@ -1192,8 +1197,7 @@ bool cuda_backend::fuse_step(std::span<const batch_entry> entries) const {
 void cuda_backend::rebuild_keys(int layer, std::span<const batch_entry> entries) {
   const int batch = static_cast<int>(entries.size());
   dims d = step_dims(batch);
-  fused_step_ = fuse_step(entries);
-  if (fused_step_) {
+  if (fused_step_) {  // decided by fetch_values, which the store calls first
     // The rebuild attends over the missed rows (its partials after the attention's splits) and releases the attention
     // at its start: the attention then walks the other rows beside it (attend).
     d.fused_misses = 1;

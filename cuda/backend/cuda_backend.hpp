@@ -186,7 +186,7 @@ class cuda_backend final : public backend {
   int fetch_priority_host_ = 0;         ///< launch priority of a fetch across PCIe (fetch_priority_for_host_values)
   int attention_early_ = 0;             ///< SHADOWKV_ATTENTION_EARLY: 1 on, -1 off, 0 auto (step_dims)
   int fused_misses_ = 0;                ///< SHADOWKV_FUSED_MISSES: 1 on, -1 off, 0 auto (fuse_step)
-  bool fused_step_ = false;             ///< this call's key rebuild attended over the misses (attend follows it)
+  bool fused_step_ = false;  ///< this call is a fused step (fetch_values decides; rebuild_keys and attend follow)
   bool prefilling_ = false;             ///< this call is a prefill (its selection is not followed by an attention)
   strided_tensor selection_queries_{};  ///< this call's queries as [B, Hq, D] (select_chunks; miss_attention)
   bool values_in_place_ = false;        ///< SHADOWKV_DEVICE_VALUES=in_place (layer_view::values_in_place)

@@ -165,7 +165,9 @@ struct rebuild_tile {
 };
 
 /// The rebuild's attention (miss_attention, kAttend) in shared memory: the current group's values [kRebuildRows, D]
-/// (T), then the G query heads' scaled queries [G, D] and their scores [G, kRebuildRows] (float). The values take the
+/// (T), then the G query heads' scaled queries [G, D] and their scores [G, kRebuildRows] (float), then two buffers of
+/// the rows' value addresses [2, kRebuildRows] (found with the row tables, so that the values' copies are issued
+/// without arithmetic or loads of their own, and prefetched to L2 then). The values take the
 /// RoPE coefficients' place when the RoPE runs in the accumulators: the coefficients are dead from barrier A (after
 /// that RoPE) until barrier C (after which the next group's are copied), and the values are copied after A and read
 /// before C. So the rebuild keeps two CTAs an SM at D = 128 with a group of 4 (~106 KiB a CTA). Otherwise (RoPE over
@@ -183,10 +185,14 @@ struct attend_tile {
   static constexpr std::size_t queries_offset(bool table, bool values_in_coefficients) {
     return values_in_coefficients ? tile::shared_bytes_with_table : values_offset(table, false) + values_bytes;
   }
-  /// The kernel's shared memory.
-  static constexpr std::size_t shared_bytes(bool table, bool values_in_coefficients, int group) {
+  /// Offset of the value addresses (after the scores).
+  static constexpr std::size_t value_rows_offset(bool table, bool values_in_coefficients, int group) {
     return queries_offset(table, values_in_coefficients) +
            static_cast<std::size_t>(group) * (D + kRebuildRows) * sizeof(float);
+  }
+  /// The kernel's shared memory.
+  static constexpr std::size_t shared_bytes(bool table, bool values_in_coefficients, int group) {
+    return value_rows_offset(table, values_in_coefficients, group) + 2 * kRebuildRows * sizeof(const T*);
   }
 };
 
@@ -298,6 +304,16 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
   float* const queries = reinterpret_cast<float*>(
       shared_bytes + attend_layout::queries_offset(use_table(), values_in_coefficients));  // [G, D]
   float* const scores = queries + d.group * D;                                             // [G, kRebuildRows]
+  // kAttend: this head's values in the selection cache (cache_values, [K, C, D] a head), where the group's values go
+  // once they have landed (what the value fetch does in an unfused step; the backend launches none in a fused one);
+  // nullptr when the attention reads the values in place (layer_view::values_in_place). Set by thread 0 in pass 0.
+  __shared__ T* cache_values_of_head;
+  const auto value_rows = [&](int buffer) {  // [kRebuildRows]: a row's values in the value store (padding: nullptr)
+    return reinterpret_cast<const T**>(shared_bytes + attend_layout::value_rows_offset(use_table(),
+                                                                                       values_in_coefficients,
+                                                                                       d.group)) +
+           buffer * kRebuildRows;
+  };
 
   const int b = static_cast<int>(blockIdx.x);
   const int h = static_cast<int>(blockIdx.y);
@@ -427,61 +443,75 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
     }
   };
 
-  // kAttend: the values of a group's first `rows` rows (tokens in `tokens`) from the value store (device memory:
-  // the backend fuses only then) into group_values, 16-byte copies, and zeros in its other rows (so that the
-  // attention's fixed-length loops add 0 x 0 there); a (chunk, head) run is [C, D], so a row's D elements are one
-  // piece of it.
-  auto issue_values = [&](int rows, const long long* tokens) {
+  // kAttend: the values of a group's first `rows` rows (their addresses in `sources`, value_rows) from the value
+  // store (device memory: the backend fuses only then) into group_values, 16-byte copies, and zeros in its other rows
+  // (so that the attention's fixed-length loops add 0 x 0 there).
+  auto issue_values = [&](int rows, const T* const* sources) {
     constexpr int kVector = 16 / static_cast<int>(sizeof(T));
     constexpr int kVectorsPerRow = D / kVector;
-    const T* const store = static_cast<const T*>(view->value_store);
     for (int v = static_cast<int>(threadIdx.x); v < kRebuildRows * kVectorsPerRow; v += kRebuildThreads) {
       const int row = v / kVectorsPerRow;
       const int column = (v % kVectorsPerRow) * kVector;
       const bool live = row < rows;
-      const long long token = live ? tokens[row] : 0;
-      const long long chunk_id = token / d.chunk;
-      const long long source_row = (chunk_id * d.kv_heads + h) * d.chunk + (token - chunk_id * d.chunk);
-      copy_async_or_zero<16>(group_values + row * D + column, store + source_row * D + column, live);
+      // Not live: zeros, from any valid global address (attend.partial).
+      const void* const source = live ? static_cast<const void*>(sources[row] + column) : attend.partial;
+      copy_async_or_zero<16>(group_values + row * D + column, source, live);
     }
   };
 
   // kAttend: the attention over the current group's `rows` rows (keys in sC, rounded to T by the stores as they are
-  // stored; values in group_values (T = bf16: the backend fuses only bf16 keys and values), zeros past `rows`), each query head's partial to split attend.first_split + `group_index`: the
-  // format of sparse_attention.cu's split kernels (max of the scores in log2 units, sum of 2^(score - max),
-  // unnormalised accumulator). Three phases, a barrier after each of the first two:
-  //  1. scores: a thread a (head, row), the whole dot product, its 16-byte pieces of the row in an order rotated by
-  //     the row (the 32 rows of a warp then read distinct banks);
+  // stored; values in group_values (T = bf16: the backend fuses only bf16 keys and values), zeros past `rows`), each
+  // query head's partial to split attend.first_split + `group_index`: the format of sparse_attention.cu's split
+  // kernels (max of the scores in log2 units, sum of 2^(score - max), unnormalised accumulator). Phases:
+  //  1. scores, kHeadsPerPass heads at a time: warp w takes rows w, w + 8, ...; its lanes are 4 heads x 8 dim slices
+  //     (slice c: dims 16 i + 2c, + 1), the slice's query pairs in registers, a row's key pairs read once for the 4
+  //     heads (one wavefront a pair: the 8 slices are 64 consecutive bytes), three shuffles a (row, head);
   //  2. softmax: a warp a head, two rows a lane: the max, the probabilities (into the scores' place, 0 past `rows`),
   //     their sum; lane 0 writes the partial's (max, sum);
-  //  3. P V: a thread a (head, pair of dims), all kRebuildRows rows (zero probabilities and values past `rows`).
-  // (Session 23's first version, a warp a row with a shuffle sum a (row, head) and a pass over the scores per
-  // thread, took ~10 µs a group.) Called by every thread; the caller's barrier C follows before sC or the buffers
-  // are reused.
+  //  3. P V, kHeadsPerPass heads at a time: a thread a (pair of dims, part of the rows), a value pair read once for the
+  //     4 heads; the parts' sums meet in sC (free after phase 1), added in part order, and go to the partials.
+  // (Session 23's versions, a thread a (head, row) reading every key row once a head and a thread a (head, pair)
+  // reading every value row once a head, took ~8 µs a group: bench/NOTES.md.) Called by every thread; the caller's
+  // barrier C follows before sC or the buffers are reused.
   auto attend_group = [&](int rows, int group_index) {
-    const int tid = static_cast<int>(threadIdx.x);
-    constexpr int kPieces = D / 4;  // float4 pieces of a key row
-    static_assert(kRebuildRows == 64 && kRebuildThreads % kRebuildRows == 0, "rows and threads as assumed below");
+    static_assert(kRebuildRows == 64 && kRebuildThreads == 256, "rows and threads as assumed below");
     static_assert(!kAttend || std::is_same_v<T, __nv_bfloat16>, "the rebuild attends over bf16 keys and values");
-    for (int item = tid; item < d.group * kRebuildRows; item += kRebuildThreads) {
-      const int g = item / kRebuildRows;
-      const int row = item % kRebuildRows;
-      float sums[4] = {0.0F, 0.0F, 0.0F, 0.0F};
-      if (row < rows) {
-        const float4* const key = reinterpret_cast<const float4*>(&sC(row, 0));
-        const float4* const query = reinterpret_cast<const float4*>(queries + g * D);
-#pragma unroll 8
-        for (int i = 0; i < kPieces; ++i) {
-          const int piece = (i + row) % kPieces;
-          const float4 k = key[piece];
-          const float4 q = query[piece];
-          sums[0] = fmaf(q.x, k.x, sums[0]);
-          sums[1] = fmaf(q.y, k.y, sums[1]);
-          sums[2] = fmaf(q.z, k.z, sums[2]);
-          sums[3] = fmaf(q.w, k.w, sums[3]);
+    constexpr int kHeadsPerPass = 4;
+    constexpr int kLanesPerHead = 32 / kHeadsPerPass;
+    constexpr int kSlicePairs = D / (2 * kLanesPerHead);  // key pairs a lane takes of a row
+    static_assert(D % (2 * kLanesPerHead) == 0, "whole pairs a slice");
+    const int tid = static_cast<int>(threadIdx.x);
+    const int warp = tid / 32;
+    const int lane = tid % 32;
+    {
+      const int pass_head = lane / kLanesPerHead;
+      const int slice = 2 * (lane % kLanesPerHead);
+      for (int first = 0; first < d.group; first += kHeadsPerPass) {
+        const int g = first + pass_head;
+        float2 query[kSlicePairs];
+#pragma unroll
+        for (int i = 0; i < kSlicePairs; ++i) {
+          query[i] = g < d.group
+                         ? *reinterpret_cast<const float2*>(queries + g * D + 2 * kLanesPerHead * i + slice)
+                         : make_float2(0.0F, 0.0F);
+        }
+        for (int row = warp; row < rows; row += kRebuildThreads / 32) {
+          float s0 = 0.0F;
+          float s1 = 0.0F;
+#pragma unroll
+          for (int i = 0; i < kSlicePairs; ++i) {
+            const float2 key = *reinterpret_cast<const float2*>(&sC(row, 2 * kLanesPerHead * i + slice));
+            s0 = fmaf(query[i].x, key.x, s0);
+            s1 = fmaf(query[i].y, key.y, s1);
+          }
+          float score = s0 + s1;
+#pragma unroll
+          for (int offset = 1; offset < kLanesPerHead; offset *= 2) {
+            score += __shfl_xor_sync(0xFFFFFFFFU, score, offset);
+          }
+          if (slice == 0 && g < d.group) scores[g * kRebuildRows + row] = score;
         }
       }
-      scores[item] = (sums[0] + sums[1]) + (sums[2] + sums[3]);
     }
     __syncthreads();
     phase_stamp(stamped_kernel::rebuild, 37);
@@ -490,48 +520,72 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
       const long long j = static_cast<long long>(h) * d.group + g;
       return attend.partial + ((b_heads + j) * attend.max_splits + attend.first_split + group_index) * (D + 2);
     };
-    {
-      const int warp = tid / 32;
-      const int lane = tid % 32;
-      for (int g = warp; g < d.group; g += kRebuildThreads / 32) {
-        float* const head = scores + g * kRebuildRows;
-        const float s0 = lane < rows ? head[lane] : -INFINITY;
-        const float s1 = lane + 32 < rows ? head[lane + 32] : -INFINITY;
-        float best = fmaxf(s0, s1);
+    for (int g = warp; g < d.group; g += kRebuildThreads / 32) {
+      float* const head = scores + g * kRebuildRows;
+      const float s0 = lane < rows ? head[lane] : -INFINITY;
+      const float s1 = lane + 32 < rows ? head[lane + 32] : -INFINITY;
+      float best = fmaxf(s0, s1);
 #pragma unroll
-        for (int offset = 16; offset > 0; offset /= 2) best = fmaxf(best, __shfl_xor_sync(0xFFFFFFFFU, best, offset));
-        const float p0 = lane < rows && best != -INFINITY ? exp2f(s0 - best) : 0.0F;
-        const float p1 = lane + 32 < rows && best != -INFINITY ? exp2f(s1 - best) : 0.0F;
-        float sum = p0 + p1;
+      for (int offset = 16; offset > 0; offset /= 2) best = fmaxf(best, __shfl_xor_sync(0xFFFFFFFFU, best, offset));
+      const float p0 = lane < rows && best != -INFINITY ? exp2f(s0 - best) : 0.0F;
+      const float p1 = lane + 32 < rows && best != -INFINITY ? exp2f(s1 - best) : 0.0F;
+      float sum = p0 + p1;
 #pragma unroll
-        for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xFFFFFFFFU, sum, offset);
-        head[lane] = p0;
-        head[lane + 32] = p1;
-        if (lane == 0) {
-          float* const out = partial_of(g);
-          out[0] = best;
-          out[1] = sum;
-        }
+      for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xFFFFFFFFU, sum, offset);
+      head[lane] = p0;
+      head[lane + 32] = p1;
+      if (lane == 0) {
+        float* const out = partial_of(g);
+        out[0] = best;
+        out[1] = sum;
       }
     }
     __syncthreads();
     phase_stamp(stamped_kernel::rebuild, 46);
-    for (int item = tid; item < d.group * (D / 2); item += kRebuildThreads) {
-      const int g = item / (D / 2);
-      const int dim = 2 * (item % (D / 2));
-      const float* const probabilities = scores + g * kRebuildRows;
-      float acc0 = 0.0F;
-      float acc1 = 0.0F;
-#pragma unroll 16
-      for (int r = 0; r < kRebuildRows; ++r) {
-        const float p = probabilities[r];
-        const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(group_values + r * D + dim));
-        acc0 = fmaf(p, v.x, acc0);
-        acc1 = fmaf(p, v.y, acc1);
+    constexpr int kDimPairs = D / 2;
+    constexpr int kRowParts = kRebuildThreads / kDimPairs >= 8 ? 8 : (kRebuildThreads / kDimPairs >= 4 ? 4 : 2);
+    constexpr int kPartRows = kRebuildRows / kRowParts;
+    static_assert(kRowParts * kDimPairs <= kRebuildThreads && kRowParts * kHeadsPerPass * D <= kRebuildRows * (D + 8),
+                  "the parts' sums fit sC");
+    float* const part_sums = &sC(0, 0);  // [kRowParts][kHeadsPerPass][D]
+    const int pair = 2 * (tid % kDimPairs);
+    const int part = tid / kDimPairs;
+    for (int first = 0; first < d.group; first += kHeadsPerPass) {
+      if (part < kRowParts) {
+        float acc[kHeadsPerPass][2] = {};
+#pragma unroll 8
+        for (int r = part * kPartRows; r < (part + 1) * kPartRows; ++r) {
+          const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(group_values + r * D + pair));
+#pragma unroll
+          for (int k = 0; k < kHeadsPerPass; ++k) {
+            const float p = first + k < d.group ? scores[(first + k) * kRebuildRows + r] : 0.0F;
+            acc[k][0] = fmaf(p, v.x, acc[k][0]);
+            acc[k][1] = fmaf(p, v.y, acc[k][1]);
+          }
+        }
+#pragma unroll
+        for (int k = 0; k < kHeadsPerPass; ++k) {
+          part_sums[(part * kHeadsPerPass + k) * D + pair] = acc[k][0];
+          part_sums[(part * kHeadsPerPass + k) * D + pair + 1] = acc[k][1];
+        }
       }
-      float* const out = partial_of(g);
-      out[2 + dim] = acc0;
-      out[3 + dim] = acc1;
+      __syncthreads();
+      for (int item = tid; item < kHeadsPerPass * kDimPairs; item += kRebuildThreads) {
+        const int k = item / kDimPairs;
+        const int dim = 2 * (item % kDimPairs);
+        if (first + k >= d.group) continue;
+        float acc0 = 0.0F;
+        float acc1 = 0.0F;
+#pragma unroll
+        for (int p = 0; p < kRowParts; ++p) {
+          acc0 += part_sums[(p * kHeadsPerPass + k) * D + dim];
+          acc1 += part_sums[(p * kHeadsPerPass + k) * D + dim + 1];
+        }
+        float* const out = partial_of(first + k);
+        out[2 + dim] = acc0;
+        out[3 + dim] = acc1;
+      }
+      __syncthreads();  // the next pass rewrites the parts' sums
     }
   };
 
@@ -677,25 +731,29 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
     if (has_next && threadIdx.x < kRebuildRows) {
       const int next_rows = min(group_chunks, misses - next) * d.chunk;
       const int row = static_cast<int>(threadIdx.x);
+      // kAttend: the value store's address, asked before the two dependent loads below so that it lands beside them.
+      [[maybe_unused]] const T* const value_store = kAttend ? static_cast<const T*>(view->value_store) : nullptr;
       long long token = -1;
       long long target = 0;
+      [[maybe_unused]] const T* value_row = nullptr;
       if (row < next_rows) {
         const int slot = miss_slots[next + row / d.chunk];
         const int j = row % d.chunk;
-        token = static_cast<long long>(cache_chunks[slot]) * d.chunk + j;
+        const long long chunk_id = cache_chunks[slot];
+        token = chunk_id * d.chunk + j;
         target = (static_cast<long long>(slot) * d.chunk + j) * D;
         if constexpr (kAttend) {
-          // The row's values into L2 now (the group's attention copies them to shared memory only after its own
-          // main loop and RoPE: attend_tile): a 128-byte line at a time.
-          const long long chunk_id = token / d.chunk;
-          const T* const value_row =
-              static_cast<const T*>(view->value_store) + ((chunk_id * d.kv_heads + h) * d.chunk + j) * D;
+          // The row's values (a (chunk, head) run is [C, D] in the value store), into L2 now: the group's attention
+          // copies them to shared memory only after its own main loop and RoPE (attend_tile). A 128-byte line at a
+          // time.
+          value_row = value_store + ((chunk_id * d.kv_heads + h) * d.chunk + j) * D;
 #pragma unroll
           for (int line = 0; line < (D * static_cast<int>(sizeof(T)) + 127) / 128; ++line) {
             asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(value_row) + 128 * line));
           }
         }
       }
+      if constexpr (kAttend) value_rows(buffer)[row] = value_row;
       row_token(buffer)[row] = token;
       row_target(buffer)[row] = target;
       const long long* const positions = view->context_positions;
@@ -703,12 +761,41 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
       copy_async_or_zero<8, copy_cache::all_levels>(row_position(buffer) + row, live ? positions + token : positions,
                                                     live);
     }
+    if constexpr (kAttend) {
+      // The KV head's G query heads, scaled so that scores are in log2 units (as the attention's), once, by the
+      // threads that write no row table (their loads land beside the tables' dependent ones): published by barrier
+      // A, read by every group's attention.
+      if (pass == 0 && threadIdx.x == kRebuildRows) {
+        // The head's values in the selection cache, and the bytes this (sequence, head) reads from the value store
+        // this step counted once (by its CTA 0), as the value fetch counts them (counters[3]).
+        cache_values_of_head = view->values_in_place != 0
+                                   ? nullptr
+                                   : static_cast<T*>(view->cache_values) +
+                                         static_cast<long long>(h) * d.cache_slots * d.chunk * D;
+        if (blockIdx.z == 0) {
+          atomicAdd(workspace.counters + 3,
+                    static_cast<unsigned long long>(misses) * d.chunk * D * static_cast<unsigned long long>(sizeof(T)));
+        }
+      }
+      if (pass == 0 && threadIdx.x >= kRebuildRows) {
+        const float q_scale = d.softmax_scale * kLog2e;
+        const long long head0 = static_cast<long long>(h) * d.group;
+        for (int item = static_cast<int>(threadIdx.x) - kRebuildRows; item < d.group * D;
+             item += kRebuildThreads - kRebuildRows) {
+          const int g = item / D;
+          const int dim = item % D;
+          queries[item] = q_scale * load_any(attend.q.data, attend.q.type,
+                                             b * attend.q.stride[0] + (head0 + g) * attend.q.stride[1] +
+                                                 dim * attend.q.stride[2]);
+        }
+      }
+    }
     __syncthreads();  // A: sC and the next group's row_token are written
     phase_stamp(stamped_kernel::rebuild, 31);
     if constexpr (kAttend) {
       // The current group's values (attend_tile: in the coefficients' place, which its RoPE is done with), a copy
       // group of their own before the next group's prologue; waited for before its attention, after the stores.
-      if (current_rows > 0) issue_values(current_rows, row_token(buffer ^ 1));
+      if (current_rows > 0) issue_values(current_rows, value_rows(buffer ^ 1));
       commit_async_copies();
     }
 
@@ -720,21 +807,6 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
         load_stage(kt, kt, row_token(buffer));
         commit_async_copies();
         phase_stamp(stamped_kernel::rebuild, 34 + kt);  // thread 0 has issued tile kt (then barrier B waits for all)
-      }
-    }
-    if constexpr (kAttend) {
-      // The KV head's G query heads, scaled so that scores are in log2 units (as the attention's), once: published
-      // by barrier B, read by every group's attention.
-      if (pass == 0) {
-        const float q_scale = d.softmax_scale * kLog2e;
-        const long long head0 = static_cast<long long>(h) * d.group;
-        for (int item = static_cast<int>(threadIdx.x); item < d.group * D; item += kRebuildThreads) {
-          const int g = item / D;
-          const int dim = item % D;
-          queries[item] = q_scale * load_any(attend.q.data, attend.q.type,
-                                             b * attend.q.stride[0] + (head0 + g) * attend.q.stride[1] +
-                                                 dim * attend.q.stride[2]);
-        }
       }
     }
 
@@ -792,6 +864,17 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
         wait_async_copies_at_most(has_next ? min(kRebuildStages - 1, k_tiles) : 0);
         __syncthreads();  // every thread's values have landed
         phase_stamp(stamped_kernel::rebuild, 36);
+        if (cache_values_of_head != nullptr) {
+          // The group's values into their selection-cache slots (the keys' targets), 16-byte stores.
+          const long long* const targets = row_target(buffer ^ 1);
+          constexpr int kVectorsPerRow = D * static_cast<int>(sizeof(T)) / 16;
+          for (int v = static_cast<int>(threadIdx.x); v < current_rows * kVectorsPerRow; v += kRebuildThreads) {
+            const int row = v / kVectorsPerRow;
+            const int piece = v % kVectorsPerRow;
+            reinterpret_cast<uint4*>(cache_values_of_head + targets[row])[piece] =
+                reinterpret_cast<const uint4*>(group_values + row * D)[piece];
+          }
+        }
         attend_group(current_rows, (next - group_stride) / group_chunks);
         phase_stamp(stamped_kernel::rebuild, 47);
       }
