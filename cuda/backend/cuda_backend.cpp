@@ -187,8 +187,7 @@ int attention_early_setting() {
 
 // Whether a decode step's key rebuild also attends over the rows it rebuilds while the attention walks the others
 // (dims::fused_misses; chunk_rebuild.cuh's miss_attention): "auto" (the default: steps of up to
-// kFusedMissesMaxBatch sequences whose values are all in device memory, where the shapes allow it; none while that
-// is 0), "on" (every such step, whatever its batch) or "off". SHADOWKV_FUSED_MISSES picks one (a measurement knob;
+// kFusedMissesMaxBatch sequences, one, whose values are all in device memory, where the shapes allow it), "on" (every such step, whatever its batch) or "off". SHADOWKV_FUSED_MISSES picks one (a measurement knob;
 // bench/NOTES.md, session 23).
 // 1: on, 0: auto, -1: off.
 int fused_misses_setting() {

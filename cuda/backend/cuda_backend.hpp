@@ -143,11 +143,12 @@ class cuda_backend final : public backend {
   static constexpr int kEarlyAttentionMaxBatch = 8;
   /// dims_ as the kernels of a decode step of `batch` sequences take them (dims::attention_early).
   [[nodiscard]] dims step_dims(int batch) const;
-  /// The largest batch whose steps are fused by default (dims::fused_misses, SHADOWKV_FUSED_MISSES=auto): none yet.
-  /// Measured on the H200 at B = 1, device values, hit 0.52 (bench/NOTES.md, session 23): the fused rebuild takes
-  /// 20.2 µs against 13.1, its attention over 64 rows ~8 µs where ~2 were counted, so the step is level (0.069 ms
-  /// either way in one-step graphs) and slower at hit 0.04 (0.084 against 0.076). `on` fuses for measurement.
-  static constexpr int kFusedMissesMaxBatch = 0;
+  /// The largest batch whose steps are fused by default (dims::fused_misses, SHADOWKV_FUSED_MISSES=auto): one
+  /// sequence. Measured on the H200 at B = 1, S = 122880, device values (bench/NOTES.md, session 25): at hit 0.52 the
+  /// fused step takes 0.066 ms a step in graphs of 8 against 0.068 unfused (0.068 against 0.070 in one-step graphs);
+  /// at hit 0.04 it is slower (0.079 against 0.073), but decode hit rates on real captures are 0.6-0.9. At B = 8 a
+  /// fused rebuild CTA takes several groups, and the step is slower (0.236 against 0.205 ms, session 23).
+  static constexpr int kFusedMissesMaxBatch = 1;
   /// Whether this step's key rebuild attends over the missed rows (dims::fused_misses): the setting allows it, the
   /// call decodes (not a prefill), the batch is one pipeline part, every value is in device memory, and the shapes
   /// allow it (sparse_attention_fuses).

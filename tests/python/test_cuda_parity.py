@@ -516,7 +516,7 @@ def test_cuda_fused_misses_change_only_rounding(monkeypatch):
     others, and the combine merges both kinds of partials) equals the unfused one up to the combine's rounding:
     selections and statistics identical, outputs to a few float32 ulps before the output rounding, with the 7
     sequences' values in device memory, gathered or read in place, and with a cache of 4 x the budget.
-    SHADOWKV_FUSED_MISSES=on fuses every step the shapes allow (the default, auto, none yet), off none;
+    SHADOWKV_FUSED_MISSES=on fuses every step the shapes allow (the default, auto, steps of one sequence), off none;
     a value that is neither is refused."""
     g = H.generator(53)
 
