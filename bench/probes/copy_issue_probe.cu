@@ -10,6 +10,9 @@
 //     cp.async, two batches in flight a warp, 528 CTAs. Is that the reader, or the bytes? Timed against whole 32 KiB
 //     tiles by bulk copies (264 CTAs, three stages, as the tensor-core path), 16 KiB tiles (528 CTAs), plain loads,
 //     and a device copy of the same bytes.
+//  3. (session 25) The same bytes read by one CTA on each of 64 or 128 SMs with 3-12 stages in flight: can a select
+//     cluster that computes its own logits at B = 1 (8 or 16 CTAs a KV head) read the landmarks as fast as the
+//     logits kernel's whole grid does?
 // Every variant's CTA reads its bytes and folds them into one word (so the reads are real), written to `sink`.
 // Prints µs per variant (median of `reps` launches, each after an L2 flush by a 256 MB read; the first run, session
 // 22, flushed by a memset, whose dirty lines were written back during the launches) and, for part 1, the per-CTA
@@ -222,34 +225,35 @@ __global__ void __launch_bounds__(256) stream_lanes(const unsigned char* data, i
   if (word == 0x12345678U) sink[0] = word;
 }
 
-// As the tensor-core logits path: whole tiles of `tile_bytes` by one bulk copy each, three stages, thread 0 refilling
-// the stage the last tile freed after the tile's block barrier.
+// As the tensor-core logits path: whole tiles of `tile_bytes` by one bulk copy each, kStages stages (three on that
+// path), thread 0 refilling the stage the last tile freed after the tile's block barrier.
+template <int kStages>
 __global__ void __launch_bounds__(256)
     stream_bulk(const unsigned char* data, int tiles, int tile_bytes, unsigned* sink) {
   extern __shared__ __align__(128) unsigned char stages_bytes[];
-  __shared__ __align__(8) unsigned long long barriers[3];
+  __shared__ __align__(8) unsigned long long barriers[kStages];
   const int first = static_cast<int>(static_cast<long long>(blockIdx.x) * tiles / gridDim.x);
   const int end = static_cast<int>(static_cast<long long>(blockIdx.x + 1) * tiles / gridDim.x);
   auto issue = [&](int k) {
-    const int s = k % 3;
+    const int s = k % kStages;
     barrier_expect(&barriers[s], static_cast<unsigned>(tile_bytes));
     bulk_copy(stages_bytes + s * tile_bytes, data + static_cast<long long>(first + k) * tile_bytes,
               static_cast<unsigned>(tile_bytes), &barriers[s]);
   };
   if (threadIdx.x == 0) {
-    for (int s = 0; s < 3; ++s) barrier_init(&barriers[s]);
+    for (int s = 0; s < kStages; ++s) barrier_init(&barriers[s]);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    for (int k = 0; k < 3 && first + k < end; ++k) issue(k);
+    for (int k = 0; k < kStages && first + k < end; ++k) issue(k);
   }
   __syncthreads();
   unsigned word = 0;
   for (int k = 0; first + k < end; ++k) {
-    barrier_wait(&barriers[k % 3], static_cast<unsigned>((k / 3) & 1));
-    const uint4* landed = reinterpret_cast<const uint4*>(stages_bytes + (k % 3) * tile_bytes);
+    barrier_wait(&barriers[k % kStages], static_cast<unsigned>((k / kStages) & 1));
+    const uint4* landed = reinterpret_cast<const uint4*>(stages_bytes + (k % kStages) * tile_bytes);
     for (int i = static_cast<int>(threadIdx.x); i < tile_bytes / 16; i += 256) word ^= fold(landed[i]);
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     __syncthreads();
-    if (threadIdx.x == 0 && first + k + 3 < end) issue(k + 3);
+    if (threadIdx.x == 0 && first + k + kStages < end) issue(k + kStages);
   }
   if (word == 0x12345678U) sink[0] = word;
 }
@@ -415,16 +419,16 @@ int main(int argc, char** argv) {
     row("per-lane cp.async, 2 KiB batches (FMA path)", grid,
         time_it([&] { stream_lanes<<<grid, 256, lane_shared>>>(data, tiles, sink); }));
   }
-  CHECK(cudaFuncSetAttribute(stream_bulk, cudaFuncAttributeMaxDynamicSharedMemorySize, 3 * kTileBytes));
+  CHECK(cudaFuncSetAttribute(stream_bulk<3>, cudaFuncAttributeMaxDynamicSharedMemorySize, 3 * kTileBytes));
   for (const int per_sm : {2, 1}) {
     const int grid = per_sm * multiprocessors;
     row("bulk 32 KiB tiles, 3 stages (MMA path)", grid,
-        time_it([&] { stream_bulk<<<grid, 256, 3 * kTileBytes>>>(data, tiles, kTileBytes, sink); }));
+        time_it([&] { stream_bulk<3><<<grid, 256, 3 * kTileBytes>>>(data, tiles, kTileBytes, sink); }));
   }
   for (const int per_sm : {4, 2}) {
     const int grid = per_sm * multiprocessors;
     row("bulk 16 KiB tiles, 3 stages", grid,
-        time_it([&] { stream_bulk<<<grid, 256, 3 * kTileBytes / 2>>>(data, 2 * tiles, kTileBytes / 2, sink); }));
+        time_it([&] { stream_bulk<3><<<grid, 256, 3 * kTileBytes / 2>>>(data, 2 * tiles, kTileBytes / 2, sink); }));
   }
   for (const int per_sm : {4, 8}) {
     const int grid = per_sm * multiprocessors;
@@ -433,6 +437,21 @@ int main(int argc, char** argv) {
   }
   row("cudaMemcpyAsync device to device (read + write)", 0,
       time_it([&] { CHECK(cudaMemcpyAsync(copy_target, data, bytes, cudaMemcpyDeviceToDevice)); }));
+  // Part 3: the same bytes read by one CTA on each of fewer SMs, with more in flight an SM: what a select cluster
+  // that computed its own logits would read at B = 1 (8 CTAs a KV head: 64 SMs; 16 a head: 128), bench/NOTES.md
+  // session 24's plan. 6 stages of 32 KiB = 192 KiB in flight a CTA; 12 of 16 KiB the same bytes in smaller pieces.
+  std::printf("\npart 3: the same bytes by one CTA an SM on part of the SMs (bulk copies, more stages)\n");
+  std::printf("| reader | CTAs | µs | TB/s |\n| --- | --- | --- | --- |\n");
+  CHECK(cudaFuncSetAttribute(stream_bulk<6>, cudaFuncAttributeMaxDynamicSharedMemorySize, 6 * kTileBytes));
+  CHECK(cudaFuncSetAttribute(stream_bulk<12>, cudaFuncAttributeMaxDynamicSharedMemorySize, 12 * kTileBytes / 2));
+  for (const int grid : {64, 128, multiprocessors}) {
+    row("bulk 32 KiB tiles, 3 stages", grid,
+        time_it([&] { stream_bulk<3><<<grid, 256, 3 * kTileBytes>>>(data, tiles, kTileBytes, sink); }));
+    row("bulk 32 KiB tiles, 6 stages", grid,
+        time_it([&] { stream_bulk<6><<<grid, 256, 6 * kTileBytes>>>(data, tiles, kTileBytes, sink); }));
+    row("bulk 16 KiB tiles, 12 stages", grid,
+        time_it([&] { stream_bulk<12><<<grid, 256, 12 * kTileBytes / 2>>>(data, 2 * tiles, kTileBytes / 2, sink); }));
+  }
   CHECK(cudaDeviceSynchronize());
   return 0;
 }
