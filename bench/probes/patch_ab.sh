@@ -4,7 +4,9 @@
 # (and B's phase-stamp build, niced, when STAMP_CONFIGS is set), runs the gtest TESTS and the pytest files PYTESTS on
 # the CUDA backend in both trees, then the step benchmark's STEP_CONFIGS rows at hits 0.0 and 0.6 (STEP_ARGS added)
 # in A, B, and A again (the second A run says how much of an A/B difference is the run's own spread), and B again with
-# the environment settings B2_ENV (e.g. "SHADOWKV_SELECT_RELEASE=off": a knob of B's, as b2) when set, then B's phase
+# the environment settings B2_ENV (as b2) when set: only for settings step_benchmark.py does not set itself, since it
+# sets or unsets every knob it knows for each row (session 25's b2 with SHADOWKV_SELECT_RELEASE=off ran with it on);
+# a knob it knows goes into STEP_CONFIGS as the config's suffix instead. Then B's phase
 # stamps for STAMP_CONFIGS at hit STAMP_HIT (default 0.6) when time is left (DEADLINE_S after the start, default 560).
 # Writes $OUT/a/ and $OUT/b/ (tests.log, step-*.log/json, cmake.log, the stamps), packed at the end into $OUT/ab.tgz
 # (a device call returns 8 files at most), and $OUT/ab-summary.txt (the tests' counts and the step rows).
