@@ -23,7 +23,7 @@ LABELS = {
     34: "K tile 0 issued (thread 0)", 35: "K tile 1 issued (thread 0)",
     38: "no group (end)", 39: "last stores (end)",
     36: "fused: values landed (barrier)", 37: "fused: scores (barrier)", 46: "fused: softmax (barrier)",
-    47: "fused: P V, partials written",
+    47: "fused: P V, partials written", 48: "fused: values stored to the cache (thread 0)",
     50: "K tile 0 landed", 51: "K tile 1 landed", 52: "K tile 2 landed", 53: "K tile 3 landed",
     54: "K tile 4 landed", 55: "K tile 5 landed",
     # logits

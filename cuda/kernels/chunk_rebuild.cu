@@ -875,6 +875,7 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
                 reinterpret_cast<const uint4*>(group_values + row * D)[piece];
           }
         }
+        phase_stamp(stamped_kernel::rebuild, 48);  // (thread 0's stores issued; no barrier)
         attend_group(current_rows, (next - group_stride) / group_chunks);
         phase_stamp(stamped_kernel::rebuild, 47);
       }
