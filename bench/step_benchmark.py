@@ -205,7 +205,7 @@ def run_case(args, device, batch, seq_len, budget, value_store, target_hit, band
     ours = (time.perf_counter() - started) / args.steps
     hit = store.stats()["hit_rate"]
     ours_graph = _graph_step_time(store, slots, queries, k_new, v_new) if device.startswith("cuda") else None
-    ours_graph_steps = (_graph_steps_time(store, slots, queries, k_new, v_new, args.graph_steps)
+    ours_graph_steps = (_graph_steps_time(store, slots, queries, k_new, v_new, args.graph_steps, args.query_write)
                         if args.graph_steps > 0 and device.startswith("cuda") else None)
     kernels, timeline = (_kernel_profile(store, slots, queries, k_new, v_new)
                          if (args.profile or args.timeline) and device.startswith("cuda") else (None, None))
@@ -242,7 +242,7 @@ def run_case(args, device, batch, seq_len, budget, value_store, target_hit, band
     if ours_graph is not None:
         row.update(ours_graph_ms=ours_graph * 1e3, graph_over_full=ours_graph / full, graph_over_floor=ours_graph / floor)
     if ours_graph_steps is not None:
-        row.update(graph_steps=args.graph_steps, ours_graph_steps_ms=ours_graph_steps * 1e3,
+        row.update(graph_steps=args.graph_steps, query_write=args.query_write, ours_graph_steps_ms=ours_graph_steps * 1e3,
                    graph_steps_over_full=ours_graph_steps / full, graph_steps_over_floor=ours_graph_steps / floor)
     if kernels is not None and args.profile:
         row["kernels_us"] = kernels
@@ -276,18 +276,27 @@ def _graph_step_time(store, slots, queries, k_new, v_new) -> float:
     return start.elapsed_time(end) / 1e3 / len(queries)
 
 
-def _graph_steps_time(store, slots, queries, k_new, v_new, per_graph: int) -> float:
+def _write_query(target, source, how: str) -> None:
+    """The step's query into the captured input: "copy" (copy_, a device-to-device memcpy node in a graph) or "kernel"
+    (an elementwise kernel writes it, as a model's q projection and RoPE do before the store's first kernel)."""
+    if how == "kernel":
+        torch.mul(source, 1, out=target)
+    else:
+        target.copy_(source)
+
+
+def _graph_steps_time(store, slots, queries, k_new, v_new, per_graph: int, query_write: str = "copy") -> float:
     """GPU time of one decode step when `per_graph` steps follow each other inside one CUDA graph, each after its
-    query's copy into the captured input: as in a model whose whole decode step is one graph, no graph launch and no
-    host between two steps. (_graph_step_time replays a graph of one step: each replay also waits for the graph's
-    launch, ~4 µs on the H200 before its first kernel; bench/NOTES.md, session 20.)"""
+    query's write into the captured input (_write_query): as in a model whose whole decode step is one graph, no graph
+    launch and no host between two steps. (_graph_step_time replays a graph of one step: each replay also waits for
+    the graph's launch, ~4 µs on the H200 before its first kernel; bench/NOTES.md, session 20.)"""
     bank = torch.stack(queries[:per_graph])
     q_static = bank[0].clone()
     store.decode(0, slots, q_static, k_new, v_new)  # eager step first: the slot list is on the GPU
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for i in range(per_graph):
-            q_static.copy_(bank[i])
+            _write_query(q_static, bank[i], query_write)
             store.decode(0, slots, q_static, k_new, v_new)
     graph.replay()  # warm-up
     torch.cuda.synchronize()
@@ -421,6 +430,11 @@ def main(argv=None) -> int:
                    help="also print one profiled step's kernels and copies by stream, with start and end (µs)")
     p.add_argument("--graph-steps", type=int, default=0, metavar="N",
                    help="also time N steps captured in one CUDA graph (per step: no graph launch between steps)")
+    p.add_argument("--query-write", choices=["copy", "kernel"],
+                   default=os.environ.get("SHADOWKV_BENCH_QUERY_WRITE", "copy"),
+                   help="how --graph-steps writes each step's query into the captured input: a device-to-device copy "
+                        "(copy_, a memcpy node) or an elementwise kernel, as a model's projection does (default: "
+                        "$SHADOWKV_BENCH_QUERY_WRITE, else copy)")
     p.add_argument("--graph-timeline", action="store_true",
                    help="also print the same for one graph replay of the step (no host launches between kernels)")
     args = p.parse_args(argv)
