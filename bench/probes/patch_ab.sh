@@ -8,8 +8,10 @@
 # sets or unsets every knob it knows for each row (session 25's b2 with SHADOWKV_SELECT_RELEASE=off ran with it on);
 # a knob it knows goes into STEP_CONFIGS as the config's suffix instead. Then B's phase
 # stamps for STAMP_CONFIGS at hit STAMP_HIT (default 0.6) when time is left (DEADLINE_S after the start, default 560).
-# Writes $OUT/a/ and $OUT/b/ (tests.log, step-*.log/json, cmake.log, the stamps), packed at the end into $OUT/ab.tgz
-# (a device call returns 8 files at most), and $OUT/ab-summary.txt (the tests' counts and the step rows).
+# With PATCH_C set, a third tree C = A + PATCH_C is built beside them, tested alike and timed after B (runs a, b, c,
+# a2): two branches against main in one call, one start and one build time for both.
+# Writes $OUT/a/ and $OUT/b/ (and $OUT/c/; tests.log, step-*.log/json, cmake.log, the stamps), packed at the end into
+# $OUT/ab.tgz (a device call returns 8 files at most), and $OUT/ab-summary.txt (the tests' counts and the step rows).
 #   PATCH=.device/lanes.patch TESTS="test_chunk_rebuild" PYTESTS="test_cuda_parity.py" \
 #     STEP_CONFIGS="1x122880x2048:device+fm" STAMP_CONFIGS="1x122880x2048:device+fm" COMMIT=<sha> \
 #     bash bench/probes/patch_ab.sh
@@ -19,13 +21,27 @@ started=$SECONDS
 out="$(mkdir -p "${OUT:-bench/results}" && cd "${OUT:-bench/results}" && pwd)"
 mkdir -p "$out/a" "$out/b"
 [ -f "${PATCH:-}" ] || { echo "PATCH=${PATCH:-} is not a file"; exit 1; }
+[ -z "${PATCH_C:-}" ] || [ -f "$PATCH_C" ] || { echo "PATCH_C=$PATCH_C is not a file"; exit 1; }
 a="$PWD"
 b=/tmp/patch-ab-b
-rm -rf "$b" && mkdir -p "$b"
-tar --exclude=./build --exclude=./.git -cf - . | (cd "$b" && tar xf -)
-(cd "$b" && { patch -p1 --forward <"$a/$PATCH" || git apply --verbose "$a/$PATCH"; } >"$out/b/patch.log" 2>&1) ||
-  { cat "$out/b/patch.log"; exit 1; }
-echo "B = A + $PATCH: $(tr '\n' ' ' <"$out/b/patch.log")"
+c=/tmp/patch-ab-c
+trees="a b"
+[ -n "${PATCH_C:-}" ] && trees="a b c"
+root_of() {  # <tree letter>: its root
+  case "$1" in a) echo "$a" ;; b) echo "$b" ;; c) echo "$c" ;; esac
+}
+copy_and_patch() {  # <tree letter> <patch>
+  local tree="$1" root
+  root=$(root_of "$1")
+  mkdir -p "$out/$tree"
+  rm -rf "$root" && mkdir -p "$root"
+  tar --exclude=./build --exclude=./.git -cf - . | (cd "$root" && tar xf -)
+  (cd "$root" && { patch -p1 --forward <"$a/$2" || git apply --verbose "$a/$2"; } >"$out/$tree/patch.log" 2>&1) ||
+    { cat "$out/$tree/patch.log"; exit 1; }
+  echo "${tree^^} = A + $2: $(tr '\n' ' ' <"$out/$tree/patch.log")"
+}
+copy_and_patch b "$PATCH"
+[ -n "${PATCH_C:-}" ] && copy_and_patch c "$PATCH_C"
 targets=(_core ${TESTS:-})
 jobs=$(nproc)
 build() {  # <tree> <build dir> <log> [cmake options...]: configure and build the targets
@@ -38,6 +54,11 @@ build "$a" build/ab "$out/a/cmake.log" -DSHADOWKV_BUILD_TESTS=ON -DSHADOWKV_BUIL
 pid_a=$!
 build "$b" build/ab "$out/b/cmake.log" -DSHADOWKV_BUILD_TESTS=ON -DSHADOWKV_BUILD_PYTHON=ON &
 pid_b=$!
+pid_c=
+if [ -n "${PATCH_C:-}" ]; then
+  build "$c" build/ab "$out/c/cmake.log" -DSHADOWKV_BUILD_TESTS=ON -DSHADOWKV_BUILD_PYTHON=ON &
+  pid_c=$!
+fi
 if [ -n "${STAMP_CONFIGS:-}" ]; then
   (renice -n 19 $BASHPID >/dev/null; targets=(_core); build "$b" build/stamps "$out/b/stamps-cmake.log" \
     -DSHADOWKV_BUILD_TESTS=OFF -DSHADOWKV_BUILD_PYTHON=ON -DCMAKE_CUDA_FLAGS=-DSHADOWKV_PHASE_STAMPS) &
@@ -45,11 +66,11 @@ if [ -n "${STAMP_CONFIGS:-}" ]; then
 fi
 wait $pid_a || { echo "A's build failed"; tail -40 "$out/a/cmake.log"; exit 1; }
 wait $pid_b || { echo "B's build failed"; tail -40 "$out/b/cmake.log"; exit 1; }
-echo "built A and B at $((SECONDS - started)) s"
+if [ -n "$pid_c" ]; then wait $pid_c || { echo "C's build failed"; tail -40 "$out/c/cmake.log"; exit 1; }; fi
+echo "built $trees at $((SECONDS - started)) s"
 : >"$out/ab-summary.txt"
-for tree in a b; do
-  root=$a
-  [ $tree = b ] && root=$b
+for tree in $trees; do
+  root=$(root_of $tree)
   cp "$root"/build/ab/_core*.so "$root/python/shadowkv_core/"
   : >"$out/$tree/tests.log"
   for t in ${TESTS:-}; do
@@ -68,11 +89,11 @@ done
 echo "tests done at $((SECONDS - started)) s"
 if [ -n "${STEP_CONFIGS:-}" ]; then
   runs="a b a2"
-  [ -n "${B2_ENV:-}" ] && runs="a b a2 b2"
+  [ -n "${PATCH_C:-}" ] && runs="a b c a2"
+  [ -n "${B2_ENV:-}" ] && runs="$runs b2"
   for run in $runs; do
     tree=${run:0:1}
-    root=$a
-    [ $tree = b ] && root=$b
+    root=$(root_of $tree)
     run_env=()
     [ $run = b2 ] && read -ra run_env <<<"$B2_ENV"
     (cd "$root" && env "${run_env[@]}" PYTHONPATH="$root/python" timeout "${STEP_TIMEOUT_S:-200}" python3 bench/step_benchmark.py \
@@ -98,4 +119,4 @@ if [ -n "${STAMP_CONFIGS:-}" ]; then
 fi
 echo "== summary"
 cat "$out/ab-summary.txt"
-tar -C "$out" -czf "$out/ab.tgz" a b && rm -rf "$out/a" "$out/b"
+tar -C "$out" -czf "$out/ab.tgz" $trees && (cd "$out" && rm -rf $trees)
