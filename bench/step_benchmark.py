@@ -211,6 +211,8 @@ def run_case(args, device, batch, seq_len, budget, value_store, target_hit, band
                          if (args.profile or args.timeline) and device.startswith("cuda") else (None, None))
     graph_timeline = (_graph_timeline(store, slots, queries, k_new, v_new)
                       if args.graph_timeline and device.startswith("cuda") else None)
+    steps_timeline = (_graph_steps_timeline(store, slots, queries, k_new, v_new, args.graph_steps, args.query_write)
+                      if args.graph_steps_timeline and args.graph_steps > 1 and device.startswith("cuda") else None)
 
     q_full = queries[-1][:, :, None, :]
     full = _time(lambda: torch.nn.functional.scaled_dot_product_attention(
@@ -250,6 +252,8 @@ def run_case(args, device, batch, seq_len, budget, value_store, target_hit, band
         row["timeline_us"] = timeline
     if graph_timeline is not None:
         row["graph_timeline_us"] = graph_timeline
+    if steps_timeline is not None:
+        row["graph_steps_timeline_us"] = steps_timeline
     return row
 
 
@@ -309,6 +313,45 @@ def _graph_steps_time(store, slots, queries, k_new, v_new, per_graph: int, query
     torch.cuda.synchronize()
     store.account_replayed_steps(0, slots, (replays + 1) * per_graph)
     return start.elapsed_time(end) / 1e3 / (replays * per_graph)
+
+
+def _graph_steps_timeline(store, slots, queries, k_new, v_new, per_graph: int, query_write: str):
+    """The last two steps of a graph of `per_graph` steps (as _graph_steps_time captures it: each step after its
+    query's write), from the last of three profiled replays: [name, stream, start, end] in µs from the start of the
+    second-to-last step's query write. Unlike _graph_timeline's one-step graph, no graph launch precedes these steps:
+    the gaps between one step's last kernel, the next query's write and its first kernel are a model's. None where
+    this torch gives no raw device events, or the steps' events do not divide evenly."""
+    from torch.profiler import ProfilerActivity, profile
+
+    bank = torch.stack(queries[:per_graph])
+    q_static = bank[0].clone()
+    store.decode(0, slots, q_static, k_new, v_new)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(per_graph):
+            _write_query(q_static, bank[i], query_write)
+            store.decode(0, slots, q_static, k_new, v_new)
+    graph.replay()  # warm-up
+    torch.cuda.synchronize()
+    replays = 3
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    store.account_replayed_steps(0, slots, (replays + 1) * per_graph)
+    try:
+        raw = [e for e in prof.profiler.kineto_results.events() if e.device_type().name == "CUDA"]
+        raw.sort(key=lambda e: e.start_ns())
+        if len(raw) % (replays * per_graph) != 0:
+            print(f"graph steps timeline: {len(raw)} events do not divide into {replays} x {per_graph} steps")
+            return None
+        last = raw[len(raw) - 2 * len(raw) // (replays * per_graph):]
+        origin = last[0].start_ns()
+        return [[_short_kernel_name(e.name()), int(e.device_resource_id()), (e.start_ns() - origin) / 1e3,
+                 (e.start_ns() + e.duration_ns() - origin) / 1e3] for e in last]
+    except (AttributeError, IndexError, ZeroDivisionError) as error:
+        print(f"graph steps timeline: not available from this torch ({error})")
+        return None
 
 
 def _graph_timeline(store, slots, queries, k_new, v_new):
@@ -437,6 +480,9 @@ def main(argv=None) -> int:
                         "$SHADOWKV_BENCH_QUERY_WRITE, else copy)")
     p.add_argument("--graph-timeline", action="store_true",
                    help="also print the same for one graph replay of the step (no host launches between kernels)")
+    p.add_argument("--graph-steps-timeline", action="store_true",
+                   help="also print the last two steps of a graph of --graph-steps steps (no graph launch before "
+                        "them: the gaps between steps are a model's)")
     args = p.parse_args(argv)
 
     info = build_info()
@@ -479,6 +525,11 @@ def main(argv=None) -> int:
             print(f"\none graph replay's timeline, B={r['batch']} values {r['value_store']} hit {r['hit']:.2f} "
                   f"(µs from its first start; stream: start - end  kernel):")
             for name, stream, start, end in r["graph_timeline_us"]:
+                print(f"  {stream:>4}: {start:8.1f} - {end:8.1f}  {name}")
+        if "graph_steps_timeline_us" in r:
+            print(f"\nthe last two steps of a graph of {r['graph_steps']} steps, B={r['batch']} values {r['value_store']} "
+                  f"hit {r['hit']:.2f} (µs from the first one's query write; stream: start - end  kernel):")
+            for name, stream, start, end in r["graph_steps_timeline_us"]:
                 print(f"  {stream:>4}: {start:8.1f} - {end:8.1f}  {name}")
     graph = any("ours_graph_ms" in r for r in rows)
     print("\n| B | S | budget | values, factors | hit | ours (ms) | ours, graph (ms) | full attn (ms) | floor (ms) | "
