@@ -289,14 +289,14 @@ def _write_query(target, source, how: str) -> None:
         target.copy_(source)
 
 
-def _graph_steps_time(store, slots, queries, k_new, v_new, per_graph: int, query_write: str = "copy") -> float:
-    """GPU time of one decode step when `per_graph` steps follow each other inside one CUDA graph, each after its
-    query's write into the captured input (_write_query): as in a model whose whole decode step is one graph, no graph
-    launch and no host between two steps. (_graph_step_time replays a graph of one step: each replay also waits for
-    the graph's launch, ~4 µs on the H200 before its first kernel; bench/NOTES.md, session 20.)"""
+def _capture_steps(store, slots, queries, k_new, v_new, per_graph: int, query_write: str):
+    """`per_graph` decode steps captured in one CUDA graph, each after its query's write into the captured input
+    (_write_query), after one eager step (so that the slot list is on the GPU) and replayed once to warm up; the
+    store counts that replay. Returns the graph and the inputs it reads, which the caller keeps alive while it
+    replays."""
     bank = torch.stack(queries[:per_graph])
     q_static = bank[0].clone()
-    store.decode(0, slots, q_static, k_new, v_new)  # eager step first: the slot list is on the GPU
+    store.decode(0, slots, q_static, k_new, v_new)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for i in range(per_graph):
@@ -304,6 +304,16 @@ def _graph_steps_time(store, slots, queries, k_new, v_new, per_graph: int, query
             store.decode(0, slots, q_static, k_new, v_new)
     graph.replay()  # warm-up
     torch.cuda.synchronize()
+    store.account_replayed_steps(0, slots, per_graph)
+    return graph, (bank, q_static)
+
+
+def _graph_steps_time(store, slots, queries, k_new, v_new, per_graph: int, query_write: str = "copy") -> float:
+    """GPU time of one decode step when `per_graph` steps follow each other inside one CUDA graph, each after its
+    query's write into the captured input (_write_query): as in a model whose whole decode step is one graph, no graph
+    launch and no host between two steps. (_graph_step_time replays a graph of one step: each replay also waits for
+    the graph's launch, ~4 µs on the H200 before its first kernel; bench/NOTES.md, session 20.)"""
+    graph, _inputs = _capture_steps(store, slots, queries, k_new, v_new, per_graph, query_write)
     replays = max(1, len(queries) // per_graph)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -311,7 +321,7 @@ def _graph_steps_time(store, slots, queries, k_new, v_new, per_graph: int, query
         graph.replay()
     end.record()
     torch.cuda.synchronize()
-    store.account_replayed_steps(0, slots, (replays + 1) * per_graph)
+    store.account_replayed_steps(0, slots, replays * per_graph)
     return start.elapsed_time(end) / 1e3 / (replays * per_graph)
 
 
@@ -323,22 +333,13 @@ def _graph_steps_timeline(store, slots, queries, k_new, v_new, per_graph: int, q
     this torch gives no raw device events, or the steps' events do not divide evenly."""
     from torch.profiler import ProfilerActivity, profile
 
-    bank = torch.stack(queries[:per_graph])
-    q_static = bank[0].clone()
-    store.decode(0, slots, q_static, k_new, v_new)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(per_graph):
-            _write_query(q_static, bank[i], query_write)
-            store.decode(0, slots, q_static, k_new, v_new)
-    graph.replay()  # warm-up
-    torch.cuda.synchronize()
+    graph, _inputs = _capture_steps(store, slots, queries, k_new, v_new, per_graph, query_write)
     replays = 3
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
             graph.replay()
         torch.cuda.synchronize()
-    store.account_replayed_steps(0, slots, (replays + 1) * per_graph)
+    store.account_replayed_steps(0, slots, replays * per_graph)
     try:
         raw = [e for e in prof.profiler.kineto_results.events() if e.device_type().name == "CUDA"]
         raw.sort(key=lambda e: e.start_ns())
