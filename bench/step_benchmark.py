@@ -238,6 +238,7 @@ def run_case(args, device, batch, seq_len, budget, value_store, target_hit, band
            "rebuild_rope": "shared" if "rs" in options else "registers",
            "logits": "fma" if "lf" in options else ("mma" if "lm" in options else "auto"),
            "logits_pool": "lp0" not in options, "select_hint": "sh0" not in options,
+           "fused_misses": "on" if "fm" in options else ("off" if "fm0" in options else "auto"),
            "target_hit": target_hit, "hit": hit,
            "query_correlation": a, "ours_ms": ours * 1e3, "full_ms": full * 1e3, "floor_ms": floor * 1e3,
            "ours_over_full": ours / full, "ours_over_floor": ours / floor}

@@ -11,7 +11,8 @@
 # With PATCH_C set, a third tree C = A + PATCH_C is built beside them, tested alike and timed after B (runs a, b, c,
 # a2): two branches against main in one call, one start and one build time for both.
 # Writes $OUT/a/ and $OUT/b/ (and $OUT/c/; tests.log, step-*.log/json, cmake.log, the stamps), packed at the end into
-# $OUT/ab.tgz (a device call returns 8 files at most), and $OUT/ab-summary.txt (the tests' counts and the step rows).
+# $OUT/ab.tgz (a device call returns 8 files at most), and $OUT/ab-summary.txt (the tests' counts, the step rows, and
+# bench/probes/ab_table.py's table of every run side by side).
 #   PATCH=.device/lanes.patch TESTS="test_chunk_rebuild" PYTESTS="test_cuda_parity.py" \
 #     STEP_CONFIGS="1x122880x2048:device+fm" STAMP_CONFIGS="1x122880x2048:device+fm" COMMIT=<sha> \
 #     bash bench/probes/patch_ab.sh
@@ -102,6 +103,8 @@ if [ -n "${STEP_CONFIGS:-}" ]; then
     echo "== step $run (rc $?, at $((SECONDS - started)) s)" | tee -a "$out/ab-summary.txt"
     grep -E "^\| [0-9]" "$out/$tree/step-$run.log" | tee -a "$out/ab-summary.txt"
   done
+  echo "== the runs side by side" | tee -a "$out/ab-summary.txt"
+  python3 bench/probes/ab_table.py "$out" | tee -a "$out/ab-summary.txt"
 fi
 if [ -n "${STAMP_CONFIGS:-}" ]; then
   if ! wait $pid_stamps; then
