@@ -72,6 +72,8 @@ device_limits current_device_limits() {
     device_limits limits{};
     SHADOWKV_CUDA_TRY(cudaDeviceGetAttribute(&limits.optin_shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
     SHADOWKV_CUDA_TRY(cudaDeviceGetAttribute(&limits.multiprocessors, cudaDevAttrMultiProcessorCount, device));
+    limits.clusters_at_once[0] = selection::select_clusters_at_once(4);
+    limits.clusters_at_once[1] = selection::select_clusters_at_once(8);
     return limits;
   });
 }

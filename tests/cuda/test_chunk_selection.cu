@@ -30,12 +30,14 @@
 #include <numeric>
 #include <random>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "chunk_selection.cuh"
 #include "cuda_test_support.cuh"
 #include "device_layout.cuh"
+#include "selection/select_kernel.cuh"
 #include "selection/selection_plan.cuh"
 #include "shadowkv/errors.hpp"
 #include "shadowkv/fp8.hpp"
@@ -1238,6 +1240,19 @@ TEST_F(ChunkSelection, BudgetBeyondCandidates) {
   run_case(cfg);
 }
 
+// What the planner asks the device (select_clusters_at_once): at least one cluster of each size, and no more than
+// the multiprocessors hold at one CTA an SM.
+TEST_F(ChunkSelection, ClustersAtOnceIsWhatTheMultiprocessorsHold) {
+  int multiprocessors = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
+  for (const int cluster : {2, 4, 8}) {
+    const int at_once = shadowkv::cuda::selection::select_clusters_at_once(cluster);
+    EXPECT_GE(at_once, 1) << "cluster " << cluster;
+    EXPECT_LE(at_once, multiprocessors / cluster) << "cluster " << cluster;
+  }
+  EXPECT_THROW(shadowkv::cuda::selection::select_clusters_at_once(3), std::invalid_argument);
+}
+
 TEST_F(ChunkSelection, CapturedInGraph) {
   // max_chunks = 16384: the select kernel needs > 48 KiB of dynamic shared memory, raised while capturing.
   for (int tokens : {1, 3}) {
@@ -1414,6 +1429,35 @@ TEST(SelectClusterPlan, TakesAClusterOnlyWhereItsSharedMemoryFits) {
   EXPECT_EQ(sel::plan_select_cluster(d, 1, h200, true), 1);
   d.max_chunks = 15360;
   EXPECT_EQ(sel::plan_select_cluster(d, 1, h200, true), 2);
+}
+
+// A cluster sits in one GPC, so the device may hold fewer clusters of 8 at once than multiprocessors / 8: then the
+// planner does not take clusters of 8 whose rows would wait for a second wave, but clusters of 4 where those fit.
+TEST(SelectClusterPlan, TakesClustersOfEightOnlyWhereTheGpcsHoldThemAllAtOnce) {
+  namespace sel = shadowkv::cuda::selection;
+  dims d{};
+  d.kv_heads = 8;
+  d.group = 4;
+  d.budget = 256;
+  d.cache_slots = 256;
+  d.max_chunks = 15360;
+  sel::device_limits limits{227 * 1024, 132, {0, 0}};  // not known: 132 / 8 = 16 clusters of 8, 33 of 4
+  EXPECT_EQ(sel::resident_clusters(limits, 8), 16);
+  EXPECT_EQ(sel::resident_clusters(limits, 4), 33);
+  EXPECT_EQ(sel::plan_select_cluster(d, 1, limits, true), 8);
+  EXPECT_EQ(sel::plan_select_cluster(d, 2, limits, true), 8);   // 16 rows
+  EXPECT_EQ(sel::plan_select_cluster(d, 3, limits, true), 1);   // 24 x 8 CTAs > 132
+  limits.clusters_at_once[1] = 16;
+  limits.clusters_at_once[0] = 32;
+  EXPECT_EQ(sel::plan_select_cluster(d, 2, limits, true), 8);
+  limits.clusters_at_once[1] = 15;  // a GPC of fewer than 16 SMs
+  EXPECT_EQ(sel::resident_clusters(limits, 8), 15);
+  EXPECT_EQ(sel::plan_select_cluster(d, 1, limits, true), 8);
+  EXPECT_EQ(sel::plan_select_cluster(d, 2, limits, true), 4);
+  limits.clusters_at_once[0] = 15;  // nor clusters of 4: one CTA a head
+  EXPECT_EQ(sel::plan_select_cluster(d, 2, limits, true), 1);
+  d.select_cluster = 8;  // forced sizes are taken as they are
+  EXPECT_EQ(sel::plan_select_cluster(d, 2, limits, true), 8);
 }
 
 TEST(ChunkSelectionArguments, RejectsInvalidArguments) {

@@ -6,6 +6,7 @@
 
 #include <cooperative_groups.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 
@@ -572,6 +573,57 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_cluster_kernel(const
 
 }  // namespace
 
+namespace {
+
+/// Lets select_cluster_kernel<lru> take every byte of dynamic shared memory the device allows beside its static
+/// arrays (the planner checks a layout's fit against the same margin): one value a device and kernel, set once, so
+/// that concurrent launches of other sizes never see it lowered. A host-side attribute, legal while a stream is being
+/// captured. Returns those bytes.
+int allow_cluster_shared(bool lru) {
+  static per_device_cache<int> allowed[2];
+  return allowed[lru ? 1 : 0].get(0, [&](int device, int) {
+    int optin = 0;
+    SHADOWKV_CUDA_TRY(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    SHADOWKV_CUDA_TRY(cudaFuncSetAttribute(lru ? select_cluster_kernel<true> : select_cluster_kernel<false>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize, optin - kClusterStaticShared));
+    return optin - kClusterStaticShared;
+  });
+}
+
+cudaLaunchAttribute cluster_attribute(int cluster) {
+  cudaLaunchAttribute in_clusters{};
+  in_clusters.id = cudaLaunchAttributeClusterDimension;
+  in_clusters.val.clusterDim.x = static_cast<unsigned>(cluster);
+  in_clusters.val.clusterDim.y = 1;
+  in_clusters.val.clusterDim.z = 1;
+  return in_clusters;
+}
+
+}  // namespace
+
+int select_clusters_at_once(int cluster) {
+  SHADOWKV_EXPECTS(cluster == 2 || cluster == 4 || cluster == 8,
+                   "chunk selection: select clusters have 2, 4 or 8 CTAs, got ", cluster);
+  static per_device_cache<int> known;
+  return known.get(cluster, [](int, int size) {
+    int fewest = 0;
+    for (const bool lru : {false, true}) {
+      cudaLaunchAttribute in_clusters = cluster_attribute(size);
+      cudaLaunchConfig_t config{};
+      config.gridDim = dim3(static_cast<unsigned>(size));
+      config.blockDim = dim3(kSelectThreads);
+      config.dynamicSmemBytes = static_cast<std::size_t>(allow_cluster_shared(lru));
+      config.attrs = &in_clusters;
+      config.numAttrs = 1;
+      int clusters = 0;
+      SHADOWKV_CUDA_TRY(cudaOccupancyMaxActiveClusters(
+          &clusters, lru ? select_cluster_kernel<true> : select_cluster_kernel<false>, &config));
+      fewest = lru ? std::min(fewest, clusters) : clusters;
+    }
+    return fewest;
+  });
+}
+
 void launch_select_kernel(const dims& d, const layer_view* views, const int* batch_slots, int layer, int batch,
                           const step_workspace& ws, const select_geometry& geo, int cluster, score_input input,
                           const logit_geometry& logit_geo, cudaStream_t stream) {
@@ -589,22 +641,8 @@ void launch_select_kernel(const dims& d, const layer_view* views, const int* bat
   if (cluster > 1) {
     auto kernel = lru ? select_cluster_kernel<true> : select_cluster_kernel<false>;
     const long long shared_bytes = cluster_shared_layout_for(d, cluster).bytes;
-    // Every byte the device allows beside the static arrays (the planner checked the fit against the same margin):
-    // one value a device and kernel, set once, so that concurrent launches of other sizes never see it lowered. A
-    // host-side attribute, legal while a stream is being captured.
-    static per_device_cache<int> allowed[2];
-    allowed[lru ? 1 : 0].get(0, [&](int device, int) {
-      int optin = 0;
-      SHADOWKV_CUDA_TRY(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-      SHADOWKV_CUDA_TRY(
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin - kClusterStaticShared));
-      return optin;
-    });
-    cudaLaunchAttribute in_clusters{};
-    in_clusters.id = cudaLaunchAttributeClusterDimension;
-    in_clusters.val.clusterDim.x = static_cast<unsigned>(cluster);
-    in_clusters.val.clusterDim.y = 1;
-    in_clusters.val.clusterDim.z = 1;
+    allow_cluster_shared(lru);
+    cudaLaunchAttribute in_clusters = cluster_attribute(cluster);
     launch_after_prior_grid_with(&in_clusters, 1, kernel,
                                  dim3(static_cast<unsigned>(d.kv_heads * cluster), static_cast<unsigned>(batch)),
                                  dim3(kSelectThreads), shared_bytes, stream, d.programmatic_launch != 0, d, views,

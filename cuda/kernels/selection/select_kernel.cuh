@@ -21,4 +21,9 @@ void launch_select_kernel(const dims& d, const layer_view* views, const int* bat
                           const step_workspace& ws, const select_geometry& geo, int cluster, score_input input,
                           const logit_geometry& logit_geo, cudaStream_t stream);
 
+/// Clusters of `cluster` (2, 4 or 8) CTAs of the select kernel that the current device runs at once, with the most
+/// dynamic shared memory a launch may take (one CTA an SM): cudaOccupancyMaxActiveClusters, asked once per device
+/// and size. Throws cuda_error when the runtime cannot say.
+int select_clusters_at_once(int cluster);
+
 }  // namespace shadowkv::cuda::selection

@@ -20,7 +20,17 @@ constexpr int kSharedMargin = 20 * 1024;
 struct device_limits {
   int optin_shared;  ///< bytes of shared memory a block may opt in to
   int multiprocessors;
+  /// Clusters of 4 ([0]) and of 8 ([1]) CTAs of select_cluster_kernel that the device runs at once
+  /// (cudaOccupancyMaxActiveClusters; select_clusters_at_once). A cluster sits in one GPC, so this can be less than
+  /// multiprocessors / size. 0: not known, and then multiprocessors / size is taken.
+  int clusters_at_once[2];
 };
+
+/// Clusters of `cluster` (4 or 8) CTAs that `limits` runs at once.
+__host__ __device__ inline long long resident_clusters(const device_limits& limits, int cluster) {
+  const int known = limits.clusters_at_once[cluster == 8 ? 1 : 0];
+  return known > 0 ? known : limits.multiprocessors / cluster;
+}
 
 /// Tiles of the landmark logits kernel (landmark_scoring.cu); the select kernel reads the softmax
 /// partials it leaves per tile.
@@ -119,7 +129,9 @@ __host__ __device__ inline cluster_shared_layout cluster_shared_layout_for(const
 }
 
 /// CTAs per (sequence, KV head) for a launch of `batch` sequences: dims::select_cluster where clusters may run at
-/// all, else the planner's choice: a cluster of 8 when every row's cluster fits on the device at once, else 1.
+/// all, else the planner's choice: a cluster of 8 when every row's cluster fits on the device at once (one CTA an SM,
+/// and no more clusters than clusters_at_once says the GPCs hold); where rows x 8 CTAs would fit on the SMs but not
+/// that many clusters of 8 in the GPCs (the rest would wait for a second wave), a cluster of 4 when those fit; else 1.
 /// Measured on the H200 (bench/NOTES.md, session 11; S = 122880, Hkv 8): B = 1, 8 CTAs a head, 26.8 µs against 28.9
 /// on one; B = 8, 2 a head, 32.2 against 32.9; the three parts of B = 24 (8 sequences each, beside the value fetch),
 /// 2 a head, 171-174 µs against 129-132 for the three launches, and the rebuild beside them slower too. The kernel is
@@ -134,7 +146,10 @@ inline int plan_select_cluster(const dims& d, int batch, const device_limits& li
   };
   if (d.select_cluster > 0) return d.select_cluster > 1 && fits(d.select_cluster) ? d.select_cluster : 1;
   if (d.max_chunks < kSelectClusterFromChunks) return 1;
-  return rows * kMaxSelectCluster <= limits.multiprocessors && fits(kMaxSelectCluster) ? kMaxSelectCluster : 1;
+  if (rows * kMaxSelectCluster > limits.multiprocessors || !fits(kMaxSelectCluster)) return 1;
+  if (rows <= resident_clusters(limits, kMaxSelectCluster)) return kMaxSelectCluster;
+  constexpr int kHalf = kMaxSelectCluster / 2;
+  return rows <= resident_clusters(limits, kHalf) && fits(kHalf) ? kHalf : 1;
 }
 
 template <typename Kernel>
