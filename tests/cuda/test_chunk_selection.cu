@@ -1388,18 +1388,25 @@ TEST_F(ChunkSelection, TwoCentroidScores) {
   }
 }
 
-// Argument checks happen before any CUDA call, so they run without a device too.
-// The select clusters keep their slices' radix keys, and the first CTA the head's cache, in shared memory
-// (selection_plan.cuh, cluster_shared_layout): the planner takes a cluster only where that fits beside the kernel's
-// static arrays, forced sizes included, and the layout's parts do not overlap.
-TEST(SelectClusterPlan, TakesAClusterOnlyWhereItsSharedMemoryFits) {
-  namespace sel = shadowkv::cuda::selection;
+// The planner's shapes for a Llama-3-8B layer at 122880 tokens: 8 KV heads of 4 query heads, chunks of 8, a budget
+// of 256 chunks and as many cache slots.
+dims llama_122k_select_dims() {
   dims d{};
   d.kv_heads = 8;
   d.group = 4;
   d.budget = 256;
   d.cache_slots = 256;
   d.max_chunks = 15360;  // 122880 tokens of chunk 8
+  return d;
+}
+
+// Argument checks happen before any CUDA call, so they run without a device too.
+// The select clusters keep their slices' radix keys, and the first CTA the head's cache, in shared memory
+// (selection_plan.cuh, cluster_shared_layout): the planner takes a cluster only where that fits beside the kernel's
+// static arrays, forced sizes included, and the layout's parts do not overlap.
+TEST(SelectClusterPlan, TakesAClusterOnlyWhereItsSharedMemoryFits) {
+  namespace sel = shadowkv::cuda::selection;
+  dims d = llama_122k_select_dims();
   const sel::device_limits h200{227 * 1024, 132};
   const long long room = h200.optin_shared - sel::kClusterStaticShared;
   EXPECT_EQ(sel::plan_select_cluster(d, 1, h200, true), 8);
@@ -1435,12 +1442,7 @@ TEST(SelectClusterPlan, TakesAClusterOnlyWhereItsSharedMemoryFits) {
 // planner does not take clusters of 8 whose rows would wait for a second wave, but clusters of 4 where those fit.
 TEST(SelectClusterPlan, TakesClustersOfEightOnlyWhereTheGpcsHoldThemAllAtOnce) {
   namespace sel = shadowkv::cuda::selection;
-  dims d{};
-  d.kv_heads = 8;
-  d.group = 4;
-  d.budget = 256;
-  d.cache_slots = 256;
-  d.max_chunks = 15360;
+  dims d = llama_122k_select_dims();
   sel::device_limits limits{227 * 1024, 132, {0, 0}};  // not known: 132 / 8 = 16 clusters of 8, 33 of 4
   EXPECT_EQ(sel::resident_clusters(limits, 8), 16);
   EXPECT_EQ(sel::resident_clusters(limits, 4), 33);
