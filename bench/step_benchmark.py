@@ -26,10 +26,14 @@ memory, SHADOWKV_REBUILD_ROPE=shared, instead of in the MMA accumulators) and/or
 always summed by the lanes' FMAs, SHADOWKV_LOGITS=fma, or always on bf16 MMAs, =mma, instead of the planner's choice)
 and/or +lp0 (the landmark logits beside the value fetch with every tile in fixed shares, SHADOWKV_LOGITS_POOL=off,
 instead of half of them claimed from a pool) and/or +sh0 (select clusters always run the full radix select,
-SHADOWKV_SELECT_HINT=off, instead of starting from the previous selection's hint).
+SHADOWKV_SELECT_HINT=off, instead of starting from the previous selection's hint) and/or +lyN (a store of N layers,
+each with its own random context, and every step decodes all N in order, as a model does: the times are per layer,
+the step's divided by N. One layer's landmarks at B = 1 and S = 122880 are 31.5 MB, less than the H200's L2, so a
+one-layer step may find them there from the step before, which a model's next layer cannot).
 
 For each configuration (batch B, context S, budget) and target temporal hit rate it reports:
-  ours        mean time of store.decode for one layer (selection, rebuild, fetch, attention), B sequences
+  ours        mean time of store.decode for one layer (selection, rebuild, fetch, attention), B sequences (with +lyN:
+              a step of N layers' decodes, divided by N)
   full        PyTorch SDPA over the whole KV cache of the same B sequences, same device, same dtype
   floor       landmark bytes at the measured memory bandwidth + missed value bytes at the measured host->device
               bandwidth (both measured here, now); with device values both at the memory bandwidth; on the CPU both
@@ -113,6 +117,28 @@ def _environment(variables):
                 os.environ[name] = value
 
 
+class _AllLayers:
+    """Stands in for the store in the timing helpers, which decode layer 0: each decode runs every layer of the store
+    in order with the same inputs, as one model step does (+lyN)."""
+
+    def __init__(self, store, layers: int):
+        self.store, self.layers = store, layers
+
+    def decode(self, _layer, slots, q, k_new, v_new):
+        for layer in range(self.layers):
+            self.store.decode(layer, slots, q, k_new, v_new)
+
+    def account_replayed_steps(self, _layer, slots, steps):
+        for layer in range(self.layers):
+            self.store.account_replayed_steps(layer, slots, steps)
+
+    def reset_stats(self):
+        self.store.reset_stats()
+
+    def stats(self):
+        return self.store.stats()
+
+
 def run_case(args, device, batch, seq_len, budget, value_store, target_hit, bandwidths):
     dtype = torch.bfloat16
     hq, hkv, dim, chunk = args.q_heads, args.kv_heads, args.head_dim, 8
@@ -126,6 +152,7 @@ def run_case(args, device, batch, seq_len, budget, value_store, target_hit, band
     fetch_ctas = next((o[1:] for o in options if o.startswith("c") and o[1:].isdigit()), None)
     cache_multiple = next((int(o[1:]) for o in options if o.startswith("k")), 0)
     select_cluster = next((o[1:] for o in options if o.startswith("s") and o[1:].isdigit()), None)
+    layers = next((int(o[2:]) for o in options if o.startswith("ly") and o[2:].isdigit()), 1)
     cache_tokens = cache_multiple * budget  # 0: the default cache of exactly the budget
     # The CUDA backend's measurement knobs, read once when it is constructed: each is set for this row, or removed
     # (its default) when the row does not name it, whatever the caller's environment says.
@@ -144,7 +171,7 @@ def run_case(args, device, batch, seq_len, budget, value_store, target_hit, band
              "SHADOWKV_SELECT_HINT": "off" if "sh0" in options else None,
              "SHADOWKV_FUSED_MISSES": "on" if "fm" in options else ("off" if "fm0" in options else None)}
     with _environment(knobs):
-        store = KVStore(1, hq, hkv, dim, max_batch=batch, max_seq_len=capacity, rank=args.rank, chunk_size=chunk,
+        store = KVStore(layers, hq, hkv, dim, max_batch=batch, max_seq_len=capacity, rank=args.rank, chunk_size=chunk,
                         budget=budget, outlier_chunks=48, local_chunks=4, generation_window=256, dtype="bfloat16",
                         device=device, rope_theta=500000.0, value_store=place,
                         value_dtype="float8_e4m3" if fp8 else None,
@@ -157,13 +184,16 @@ def run_case(args, device, batch, seq_len, budget, value_store, target_hit, band
         def randn(*shape):
             return torch.randn(*shape, generator=data_gen, device=data_gen.device)
 
-        basis = randn(32, hkv * dim)
-        keys = randn(seq_len, 32) @ basis + 0.3 * randn(seq_len, hkv * dim)
-        keys = keys.reshape(1, seq_len, hkv, dim).to(device, dtype)
-        values = randn(1, seq_len, hkv, dim).to(device, dtype)
-        store.prefill(0, [slots[b]], keys, values, keys_post_rope=True)
-        keys_full.append(keys[0].transpose(0, 1))
-        values_full.append(values[0].transpose(0, 1))
+        for layer in range(layers):  # full attention below reads layer 0's
+            basis = randn(32, hkv * dim)
+            keys = randn(seq_len, 32) @ basis + 0.3 * randn(seq_len, hkv * dim)
+            keys = keys.reshape(1, seq_len, hkv, dim).to(device, dtype)
+            values = randn(1, seq_len, hkv, dim).to(device, dtype)
+            store.prefill(layer, [slots[b]], keys, values, keys_post_rope=True)
+            if layer == 0:
+                keys_full.append(keys[0].transpose(0, 1))
+                values_full.append(values[0].transpose(0, 1))
+            del keys, values
     keys_full = torch.stack(keys_full)  # [B, Hkv, S, D]
     values_full = torch.stack(values_full)
     scale = 1.0 / math.sqrt(dim)
@@ -177,6 +207,9 @@ def run_case(args, device, batch, seq_len, budget, value_store, target_hit, band
 
     k_new = torch.randn(batch, hkv, dim, generator=gen).to(device, dtype)
     v_new = torch.randn(batch, hkv, dim, generator=gen).to(device, dtype)
+
+    model_store = store
+    store = _AllLayers(store, layers) if layers > 1 else store
 
     def measured_hit(a, steps):
         store.reset_stats()
@@ -202,13 +235,15 @@ def run_case(args, device, batch, seq_len, budget, value_store, target_hit, band
     for q in queries:
         store.decode(0, slots, q, k_new, v_new)
     _sync(device)
-    ours = (time.perf_counter() - started) / args.steps
+    ours = (time.perf_counter() - started) / args.steps / layers
     hit = store.stats()["hit_rate"]
-    ours_graph = _graph_step_time(store, slots, queries, k_new, v_new) if device.startswith("cuda") else None
-    ours_graph_steps = (_graph_steps_time(store, slots, queries, k_new, v_new, args.graph_steps, args.query_write)
-                        if args.graph_steps > 0 and device.startswith("cuda") else None)
+    ours_graph = _graph_step_time(store, slots, queries, k_new, v_new) / layers if device.startswith("cuda") else None
+    ours_graph_steps = (_graph_steps_time(store, slots, queries, k_new, v_new, args.graph_steps, args.query_write) /
+                        layers if args.graph_steps > 0 and device.startswith("cuda") else None)
     kernels, timeline = (_kernel_profile(store, slots, queries, k_new, v_new)
                          if (args.profile or args.timeline) and device.startswith("cuda") else (None, None))
+    if kernels is not None:
+        kernels = {name: us / layers for name, us in kernels.items()}
     graph_timeline = (_graph_timeline(store, slots, queries, k_new, v_new)
                       if args.graph_timeline and device.startswith("cuda") else None)
     steps_timeline = (_graph_steps_timeline(store, slots, queries, k_new, v_new, args.graph_steps, args.query_write)
@@ -227,8 +262,8 @@ def run_case(args, device, batch, seq_len, budget, value_store, target_hit, band
     row = {"batch": batch, "seq_len": seq_len, "budget": budget, "value_store": values_on,
            "cache_tokens": cache_tokens, "decode_pipeline_parts": parts,
            "fetch_ctas": int(fetch_ctas) if fetch_ctas is not None else None,  # None: the backend's choice
-           "factor_dtype": store.config["factor_dtype"], "group_score": store.config["group_score"],
-           "chunk_score": store.config["chunk_score"],
+           "factor_dtype": model_store.config["factor_dtype"], "group_score": model_store.config["group_score"],
+           "chunk_score": model_store.config["chunk_score"], "layers": layers,
            "device_values": "in_place" if "ip" in options else "gather",
            "pipeline_split": "even" if "ev" in options else "tapered",
            "attention": "fma" if "fma" in options else "default",
@@ -433,13 +468,14 @@ def _parse_config(text: str) -> tuple:
     place, *options = value_store.split("+")
     if place not in ("", "host", "device", "host_fp8", "device_fp8") or not all(
             o in ("f32", "max", "tc", "ip", "tp", "ev", "fma", "pl0", "np", "rt0", "mt", "sma", "rs", "lf", "lm", "lp0", "sh0", "fm", "fm0") or (o[:1] in ("p", "c", "k") and o[1:].isdigit())
+            or (o[:2] == "ly" and o[2:].isdigit() and int(o[2:]) >= 1)
             or o in ("s1", "s2", "s4", "s8") for o in options) or any(o[:1] == "k" and int(o[1:]) < 1 for o in options):
         raise SystemExit(f"--config {text}: the value store must be :host, :device, :host_fp8 or :device_fp8, "
                          f"optionally followed by +f32 (float32 factors), +pN (pipeline parts), +max (group_score max), +tc "
                          f"(two-centroid chunk scores), +ip (device values read in place), +ev (even pipeline parts), +fma (CUDA-core attention), "
                          f"+cN (value fetch CTAs), +kN (a selection cache of N >= 1 times the budget), +sN (select kernel on "
                          f"N = 1, 2, 4 or 8 CTAs a head), +pl0 (plain kernel launches), +np (fetch at normal priority), +rt0 (no RoPE table), "
-                         f"+mt (rebuild on TF32 MMAs), +sma (select merge by every CTA), +rs (rebuild RoPE in shared memory), +lf / +lm (FMA / MMA landmark logits), +lp0 (no logits tile pool), +sh0 (no select hint) and/or +fm / +fm0 (fused misses on / off)")
+                         f"+mt (rebuild on TF32 MMAs), +sma (select merge by every CTA), +rs (rebuild RoPE in shared memory), +lf / +lm (FMA / MMA landmark logits), +lp0 (no logits tile pool), +sh0 (no select hint), +fm / +fm0 (fused misses on / off) and/or +lyN (N >= 1 layers a step)")
     return batch, seq_len, budget, "+".join([place or "host", *options])
 
 
@@ -515,7 +551,8 @@ def main(argv=None) -> int:
                   f"ours {r['ours_ms']:.3f} ms", flush=True)
     for r in rows:
         if "kernels_us" in r:
-            print(f"\nkernels per step, B={r['batch']} S={r['seq_len']} budget={r['budget']} hit {r['hit']:.2f} (µs):")
+            per = f", per layer of {r['layers']}" if r.get("layers", 1) > 1 else ""
+            print(f"\nkernels per step{per}, B={r['batch']} S={r['seq_len']} budget={r['budget']} hit {r['hit']:.2f} (µs):")
             for name, us in r["kernels_us"].items():
                 print(f"  {us:9.1f}  {name}")
         if "timeline_us" in r:
@@ -542,7 +579,7 @@ def main(argv=None) -> int:
     for r in rows:
         g = f" {r['ours_graph_ms']:.3f} |" if graph else ""
         best = min(r["ours_ms"], r.get("ours_graph_ms", r["ours_ms"]))
-        print(f"| {r['batch']} | {r['seq_len']} | {r['budget']} | {r['value_store']}, {r['factor_dtype']}{', ' + r['group_score'] if r.get('group_score', 'mean') != 'mean' else ''}{', two centroids' if r.get('chunk_score') == 'two_centroids' else ''}{', values in place' if r.get('device_values') == 'in_place' else ''}{', even parts' if r.get('pipeline_split') == 'even' else ''}{', FMA attention' if r.get('attention') == 'fma' else ''}{', select on ' + str(r['select_cluster']) + ' CTAs' if r.get('select_cluster') else ''}{', plain launches' if r.get('programmatic_launch') is False else ''}{', fetch at normal priority' if r.get('fetch_priority') == 'normal' else ''}{', no RoPE table' if r.get('rope_table') is False else ''}{', rebuild on TF32 MMAs' if r.get('rebuild_mma') == 'tf32' else ''}{', select merge by every CTA' if r.get('select_merge') == 'all' else ''}{', rebuild RoPE in shared memory' if r.get('rebuild_rope') == 'shared' else ''}{', ' + r['logits'].upper() + ' logits' if r.get('logits') in ('fma', 'mma') else ''}{', no logits pool' if r.get('logits_pool') is False else ''}{', no select hint' if r.get('select_hint') is False else ''}{', parts ' + str(r['decode_pipeline_parts']) if r.get('decode_pipeline_parts') else ''}{', fetch CTAs ' + str(r['fetch_ctas']) if r.get('fetch_ctas') else ''}{', cache ' + str(r['cache_tokens']) if r.get('cache_tokens') else ''} | {r['hit']:.2f} | {r['ours_ms']:.3f} |{g} "
+        print(f"| {r['batch']} | {r['seq_len']} | {r['budget']} | {r['value_store']}, {r['factor_dtype']}{', ' + r['group_score'] if r.get('group_score', 'mean') != 'mean' else ''}{', two centroids' if r.get('chunk_score') == 'two_centroids' else ''}{', values in place' if r.get('device_values') == 'in_place' else ''}{', even parts' if r.get('pipeline_split') == 'even' else ''}{', FMA attention' if r.get('attention') == 'fma' else ''}{', select on ' + str(r['select_cluster']) + ' CTAs' if r.get('select_cluster') else ''}{', plain launches' if r.get('programmatic_launch') is False else ''}{', fetch at normal priority' if r.get('fetch_priority') == 'normal' else ''}{', no RoPE table' if r.get('rope_table') is False else ''}{', rebuild on TF32 MMAs' if r.get('rebuild_mma') == 'tf32' else ''}{', select merge by every CTA' if r.get('select_merge') == 'all' else ''}{', rebuild RoPE in shared memory' if r.get('rebuild_rope') == 'shared' else ''}{', ' + r['logits'].upper() + ' logits' if r.get('logits') in ('fma', 'mma') else ''}{', no logits pool' if r.get('logits_pool') is False else ''}{', no select hint' if r.get('select_hint') is False else ''}{', parts ' + str(r['decode_pipeline_parts']) if r.get('decode_pipeline_parts') else ''}{', fetch CTAs ' + str(r['fetch_ctas']) if r.get('fetch_ctas') else ''}{', cache ' + str(r['cache_tokens']) if r.get('cache_tokens') else ''}{', ' + str(r['layers']) + ' layers a step' if r.get('layers', 1) > 1 else ''} | {r['hit']:.2f} | {r['ours_ms']:.3f} |{g} "
               f"{r['full_ms']:.3f} | {r['floor_ms']:.3f} | {best / r['full_ms']:.2f} | {best * 1e3 / (r['floor_ms'] * 1e3):.1f} |")
     if graph:
         print("ratios use the faster of eager and graph-replayed steps")
