@@ -10,7 +10,6 @@
 
 #include "common/async_copy.cuh"
 #include "common/bf16_mma.cuh"
-#include "cute/arch/copy_sm90_tma.hpp"
 #include "cutlass/arch/barrier.h"
 #include "common/dependent_launch.cuh"
 #include "common/dispatch.cuh"
@@ -527,6 +526,8 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG, kC, 
       const int rows = tile.rows;
       const int first_row = (warp + copy_sub * kWarps) * split::kBatchRows;
       if (first_row < rows) {
+        // Every landmark is read once a step (read_once_policy; made here, not held across the loop in registers).
+        const unsigned long long landmark_policy = read_once_policy(d.landmark_evict_first != 0);
         const T* tile_source = static_cast<const T*>(tile.source);
         uint4* ring = warp_ring + copy_stage * split::kSlots * 32;
 #pragma unroll
@@ -537,8 +538,8 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG, kC, 
               tile_source + static_cast<long long>(live ? row : 0) * split::kDims + part * split::kElements;
 #pragma unroll
           for (int k = 0; k < kVectorsPerLane; ++k) {
-            copy_async_or_zero<16>(ring + (u * kVectorsPerLane + k) * 32, source + k * kLanesPerRow * split::kElements,
-                                   live);
+            copy_async_or_zero_with_policy(ring + (u * kVectorsPerLane + k) * 32,
+                                           source + k * kLanesPerRow * split::kElements, live, landmark_policy);
           }
         }
       }
@@ -557,8 +558,10 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG, kC, 
     const int stage_index = ordinal % kTileStages;
     const int bytes = tile.rows * kRowBytes;
     tile_barrier::arrive_and_expect_tx(&barriers[stage_index], static_cast<std::uint32_t>(bytes));
-    cute::SM90_BULK_COPY_G2S::copy(tile.source, &barriers[stage_index],
-                                   shared + layout.rings + stage_index * tile_rows * kRowBytes, bytes);
+    const unsigned long long landmark_policy = read_once_policy(d.landmark_evict_first != 0);  // read once a step
+    bulk_copy_with_policy(shared + layout.rings + stage_index * tile_rows * kRowBytes, tile.source,
+                          reinterpret_cast<unsigned long long*>(&barriers[stage_index]),
+                          static_cast<unsigned>(bytes), landmark_policy);
   };
   staged_queries first_queries{};
   if (has_tile(0)) first_queries = load_queries(descriptors[0]);

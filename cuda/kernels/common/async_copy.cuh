@@ -58,6 +58,58 @@ __device__ __forceinline__ void copy_async_or_zero(void* shared, const void* glo
   }
 }
 
+/// An L2 cache policy for bytes a kernel reads once (the landmarks, every one of them every step): evict-first, so
+/// that streaming them does not push out of L2 what the step's next kernels read back (the logits the select scores,
+/// the tables and the selection cache), or evict-normal, as a plain load. For the .L2::cache_hint forms below.
+__device__ __forceinline__ unsigned long long read_once_policy(bool evict_first) {
+  unsigned long long policy = 0;
+  if (evict_first) {
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  } else {
+    asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;\n" : "=l"(policy));
+  }
+  return policy;
+}
+
+/// copy_async_or_zero<16> (.cg: L2 only) under an L2 cache policy (read_once_policy).
+__device__ __forceinline__ void copy_async_or_zero_with_policy(void* shared, const void* global, bool live,
+                                                               unsigned long long policy) {
+  const auto destination = static_cast<unsigned>(__cvta_generic_to_shared(shared));
+  const int source_bytes = live ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(destination), "l"(global),
+               "r"(source_bytes), "l"(policy)
+               : "memory");
+}
+
+/// One bulk copy by the TMA (sm_90 on) of `bytes` (a multiple of 16; both addresses 16-byte aligned) into shared
+/// memory, whose landing completes `bytes` of the transaction barrier `barrier` (cutlass::arch::ClusterTransactionBarrier),
+/// under an L2 cache policy (read_once_policy). Traps on older devices, as cute's SM90_BULK_COPY_G2S does.
+__device__ __forceinline__ void bulk_copy_with_policy(void* shared, const void* global, unsigned long long* barrier,
+                                                      unsigned bytes, unsigned long long policy) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const auto destination = static_cast<unsigned>(__cvta_generic_to_shared(shared));
+  const auto transactions = static_cast<unsigned>(__cvta_generic_to_shared(barrier));
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;\n" ::
+          "r"(destination),
+      "l"(global), "r"(bytes), "r"(transactions), "l"(policy)
+      : "memory");
+#else
+  (void)shared, (void)global, (void)barrier, (void)bytes, (void)policy;
+  __trap();
+#endif
+}
+
+/// Asks L2 to fetch [global, global + bytes) (sm_90 on; a no-op before): the bytes land in L2 while the kernel goes
+/// on, and its later loads of them wait for L2, not DRAM. `global` and `bytes` must be multiples of 16.
+__device__ __forceinline__ void prefetch_to_l2(const void* global, unsigned bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(global), "r"(bytes) : "memory");
+#else
+  (void)global, (void)bytes;
+#endif
+}
+
 /// Closes this thread's copies issued since the last commit into one group (an empty group is allowed, and keeps the
 /// wait count of a pipeline fixed).
 __device__ __forceinline__ void commit_async_copies() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
