@@ -68,8 +68,6 @@ struct dims {
   int landmark_evict_first;  ///< 1: the decode landmark logits read the landmarks under an L2 evict-first policy
                              ///< (landmark_logits.cu; SHADOWKV_LANDMARK_L2=evict_first, the store's default),
                              ///< 0: evict-normal, as plain loads
-  int select_prefetch;  ///< 1: each select CTA first asks L2 for the logits rows it will score (select_kernel.cu;
-                        ///< SHADOWKV_SELECT_PREFETCH=on, the store's default), 0: it loads them as it scores
   int attention_early;  ///< 1: the key rebuild releases the attention's launch at its start, and the tensor-core
                         ///< attention walks its rows and stages q before it waits for the rebuild
                         ///< (sparse_attention.cu; the backend's choice by batch, SHADOWKV_ATTENTION_EARLY),

@@ -127,11 +127,6 @@ bool select_hint_setting() { return !knob_is("SHADOWKV_SELECT_HINT", "on", "off"
 // bench/step_benchmark.py's +le0).
 bool landmark_evict_first_setting() { return !knob_is("SHADOWKV_LANDMARK_L2", "evict_first", "normal"); }
 
-// Whether each select CTA first asks L2 for the logits rows it will score (one bulk prefetch a row), so that its
-// scoring loads wait for L2 and not for DRAM: "on" (the default) or "off". SHADOWKV_SELECT_PREFETCH picks one (a
-// measurement knob for bench/step_benchmark.py's +sp0).
-bool select_prefetch_setting() { return !knob_is("SHADOWKV_SELECT_PREFETCH", "on", "off"); }
-
 // Which arithmetic sums the decode landmark logits: "auto" (the default: bf16 landmark rows of 64 or 128 elements on
 // m16n8k16 MMAs over bulk-copied tiles, q in three bf16 terms, when the batch has many tiles; the lanes' FMAs else),
 // "fma" (the lanes' FMAs over q in float32, for every shape) or "mma" (the MMAs wherever they serve the shape). Both
@@ -375,7 +370,6 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   dims_.logits_pooled = logits_pooled() ? 1 : 0;
   dims_.select_hint = select_hint_setting() ? 1 : 0;
   dims_.landmark_evict_first = landmark_evict_first_setting() ? 1 : 0;
-  dims_.select_prefetch = select_prefetch_setting() ? 1 : 0;
   attention_early_ = attention_early_setting();
   dims_.attention_ctas = attention_ctas_setting();
   fused_misses_ = fused_misses_setting();

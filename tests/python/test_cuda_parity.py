@@ -709,16 +709,6 @@ def test_cuda_landmark_l2_policy_changes_nothing_but_speed(monkeypatch):
     _knob_changes_nothing(monkeypatch, "SHADOWKV_LANDMARK_L2", (None, "normal", "evict_first"), "last", 73)
 
 
-def test_cuda_select_prefetch_changes_nothing_but_speed(monkeypatch):
-    """Each select CTA first asks L2 for the logits rows it scores (select_kernel.cu, prefetch_logits), or not with
-    SHADOWKV_SELECT_PREFETCH=off, read when the store is built: a prefetch moves no data a kernel sees, so outputs,
-    selections and statistics are bit-identical, on one CTA a head and on clusters, with bf16 and fp8 host values and
-    the batch in parts; a setting that is neither is refused."""
-    _knob_changes_nothing(monkeypatch, "SHADOWKV_SELECT_PREFETCH", (None, "off", "on"), "sometimes", 79)
-    monkeypatch.setenv("SHADOWKV_SELECT_CLUSTER", "4")
-    _knob_changes_nothing(monkeypatch, "SHADOWKV_SELECT_PREFETCH", (None, "off", "on"), "sometimes", 83)
-
-
 def test_cuda_rebuild_rope_place_changes_nothing_but_speed(monkeypatch):
     """The key rebuild rotates its keys in the MMA accumulators where every thread holds both dims of its pairs
     (chunk_rebuild.cu, rope_in_registers), or over its results in shared memory with SHADOWKV_REBUILD_ROPE=shared, read

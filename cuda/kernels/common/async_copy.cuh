@@ -100,16 +100,6 @@ __device__ __forceinline__ void bulk_copy_with_policy(void* shared, const void* 
 #endif
 }
 
-/// Asks L2 to fetch [global, global + bytes) (sm_90 on; a no-op before): the bytes land in L2 while the kernel goes
-/// on, and its later loads of them wait for L2, not DRAM. `global` and `bytes` must be multiples of 16.
-__device__ __forceinline__ void prefetch_to_l2(const void* global, unsigned bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(global), "r"(bytes) : "memory");
-#else
-  (void)global, (void)bytes;
-#endif
-}
-
 /// Closes this thread's copies issued since the last commit into one group (an empty group is allowed, and keeps the
 /// wait count of a pipeline fixed).
 __device__ __forceinline__ void commit_async_copies() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }

@@ -10,7 +10,6 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "common/async_copy.cuh"
 #include "common/dependent_launch.cuh"
 #include "common/element_access.cuh"
 #include "common/ordered_compaction.cuh"
@@ -151,23 +150,6 @@ __device__ __forceinline__ int score_chunks(const group_score_rule& scoring, con
   return candidates;
 }
 
-/// With dims::select_prefetch: asks L2 for the logits this CTA scores, chunks [first, end) of each of the group's G
-/// rows (prefetch_to_l2 over the 16-byte-aligned inside of each range, a thread a row), so that score_chunks' loads,
-/// a few dependent round trips a thread, wait for L2 and not for DRAM where the logits kernel's writes have left it.
-__device__ __forceinline__ void prefetch_logits(const dims& d, const step_workspace& ws, const select_row& row,
-                                                int first, int end) {
-  if (d.select_prefetch == 0 || static_cast<int>(threadIdx.x) >= d.group || end <= first) return;
-  const float* logits = row.logits_group(d, ws) + static_cast<long long>(threadIdx.x) * d.max_chunks;
-  constexpr std::uintptr_t kAlign = 16;
-  constexpr std::uintptr_t kMostBytes = std::uintptr_t{1} << 20;  // a prefetch's size is 32 bits; pieces of 1 MiB
-  std::uintptr_t at = (reinterpret_cast<std::uintptr_t>(logits + first) + kAlign - 1) & ~(kAlign - 1);
-  const std::uintptr_t stop = reinterpret_cast<std::uintptr_t>(logits + end) & ~(kAlign - 1);
-  for (; at < stop; at += kMostBytes) {
-    const std::uintptr_t bytes = stop - at < kMostBytes ? stop - at : kMostBytes;
-    prefetch_to_l2(reinterpret_cast<const void*>(at), static_cast<unsigned>(bytes));
-  }
-}
-
 /// Step A's preamble in both kernels: the per-query-head normalisers (decode) into `offsets`, and the first histogram
 /// and the candidate count zeroed. Ends with a barrier.
 __device__ __forceinline__ void start_scoring(const group_score_rule& scoring, const step_workspace& ws,
@@ -256,7 +238,6 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_kernel(const dims d,
   const group_score_rule scoring{input == score_input::summed_probabilities, d.group_mean != 0, d.group, offsets};
 
   // --- A. scores, radix keys and the first histogram (score_chunks) --------------------------------------------
-  prefetch_logits(d, ws, row, 0, row.n);
   start_scoring(scoring, ws, row, tile_rows, tiles, histogram, &candidate_count);
   phase_stamp(stamped_kernel::select, 2);
   count_candidates(score_chunks(scoring, d, ws, row, 0, row.n, radix_keys, 0, histogram), &candidate_count);
@@ -321,7 +302,6 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_cluster_kernel(const
   const int slice = ((row.n + ctas - 1) / ctas + 31) / 32 * 32;  // whole warps' worth a CTA (<= slice_capacity)
   const int first = min(row.n, rank * slice);
   const int end = min(row.n, first + slice);
-  prefetch_logits(d, ws, row, first, end);
   const cluster_shared_layout layout = cluster_shared_layout_for(d, ctas);
   unsigned* slice_keys = reinterpret_cast<unsigned*>(select_shared + layout.slice_keys);  // chunk c at c - first
   float* offsets = reinterpret_cast<float*>(select_shared);  // [G]
