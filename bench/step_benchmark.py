@@ -261,7 +261,7 @@ def run_case(args, device, batch, seq_len, budget, value_store, target_hit, band
     run_bytes = chunk * dim + 4 if values_on.endswith("_fp8") else chunk * dim * 2
     missed_bytes = batch * (1.0 - hit) * (budget // chunk) * hkv * run_bytes
     floor = landmark_bytes / memory_bw + missed_bytes / (memory_bw if value_store.startswith("device") else link_bw)
-    row = {"batch": batch, "seq_len": seq_len, "budget": budget, "value_store": values_on,
+    row = {"batch": batch, "seq_len": seq_len, "budget": budget, "value_store": values_on, "options": options,
            "cache_tokens": cache_tokens, "decode_pipeline_parts": parts,
            "fetch_ctas": int(fetch_ctas) if fetch_ctas is not None else None,  # None: the backend's choice
            "factor_dtype": model_store.config["factor_dtype"], "group_score": model_store.config["group_score"],

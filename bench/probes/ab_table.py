@@ -22,8 +22,17 @@ def rows_of(path: str) -> list:
 
 
 def options_of(row: dict) -> str:
-    """The configuration's options as step_benchmark's --config spells the ones that tell rows apart here."""
+    """The configuration's options as step_benchmark's --config spells them: as recorded (the row's "options"), or,
+    in rows written before step_benchmark recorded them, rebuilt from the fields that tell rows apart here."""
+    if "options" in row:
+        return "+".join([row.get("value_store", ""), *row["options"]])
     parts = [row.get("value_store", "")]
+    if row.get("layers", 1) > 1:
+        parts.append(f"ly{row['layers']}")
+    if row.get("landmark_l2") == "normal":
+        parts.append("le0")
+    if row.get("select_prefetch") is False:  # session 28's branch landmark-l2-policy, before its prefetch went
+        parts.append("sp0")
     if row.get("select_cluster"):
         parts.append(f"s{row['select_cluster']}")
     if row.get("decode_pipeline_parts"):
