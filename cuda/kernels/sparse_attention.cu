@@ -33,7 +33,8 @@
 // not miss, beside the key rebuild, which attends over the missed rows itself (chunk_rebuild.cuh, miss_attention) and
 // writes its partials after the splits'; the combine merges both. (The same merge by the split kernel's CTA
 //    that finished last for its (entry, KV head), counted in a workspace array, measured no faster on the H200: slower
-//    at B = 1's 33 splits a head, level at B = 8 and 24; bench/NOTES.md, session 18.)
+//    at B = 1's 33 splits a head, level at B = 8 and 24; bench/NOTES.md, session 18. Session 29's, a warp a query
+//    head and all of a lane's loads in flight, bit-identical to the combine: +2.5 µs at B = 1 fused, level at 2-24.)
 //
 // Requires 16-byte aligned key/value arrays (the store's arenas are); rows are then aligned too since
 // D * sizeof(T) is a multiple of 16 for every supported D.
@@ -922,34 +923,34 @@ __global__ void __launch_bounds__(kMmaThreads, 2)
     __syncthreads();
     phase_stamp(stamped_kernel::attention, 64);
 
-    // The quad's column sums, then each warp's state to shared memory, then the CTA's merge.
+    // The quad's column sums, then each warp's state to shared memory, then the CTA's merge: of the tile's query heads
+    // only (the MMA's rows past them are padding: 12 of 16 at a group of 4).
+    const int tile_heads = min(kMmaHeads, d.group - tile * kMmaHeads);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       running_sum[half] += __shfl_xor_sync(0xFFFFFFFFU, running_sum[half], 1);
       running_sum[half] += __shfl_xor_sync(0xFFFFFFFFU, running_sum[half], 2);
     }
 #pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
+    for (int half = 0; half < 2; ++half) {
+      if (group_row + 8 * half < tile_heads) {
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        unit_acc[warp][group_row][8 * n + pair_col + e] = acc[n][e];
-        unit_acc[warp][group_row + 8][8 * n + pair_col + e] = acc[n][2 + e];
-      }
-    }
-    if (lane % 4 == 0) {
+        for (int n = 0; n < D / 8; ++n) {
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        unit_max[warp][group_row + 8 * half] = running_max[half];
-        unit_sum[warp][group_row + 8 * half] = running_sum[half];
+          for (int e = 0; e < 2; ++e) unit_acc[warp][group_row + 8 * half][8 * n + pair_col + e] = acc[n][2 * half + e];
+        }
+        if (lane % 4 == 0) {
+          unit_max[warp][group_row + 8 * half] = running_max[half];
+          unit_sum[warp][group_row + 8 * half] = running_sum[half];
+        }
       }
     }
     __syncthreads();
     phase_stamp(stamped_kernel::attention, 65);
-    for (int index = tid; index < kMmaHeads * D; index += kMmaThreads) {
+    for (int index = tid; index < tile_heads * D; index += kMmaThreads) {
       const int tile_head = index / D;
       const int dim = index % D;
       const int local_head = tile * kMmaHeads + tile_head;
-      if (local_head >= d.group) continue;
       float cta_max = -INFINITY;
 #pragma unroll
       for (int w = 0; w < kMmaWarps; ++w) cta_max = fmaxf(cta_max, unit_max[w][tile_head]);
