@@ -285,6 +285,10 @@ struct timer {
 
 int main(int argc, char** argv) {
   const int reps = argc > 1 ? std::atoi(argv[1]) : 9;
+  // `./copy_issue_probe REPS TILES`: parts 2 and 3 only, over TILES tiles of 32 KiB (7680: B = 8's 252 MB of landmarks
+  // at S = 122880, Hkv = 8, D = 128; session 29); part 1 is left out then.
+  const int read_tiles = argc > 2 ? std::atoi(argv[2]) : 960;
+  const bool part_1 = argc <= 2;
   int multiprocessors = 0;
   CHECK(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, 0));
   cudaDeviceProp properties{};
@@ -320,6 +324,7 @@ int main(int argc, char** argv) {
   };
 
   // Part 1.
+  if (part_1) {
   const long long tokens_total = 122880;
   std::uint16_t* coefficients = nullptr;
   std::uint16_t* basis = nullptr;
@@ -399,8 +404,10 @@ int main(int argc, char** argv) {
     }
   }
 
+  }  // part 1
+
   // Part 2.
-  const int tiles = 960;
+  const int tiles = read_tiles;
   const long long bytes = static_cast<long long>(tiles) * kTileBytes;
   unsigned char* data = nullptr;
   unsigned char* copy_target = nullptr;
@@ -445,6 +452,7 @@ int main(int argc, char** argv) {
   CHECK(cudaFuncSetAttribute(stream_bulk<6>, cudaFuncAttributeMaxDynamicSharedMemorySize, 6 * kTileBytes));
   CHECK(cudaFuncSetAttribute(stream_bulk<12>, cudaFuncAttributeMaxDynamicSharedMemorySize, 12 * kTileBytes / 2));
   for (const int grid : {64, 128, multiprocessors}) {
+    if (!part_1 && grid != multiprocessors) continue;  // the whole-GPU readers only, for B = 8's bytes
     row("bulk 32 KiB tiles, 3 stages", grid,
         time_it([&] { stream_bulk<3><<<grid, 256, 3 * kTileBytes>>>(data, tiles, kTileBytes, sink); }));
     row("bulk 32 KiB tiles, 6 stages", grid,
