@@ -28,7 +28,8 @@ LABELS = {
     54: "K tile 4 landed", 55: "K tile 5 landed",
     # logits
     42: "views read", 43: "tiles described", 44: "first copies issued, q staged", 45: "tile done (barrier)",
-    40: "tile landed", 41: "tile done", 49: "last tile (end)",
+    40: "tile landed", 41: "tile computed (before the barrier)", 56: "tile written (thread 0's epilogue)",
+    49: "last tile (end)",
     # sparse attention (tensor cores)
     79: "fetch done (end)", 70: "split weights (barrier)", 71: "combined (end)",
     60: "row walk begun (barrier)", 61: "q staged, first steps issued", 62: "step landed (barrier)",

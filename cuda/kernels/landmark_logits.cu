@@ -599,6 +599,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG, kC, 
     const tile_descriptor& tile = descriptors[ordinal % kDescriptorSlots];
     float* buffer = tile_logits + (ordinal & 1) * kG * tile_rows;
     if constexpr (kMma) tile_barrier::wait(&barriers[ordinal % kTileStages], (ordinal / kTileStages) & 1);
+    if constexpr (kMma) phase_stamp(stamped_kernel::logits, 40);
     for (int sub = 0; sub < steps_per_tile; ++sub) {
       if constexpr (!kMma) {
         // Refills the stage that the previous step read (its values were consumed before this point).
@@ -748,6 +749,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG, kC, 
     // Every warp's rows of this tile are in `buffer`; every warp is done with q_shared, with the epilogue of the
     // other buffer (the previous tile), which the next tile overwrites, and with descriptor slot
     // (ordinal + kDescribedAhead) % kDescriptorSlots.
+    if constexpr (kMma) phase_stamp(stamped_kernel::logits, 41);
     __syncthreads();
     phase_stamp(stamped_kernel::logits, 45);
     // kMma: every warp is done with this tile's stage; refill it with the tile kTileStages on (its descriptor was
@@ -769,6 +771,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG, kC, 
       }
     }
     write_tile(tile, buffer);
+    if constexpr (kMma) phase_stamp(stamped_kernel::logits, 56);
     if (new_queries) __syncthreads();
   }
   if (claims != nullptr && threadIdx.x == 0) {
