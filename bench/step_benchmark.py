@@ -28,7 +28,9 @@ and/or +lp0 (the landmark logits beside the value fetch with every tile in fixed
 instead of half of them claimed from a pool) and/or +sh0 (select clusters always run the full radix select,
 SHADOWKV_SELECT_HINT=off, instead of starting from the previous selection's hint) and/or +le0 (the landmark logits
 read the landmarks as plain loads, SHADOWKV_LANDMARK_L2=normal, instead of under an L2 evict-first policy) and/or +acN
-(the tensor-core attention's split count aimed at N CTAs, SHADOWKV_ATTENTION_CTAS=N, instead of 264) and/or +lyN (a store of N layers,
+(the tensor-core attention's split count aimed at N CTAs, SHADOWKV_ATTENTION_CTAS=N, instead of 264) and/or +ep0 (the
+tensor-core landmark logits' tile epilogue writes the logits and finds the maxima, SHADOWKV_LOGITS_EPILOGUE=full,
+instead of the warps as they compute) and/or +lyN (a store of N layers,
 each with its own random context, and every step decodes all N in order, as a model does: the times are per layer,
 the step's divided by N. One layer's landmarks at B = 1 and S = 122880 are 31.5 MB, less than the H200's L2, so a
 one-layer step may find them there from the step before, which a model's next layer cannot).
@@ -174,6 +176,7 @@ def run_case(args, device, batch, seq_len, budget, value_store, target_hit, band
              "SHADOWKV_SELECT_HINT": "off" if "sh0" in options else None,
              "SHADOWKV_LANDMARK_L2": "normal" if "le0" in options else None,
              "SHADOWKV_ATTENTION_CTAS": attention_ctas,
+             "SHADOWKV_LOGITS_EPILOGUE": "full" if "ep0" in options else None,
              "SHADOWKV_FUSED_MISSES": "on" if "fm" in options else ("off" if "fm0" in options else None)}
     with _environment(knobs):
         store = KVStore(layers, hq, hkv, dim, max_batch=batch, max_seq_len=capacity, rank=args.rank, chunk_size=chunk,
@@ -280,6 +283,7 @@ def run_case(args, device, batch, seq_len, budget, value_store, target_hit, band
            "logits": "fma" if "lf" in options else ("mma" if "lm" in options else "auto"),
            "logits_pool": "lp0" not in options, "select_hint": "sh0" not in options,
            "landmark_l2": "normal" if "le0" in options else "evict_first",
+           "logits_epilogue": "full" if "ep0" in options else "lean",
            "fused_misses": "on" if "fm" in options else ("off" if "fm0" in options else "auto"),
            "target_hit": target_hit, "hit": hit,
            "query_correlation": a, "ours_ms": ours * 1e3, "full_ms": full * 1e3, "floor_ms": floor * 1e3,
@@ -474,7 +478,7 @@ def _parse_config(text: str) -> tuple:
     batch, seq_len, budget = (int(x) for x in shape.split("x"))
     place, *options = value_store.split("+")
     if place not in ("", "host", "device", "host_fp8", "device_fp8") or not all(
-            o in ("f32", "max", "tc", "ip", "tp", "ev", "fma", "pl0", "np", "rt0", "mt", "sma", "rs", "lf", "lm", "lp0", "sh0", "le0", "fm", "fm0") or (o[:1] in ("p", "c", "k") and o[1:].isdigit())
+            o in ("f32", "max", "tc", "ip", "tp", "ev", "fma", "pl0", "np", "rt0", "mt", "sma", "rs", "lf", "lm", "lp0", "sh0", "le0", "ep0", "fm", "fm0") or (o[:1] in ("p", "c", "k") and o[1:].isdigit())
             or (o[:2] in ("ly", "ac") and o[2:].isdigit() and int(o[2:]) >= 1)
             or o in ("s1", "s2", "s4", "s8") for o in options) or any(o[:1] == "k" and int(o[1:]) < 1 for o in options):
         raise SystemExit(f"--config {text}: the value store must be :host, :device, :host_fp8 or :device_fp8, "
@@ -482,7 +486,7 @@ def _parse_config(text: str) -> tuple:
                          f"(two-centroid chunk scores), +ip (device values read in place), +ev (even pipeline parts), +fma (CUDA-core attention), "
                          f"+cN (value fetch CTAs), +kN (a selection cache of N >= 1 times the budget), +sN (select kernel on "
                          f"N = 1, 2, 4 or 8 CTAs a head), +pl0 (plain kernel launches), +np (fetch at normal priority), +rt0 (no RoPE table), "
-                         f"+mt (rebuild on TF32 MMAs), +sma (select merge by every CTA), +rs (rebuild RoPE in shared memory), +lf / +lm (FMA / MMA landmark logits), +lp0 (no logits tile pool), +sh0 (no select hint), +le0 (landmarks as plain loads), +acN (attention CTAs), +fm / +fm0 (fused misses on / off) and/or +lyN (N >= 1 layers a step)")
+                         f"+mt (rebuild on TF32 MMAs), +sma (select merge by every CTA), +rs (rebuild RoPE in shared memory), +lf / +lm (FMA / MMA landmark logits), +lp0 (no logits tile pool), +sh0 (no select hint), +le0 (landmarks as plain loads), +ep0 (full logits epilogue), +acN (attention CTAs), +fm / +fm0 (fused misses on / off) and/or +lyN (N >= 1 layers a step)")
     return batch, seq_len, budget, "+".join([place or "host", *options])
 
 
@@ -586,7 +590,7 @@ def main(argv=None) -> int:
     for r in rows:
         g = f" {r['ours_graph_ms']:.3f} |" if graph else ""
         best = min(r["ours_ms"], r.get("ours_graph_ms", r["ours_ms"]))
-        print(f"| {r['batch']} | {r['seq_len']} | {r['budget']} | {r['value_store']}, {r['factor_dtype']}{', ' + r['group_score'] if r.get('group_score', 'mean') != 'mean' else ''}{', two centroids' if r.get('chunk_score') == 'two_centroids' else ''}{', values in place' if r.get('device_values') == 'in_place' else ''}{', even parts' if r.get('pipeline_split') == 'even' else ''}{', FMA attention' if r.get('attention') == 'fma' else ''}{', select on ' + str(r['select_cluster']) + ' CTAs' if r.get('select_cluster') else ''}{', plain launches' if r.get('programmatic_launch') is False else ''}{', fetch at normal priority' if r.get('fetch_priority') == 'normal' else ''}{', no RoPE table' if r.get('rope_table') is False else ''}{', rebuild on TF32 MMAs' if r.get('rebuild_mma') == 'tf32' else ''}{', select merge by every CTA' if r.get('select_merge') == 'all' else ''}{', rebuild RoPE in shared memory' if r.get('rebuild_rope') == 'shared' else ''}{', ' + r['logits'].upper() + ' logits' if r.get('logits') in ('fma', 'mma') else ''}{', no logits pool' if r.get('logits_pool') is False else ''}{', no select hint' if r.get('select_hint') is False else ''}{', attention CTAs ' + str(r['attention_ctas']) if r.get('attention_ctas') else ''}{', landmarks as plain loads' if r.get('landmark_l2') == 'normal' else ''}{', parts ' + str(r['decode_pipeline_parts']) if r.get('decode_pipeline_parts') else ''}{', fetch CTAs ' + str(r['fetch_ctas']) if r.get('fetch_ctas') else ''}{', cache ' + str(r['cache_tokens']) if r.get('cache_tokens') else ''}{', ' + str(r['layers']) + ' layers a step' if r.get('layers', 1) > 1 else ''} | {r['hit']:.2f} | {r['ours_ms']:.3f} |{g} "
+        print(f"| {r['batch']} | {r['seq_len']} | {r['budget']} | {r['value_store']}, {r['factor_dtype']}{', ' + r['group_score'] if r.get('group_score', 'mean') != 'mean' else ''}{', two centroids' if r.get('chunk_score') == 'two_centroids' else ''}{', values in place' if r.get('device_values') == 'in_place' else ''}{', even parts' if r.get('pipeline_split') == 'even' else ''}{', FMA attention' if r.get('attention') == 'fma' else ''}{', select on ' + str(r['select_cluster']) + ' CTAs' if r.get('select_cluster') else ''}{', plain launches' if r.get('programmatic_launch') is False else ''}{', fetch at normal priority' if r.get('fetch_priority') == 'normal' else ''}{', no RoPE table' if r.get('rope_table') is False else ''}{', rebuild on TF32 MMAs' if r.get('rebuild_mma') == 'tf32' else ''}{', select merge by every CTA' if r.get('select_merge') == 'all' else ''}{', rebuild RoPE in shared memory' if r.get('rebuild_rope') == 'shared' else ''}{', ' + r['logits'].upper() + ' logits' if r.get('logits') in ('fma', 'mma') else ''}{', no logits pool' if r.get('logits_pool') is False else ''}{', no select hint' if r.get('select_hint') is False else ''}{', attention CTAs ' + str(r['attention_ctas']) if r.get('attention_ctas') else ''}{', landmarks as plain loads' if r.get('landmark_l2') == 'normal' else ''}{', full logits epilogue' if r.get('logits_epilogue') == 'full' else ''}{', parts ' + str(r['decode_pipeline_parts']) if r.get('decode_pipeline_parts') else ''}{', fetch CTAs ' + str(r['fetch_ctas']) if r.get('fetch_ctas') else ''}{', cache ' + str(r['cache_tokens']) if r.get('cache_tokens') else ''}{', ' + str(r['layers']) + ' layers a step' if r.get('layers', 1) > 1 else ''} | {r['hit']:.2f} | {r['ours_ms']:.3f} |{g} "
               f"{r['full_ms']:.3f} | {r['floor_ms']:.3f} | {best / r['full_ms']:.2f} | {best * 1e3 / (r['floor_ms'] * 1e3):.1f} |")
     if graph:
         print("ratios use the faster of eager and graph-replayed steps")
