@@ -77,6 +77,9 @@ struct dims {
                      ///< chunk_rebuild.cuh's miss_attention) and the attention walks only the other rows, without
                      ///< waiting for the rebuild (sparse_attention.cu); the backend's choice per step
                      ///< (SHADOWKV_FUSED_MISSES), 0: the rebuild writes keys, the attention reads every row
+  int logits_lean_epilogue;  ///< 1: the tensor-core decode logits' warps store their rows' logits and maxima as they
+                             ///< compute them, so a tile's epilogue only sums exponentials (landmark_logits.cu;
+                             ///< SHADOWKV_LOGITS_EPILOGUE=lean, the store's default), 0: the epilogue does all of it
 };
 
 /// Everything of one (slot, layer) on the device. Row-major, head-major where a kernel reads one head at a time.

@@ -127,6 +127,13 @@ bool select_hint_setting() { return !knob_is("SHADOWKV_SELECT_HINT", "on", "off"
 // bench/step_benchmark.py's +le0).
 bool landmark_evict_first_setting() { return !knob_is("SHADOWKV_LANDMARK_L2", "evict_first", "normal"); }
 
+// Who writes the tensor-core decode logits and their tiles' maxima: "lean" (the default: each warp, from its MMA
+// registers, as it computes its rows, so that a tile's epilogue only sums the exponentials; the epilogue's warps are
+// the last ones, away from thread 0's tile issue) or "full" (the tile's epilogue, a warp a query head, as the lanes'
+// FMA path does). Both store the same logits and partials, bit for bit. SHADOWKV_LOGITS_EPILOGUE picks one (a
+// measurement knob for bench/step_benchmark.py's +ep0).
+bool logits_lean_epilogue_setting() { return !knob_is("SHADOWKV_LOGITS_EPILOGUE", "lean", "full"); }
+
 // Which arithmetic sums the decode landmark logits: "auto" (the default: bf16 landmark rows of 64 or 128 elements on
 // m16n8k16 MMAs over bulk-copied tiles, q in three bf16 terms, when the batch has many tiles; the lanes' FMAs else),
 // "fma" (the lanes' FMAs over q in float32, for every shape) or "mma" (the MMAs wherever they serve the shape). Both
@@ -372,6 +379,7 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   dims_.landmark_evict_first = landmark_evict_first_setting() ? 1 : 0;
   attention_early_ = attention_early_setting();
   dims_.attention_ctas = attention_ctas_setting();
+  dims_.logits_lean_epilogue = logits_lean_epilogue_setting() ? 1 : 0;
   fused_misses_ = fused_misses_setting();
 
   // The store's own stream (calls given no stream) is ordered after the legacy default stream, where a caller's

@@ -143,6 +143,7 @@ struct shared_layout {
   int barriers;     ///< kMma: a transaction barrier (uint64) per tile stage
   int queries;      ///< float [kG][kDims], in the order the lanes read them (see stage_queries)
   int tile_logits;  ///< float [2][kG][tile_rows]: this tile's logits and the previous tile's, still being written out
+  int tile_maxima;  ///< kMma: float [2][kWarps][kG]: each warp's max of its rows' logits a query head, by tile parity
   int descriptors;  ///< tile_descriptor [kDescriptorSlots]
   int sequences;    ///< sequence_entry [batch + 1, rounded up]
   int bytes;
@@ -157,7 +158,8 @@ __host__ __device__ shared_layout shared_layout_for(int tile_rows, int batch) {
                                                 : kWarps * kStages * Split::kSlots * 32 * 16);
   layout.queries = layout.barriers + (Split::kTensorCores ? align16(kTileStages * 8) : 0);
   layout.tile_logits = layout.queries + align16(Split::kQueryBytes);
-  layout.descriptors = layout.tile_logits + align16(2 * kG * tile_rows * 4);
+  layout.tile_maxima = layout.tile_logits + align16(2 * kG * tile_rows * 4);
+  layout.descriptors = layout.tile_maxima + (Split::kTensorCores ? align16(2 * kWarps * kG * 4) : 0);
   layout.sequences = layout.descriptors + align16(kDescriptorSlots * static_cast<int>(sizeof(tile_descriptor<kC>)));
   const int entries = (batch + 1 + kSequenceRounding - 1) / kSequenceRounding * kSequenceRounding;
   layout.bytes = layout.sequences + entries * static_cast<int>(sizeof(sequence_entry<kC>));
@@ -270,6 +272,11 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG, kC, 
   uint4* rings = reinterpret_cast<uint4*>(shared + layout.rings);
   float* q_shared = reinterpret_cast<float*>(shared + layout.queries);
   float* tile_logits = reinterpret_cast<float*>(shared + layout.tile_logits);
+  float* tile_maxima = reinterpret_cast<float*>(shared + layout.tile_maxima);
+  // dims::logits_lean_epilogue (tensor cores only): the warps store their rows' logits to global memory and their
+  // maxima to tile_maxima as they compute them, and the epilogue's head g falls to warp kWarps - 1 - g, away from
+  // thread 0, which issues the tiles and writes the descriptors.
+  const bool lean = kMma && d.logits_lean_epilogue != 0;
   tile_descriptor* descriptors = reinterpret_cast<tile_descriptor*>(shared + layout.descriptors);
   sequence_entry* sequences = reinterpret_cast<sequence_entry*>(shared + layout.sequences);
 
@@ -481,20 +488,27 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG, kC, 
 
   // Logits of the tile to global memory, and its softmax partial (max, sum exp) per query head (rows past the
   // context are not in it, as in chunk_selection.cu: they would add -inf to the max and 0 to the sum).
-  auto write_tile = [&](const tile_descriptor& tile, const float* tile_buffer) {
-    for (int g = warp; g < d.group; g += kWarps) {
+  // Lean (tensor cores): the logits are stored already, and the max is that of the warps' maxima of the tile (the
+  // max of the same values, so the same bits).
+  auto write_tile = [&](const tile_descriptor& tile, const float* tile_buffer, const float* maxima) {
+    for (int g = lean ? kWarps - 1 - warp : warp; g < d.group; g += kWarps) {
       const float* row_logits = tile_buffer + g * tile_rows;
       const long long j =
           static_cast<long long>(tile.sequence) * d.q_heads + static_cast<long long>(tile.head) * d.group + g;
-      float* out = logits + j * d.max_chunks + static_cast<long long>(tile.index) * tile_rows;
       float m = kNegativeInfinity;
-      for (int r = lane; r < tile.rows; r += 32) {
-        const float x = row_logits[r];
-        out[r] = x;
-        m = fmaxf(m, x);
-      }
+      if (lean) {
 #pragma unroll
-      for (int offset = 16; offset > 0; offset >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffU, m, offset));
+        for (int w = 0; w < kWarps; ++w) m = fmaxf(m, maxima[w * kG + g]);
+      } else {
+        float* out = logits + j * d.max_chunks + static_cast<long long>(tile.index) * tile_rows;
+        for (int r = lane; r < tile.rows; r += 32) {
+          const float x = row_logits[r];
+          out[r] = x;
+          m = fmaxf(m, x);
+        }
+#pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffU, m, offset));
+      }
       float s = 0.0F;
       for (int r = lane; r < tile.rows; r += 32) {
         const float x = row_logits[r];
@@ -598,6 +612,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG, kC, 
   for (int ordinal = 0; has_tile(ordinal); ++ordinal) {
     const tile_descriptor& tile = descriptors[ordinal % kDescriptorSlots];
     float* buffer = tile_logits + (ordinal & 1) * kG * tile_rows;
+    float* maxima_of_tile = tile_maxima + (ordinal & 1) * kWarps * kG;  // lean: [kWarps][kG]
     if constexpr (kMma) tile_barrier::wait(&barriers[ordinal % kTileStages], (ordinal / kTileStages) & 1);
     if constexpr (kMma) phase_stamp(stamped_kernel::logits, 40);
     for (int sub = 0; sub < steps_per_tile; ++sub) {
@@ -646,13 +661,34 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG, kC, 
 #pragma unroll
           for (int quad = 0; quad < split::kHeadQuads; ++quad) {
             const int g = 4 * quad + part;
+            float m = kNegativeInfinity;  // lean: the max of the lane's live rows, then of the warp's 16
 #pragma unroll
             for (int u = 0; u < 2; ++u) {
               if (g < d.group && live[u]) {
                 const float sum = (acc[quad][2 * u] + acc[quad][2 * u + 1]) + acc[split::kHeadQuads][2 * u + quad];
-                buffer[g * tile_rows + row + 8 * u] = outlier[u] ? kNegativeInfinity : d.softmax_scale * sum;
+                const float logit = outlier[u] ? kNegativeInfinity : d.softmax_scale * sum;
+                buffer[g * tile_rows + row + 8 * u] = logit;
+                if (lean) {
+                  const long long j = static_cast<long long>(tile.sequence) * d.q_heads +
+                                      static_cast<long long>(tile.head) * d.group + g;
+                  logits[j * d.max_chunks + static_cast<long long>(tile.index) * tile_rows + row + 8 * u] = logit;
+                  m = fmaxf(m, logit);
+                }
               }
             }
+            if (lean) {
+              // The 8 lanes of head g (lane % 4 == part) hold its 16 rows, the warp's only batch of the tile (the
+              // tensor-core path takes tiles of 128 rows: 8 warps x 16; launch_decode_landmark_logits).
+#pragma unroll
+              for (int offset = 4; offset < 32; offset <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffU, m, offset));
+              if (row_group == 0 && g < d.group) maxima_of_tile[warp * kG + g] = m;
+            }
+          }
+        } else if (lean && row_group == 0) {
+          // No rows of this tile for the warp: the identity of the max.
+#pragma unroll
+          for (int quad = 0; quad < split::kHeadQuads; ++quad) {
+            if (4 * quad + part < d.group) maxima_of_tile[warp * kG + 4 * quad + part] = kNegativeInfinity;
           }
         }
       } else if (first_row < rows) {
@@ -770,7 +806,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG, kC, 
         }
       }
     }
-    write_tile(tile, buffer);
+    write_tile(tile, buffer, maxima_of_tile);
     if constexpr (kMma) phase_stamp(stamped_kernel::logits, 56);
     if (new_queries) __syncthreads();
   }

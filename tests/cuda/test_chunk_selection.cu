@@ -81,6 +81,7 @@ struct case_config {
   int logits = 0;                ///< dims::logits_arithmetic: 0 the planner's choice, 1 the lanes' FMAs, 2 bf16 MMAs
   int beside = 0;                ///< launch_select_chunks' beside_ctas: > 0 gives the decode logits their tile pool
   bool pooled = true;            ///< dims::logits_pooled
+  bool lean_epilogue = true;     ///< dims::logits_lean_epilogue (the tensor-core logits; the store's default)
   /// layer_view::selection_hint: 0 none (null, dims::select_hint off), 1 zeroed at the start and then kept by the
   /// select clusters (their hint path from the second step), 2 random values at the start (stale hints of any kind)
   int hints = 1;
@@ -96,7 +97,7 @@ struct case_config {
       << (two_centroids ? " two_centroids" : "") << " select_cluster=" << select_cluster
       << (select_merge_all ? " merge=all" : "") << (programmatic ? " programmatic" : "")
       << (logits == 1 ? " logits=fma" : (logits == 2 ? " logits=mma" : "")) << " beside=" << beside
-      << (pooled ? "" : " pool=off") << " hints=" << hints;
+      << (pooled ? "" : " pool=off") << (lean_epilogue ? "" : " epilogue=full") << " hints=" << hints;
     return s.str();
   }
 };
@@ -372,6 +373,7 @@ void run_case(const case_config& cfg, unsigned long long* hinted = nullptr) {
   d.programmatic_launch = cfg.programmatic ? 1 : 0;
   d.logits_arithmetic = cfg.logits;
   d.logits_pooled = cfg.pooled ? 1 : 0;
+  d.logits_lean_epilogue = cfg.lean_epilogue ? 1 : 0;
   d.select_hint = cfg.hints > 0 ? 1 : 0;
 
   // Entries on a shuffled subset of the slots (exercises slot * num_layers + layer indexing).
@@ -1174,12 +1176,15 @@ TEST_F(ChunkSelection, TensorCoreAndLaneLogitsBothMatchTheModel) {
   // (bulk-copied tiles, q in three bf16 terms, 16 rows a warp) and the lanes' FMAs with 1. Each against the float64
   // model (scores within the tolerance, selections equal up to near-ties, planted ties bit-equal and won by the
   // smaller id): every group size of the head tiles (G = 3, 5 and 6 masked, G = 8 with two quads of heads), float32
-  // and bf16 queries, long ragged contexts whose CTAs cross heads and sequences and end inside partial batches.
+  // and bf16 queries, long ragged contexts whose CTAs cross heads and sequences and end inside partial batches. The
+  // tensor cores with both epilogues (dims::logits_lean_epilogue: the warps' own logit stores and maxima, or the
+  // epilogue's; logits 3 below).
   const int shapes[][3] = {{1, 64, 0}, {2, 128, 2}, {3, 128, 0}, {4, 128, 0}, {4, 64, 2}, {5, 128, 0},
                            {6, 64, 0}, {8, 128, 2}};  // group, head_dim, query type
   std::uint64_t seed = 97;
   for (const auto& shape : shapes) {
-    for (const int logits : {2, 1}) {
+    for (const int arithmetic : {2, 1, 3}) {
+      const int logits = arithmetic == 3 ? 2 : arithmetic;
       case_config cfg = random_case(seed);
       cfg.seed = seed++;
       cfg.batch = 3;
@@ -1194,6 +1199,7 @@ TEST_F(ChunkSelection, TensorCoreAndLaneLogitsBothMatchTheModel) {
       cfg.budget = 256;
       cfg.tie_fraction = 0.2;
       cfg.logits = logits;
+      cfg.lean_epilogue = arithmetic != 3;
       run_case(cfg);
       if (HasFatalFailure()) return;
     }

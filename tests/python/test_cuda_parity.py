@@ -681,6 +681,17 @@ def test_cuda_logits_arithmetic_changes_nothing_but_speed(monkeypatch):
     _knob_changes_nothing(monkeypatch, "SHADOWKV_LOGITS", (None, "fma", "mma", "auto"), "tf32", 61)
 
 
+def test_cuda_logits_epilogue_changes_nothing_but_speed(monkeypatch):
+    """The tensor-core decode logits' warps store their rows' logits and each head's max as they compute them, and a
+    tile's epilogue only sums the exponentials (landmark_logits.cu, dims::logits_lean_epilogue), or the epilogue does
+    all of it with SHADOWKV_LOGITS_EPILOGUE=full, read when the store is built: the same logits and the max of the same
+    values, so outputs, selections and statistics are bit-identical, with bf16 and fp8 host values and the batch in
+    parts; the tensor-core logits forced (SHADOWKV_LOGITS=mma: this small batch would take the lanes' FMAs); a setting
+    that is neither is refused."""
+    monkeypatch.setenv("SHADOWKV_LOGITS", "mma")
+    _knob_changes_nothing(monkeypatch, "SHADOWKV_LOGITS_EPILOGUE", (None, "full", "lean"), "some", 89)
+
+
 def test_cuda_logits_pool_changes_nothing_but_speed(monkeypatch):
     """A decode landmark-logits launch beside the value fetch (a pipeline part after the first) takes half of its tiles
     in fixed shares and claims the rest from a pool (landmark_logits.cu; SHADOWKV_LOGITS_POOL=off keeps every tile in
