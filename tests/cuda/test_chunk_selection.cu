@@ -82,6 +82,7 @@ struct case_config {
   int beside = 0;                ///< launch_select_chunks' beside_ctas: > 0 gives the decode logits their tile pool
   bool pooled = true;            ///< dims::logits_pooled
   bool lean_epilogue = true;     ///< dims::logits_lean_epilogue (the tensor-core logits; the store's default)
+  unsigned empty_entries = 0;    ///< bit b: entry b has no context at either step (besides the seed's last-entry rule)
   /// layer_view::selection_hint: 0 none (null, dims::select_hint off), 1 zeroed at the start and then kept by the
   /// select clusters (their hint path from the second step), 2 random values at the start (stale hints of any kind)
   int hints = 1;
@@ -97,7 +98,8 @@ struct case_config {
       << (two_centroids ? " two_centroids" : "") << " select_cluster=" << select_cluster
       << (select_merge_all ? " merge=all" : "") << (programmatic ? " programmatic" : "")
       << (logits == 1 ? " logits=fma" : (logits == 2 ? " logits=mma" : "")) << " beside=" << beside
-      << (pooled ? "" : " pool=off") << (lean_epilogue ? "" : " epilogue=full") << " hints=" << hints;
+      << (pooled ? "" : " pool=off") << (lean_epilogue ? "" : " epilogue=full") << " empty_entries=0x" << std::hex << empty_entries
+      << std::dec << " hints=" << hints;
     return s.str();
   }
 };
@@ -391,6 +393,7 @@ void run_case(const case_config& cfg, unsigned long long* hinted = nullptr) {
     e.context[0] = std::min(mc, uniform(0, cfg.max_context));
     if (B > 1 && b == B - 1 && cfg.seed % 3 == 0) e.context[0] = 0;  // an empty entry beside full ones
     e.context[1] = std::min(mc, e.context[0] + uniform(0, 3));
+    if (b < 32 && (cfg.empty_entries >> b & 1U) != 0) e.context[0] = e.context[1] = 0;
     const int n = e.context[1];
 
     e.landmarks.assign(cfg.two_centroids ? 0 : static_cast<std::size_t>(Hkv) * mc * D, 0.0F);
@@ -1203,6 +1206,34 @@ TEST_F(ChunkSelection, TensorCoreAndLaneLogitsBothMatchTheModel) {
       run_case(cfg);
       if (HasFatalFailure()) return;
     }
+  }
+}
+
+TEST_F(ChunkSelection, TensorCoreTileSharesCrossHeadsAndEmptyEntries) {
+  // The tensor-core decode logits' shares of many tiles a CTA that cross heads and entries: 132 CTAs (a launch beside
+  // 250 others, the pool off) over ~1500 live tiles of 16 ragged entries, two heads each, with empty entries between
+  // full ones (one alone, two side by side, the first), so that thread 0's descriptors inside the tile loop (not only
+  // the first ones, a lane each) land on every kind of boundary.
+  std::uint64_t seed = 811;
+  for (const unsigned empty : {0x188U, 0x1U | 0x6000U}) {
+    case_config cfg = random_case(seed);
+    cfg.seed = seed++;
+    cfg.batch = 16;
+    cfg.kv_heads = 2;
+    cfg.group = 4;
+    cfg.head_dim = 128;
+    cfg.kv_type = shadowkv::cuda::element_bf16;
+    cfg.tokens = 1;
+    cfg.max_chunks = 12000;
+    cfg.max_context = 12000;
+    cfg.budget = 256;
+    cfg.logits = 2;
+    cfg.beside = 250;
+    cfg.pooled = false;
+    cfg.select_cluster = 0;
+    cfg.empty_entries = empty;
+    run_case(cfg);
+    if (HasFatalFailure()) return;
   }
 }
 
