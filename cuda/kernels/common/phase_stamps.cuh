@@ -31,7 +31,6 @@ constexpr int kMaxPhaseStamps = 64;
 static __device__ long long phase_stamp_cycles[kStampedKernels][kMaxPhaseStamps];
 static __device__ unsigned long long phase_stamp_times[kStampedKernels][2];
 static __device__ int phase_stamp_labels[kStampedKernels][kMaxPhaseStamps];
-static __device__ int phase_stamp_count[kStampedKernels];
 static __device__ unsigned phase_stamp_launches[kStampedKernels];
 
 constexpr int kMaxSpanCtas = 8192;
@@ -40,6 +39,14 @@ static __device__ unsigned long long cta_span_start[kStampedKernels][kMaxSpanCta
 static __device__ unsigned long long cta_span_end[kStampedKernels][kMaxSpanCtas];
 static __device__ unsigned cta_spans_done[kStampedKernels];
 static __device__ unsigned cta_span_launches[kStampedKernels];
+
+/// The stamping CTA's stamps so far, in shared memory: a stamp costs its thread a shared load and store, not a global
+/// round trip (with several stamps a tile, the global count's loads slowed the phases they measured; bench/NOTES.md,
+/// session 29). One variable a CTA for every call site of the kernel.
+__device__ __forceinline__ int& phase_stamp_count() {
+  __shared__ int count;
+  return count;
+}
 
 __device__ __forceinline__ bool stamping_cta() {
   return threadIdx.x == 0 && threadIdx.y == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0;
@@ -105,18 +112,23 @@ __device__ __forceinline__ void start_phase_stamps(stamped_kernel kernel) {
   phase_stamp_times[k][0] = global_nanoseconds();
   phase_stamp_cycles[k][0] = clock64();
   phase_stamp_labels[k][0] = 0;
-  phase_stamp_count[k] = 1;
+  phase_stamp_count() = 1;
 }
 
-/// A stamp labelled `label` (a number the probe's table names; a phase inside a loop stamps once an iteration).
-__device__ __forceinline__ void phase_stamp(stamped_kernel kernel, int label) {
-  if (!stamping_cta()) return;
-  const int k = static_cast<int>(kernel);
-  const int i = phase_stamp_count[k];
-  if (i >= kMaxPhaseStamps) return;
+__device__ __forceinline__ void record_phase_stamp(int k, int i, int label) {
   phase_stamp_cycles[k][i] = clock64();
   phase_stamp_labels[k][i] = label;
-  phase_stamp_count[k] = i + 1;
+  phase_stamp_count() = i + 1;
+}
+
+/// A stamp labelled `label` (a number the probe's table names; a phase inside a loop stamps once an iteration). The
+/// last slot is kept for finish_phase_stamps, so that the printed cycles always end where the global-timer span
+/// ends and phase_stamps.py's cycles-to-µs scale holds when a long loop runs out of slots.
+__device__ __forceinline__ void phase_stamp(stamped_kernel kernel, int label) {
+  if (!stamping_cta()) return;
+  const int i = phase_stamp_count();
+  if (i >= kMaxPhaseStamps - 1) return;
+  record_phase_stamp(static_cast<int>(kernel), i, label);
 }
 
 /// The last stamp: prints "phase_stamps <kernel> sm <id> ns <first to last> : label:cycles ..." (cycles since the
@@ -134,8 +146,8 @@ __device__ __forceinline__ void finish_phase_stamps(stamped_kernel kernel, int l
     }
   }
   if (!stamping_cta()) return;
-  phase_stamp(kernel, label);
   const int k = static_cast<int>(kernel);
+  record_phase_stamp(k, min(phase_stamp_count(), kMaxPhaseStamps - 1), label);
   phase_stamp_times[k][1] = global_nanoseconds();
   const unsigned launch = atomicAdd(&phase_stamp_launches[k], 1U);
   if (launch % 16 != 7) return;
@@ -159,7 +171,7 @@ __device__ __forceinline__ void finish_phase_stamps(stamped_kernel kernel, int l
     } while (x > 0 && n < 24);
     while (n > 0 && at < 1000) line[at++] = digits[--n];
   };
-  for (int i = 1; i < phase_stamp_count[k]; ++i) {
+  for (int i = 1; i < phase_stamp_count(); ++i) {
     put(" ");
     put_number(phase_stamp_labels[k][i]);
     put(":");
