@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# On the GPU machine: where each warp stalls, instruction by instruction. Builds the Python module (as
+# profile_decode_kernels.sh), then for each BATCH:VALUES configuration (default 8:device 1:device) Nsight Compute's PC
+# sampling (SourceCounters) over one decode step of decode_kernels_probe.py, for the kernels whose names match
+# NCU_KERNELS (a regex; default the logits, select, rebuild and attention kernels), and prints each profiled kernel's SASS with its warp
+# stall samples as CSV (ncu --page source). ncu_source_summary.py then lists, per kernel, the instructions that
+# hold most of the samples and the sampled reasons.
+#   OUT=/tmp/x bash bench/probes/ncu_source_stalls.sh "8:device 1:device"
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+out="${OUT:-bench/results}"
+source bench/cuda_build.sh
+cuda_configure build/profile "$out/cmake.log" -DSHADOWKV_BUILD_TESTS=OFF -DSHADOWKV_BUILD_PYTHON=ON &&
+  cuda_build build/profile "$out/cmake.log" _core || { tail -40 "$out/cmake.log"; exit 1; }
+cp build/profile/_core*.so python/shadowkv_core/
+export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+kernels="${NCU_KERNELS:-decode_landmark_logits|select|rebuild|sparse_attention}"
+for config in "${@:-8:device 1:device}"; do
+  for one in $config; do
+    batch="${one%%:*}"; values="${one##*:}"
+    rep="$out/source-B${batch}-${values}"
+    timeout "${NCU_TIMEOUT_S:-200}" ncu --profile-from-start off --clock-control none \
+      --section SourceCounters --section WarpStateStats --import-source no \
+      --kernel-name "regex:$kernels" -f -o "$rep" \
+      python3 bench/probes/decode_kernels_probe.py --batch "$batch" --values "$values" >"$rep.log" 2>&1
+    echo "B=$batch $values: rc $?; $(grep -m1 'a step (profiled)' "$rep.log")"
+    ncu -i "$rep.ncu-rep" --page source --csv --print-source sass >"$rep.csv" 2>"$rep.err" ||
+      { echo "source page failed:"; head -5 "$rep.err"; }
+    ncu -i "$rep.ncu-rep" --page details --section WarpStateStats >"$rep-details.txt" 2>&1
+    python3 bench/probes/ncu_source_summary.py "$rep.csv" >"$rep-summary.txt" 2>&1
+    cat "$rep-summary.txt"
+
+  done
+done
+(cd "$out" && tar czf source-stalls.tgz source-* cmake.log && rm -f source-*.ncu-rep source-*.csv source-*.err)
