@@ -252,6 +252,22 @@ __device__ tile_descriptor<kC> describe_tile(const sequence_entry<kC>* sequences
 // kC = 2: two-centroid scores (T = e4m3_code, rows of codes; see row_split). The logit of a row is
 // log(w1 e^(s q·ĉ1) + w2 e^(s q·ĉ2)) as in selection/landmark_scoring.cu's tiled kernel (shadowkv/chunk_centroids.hpp),
 // formed by the lane that keeps the row's two sums.
+/// Asks L2 for a described tile's outlier flags (its rows' bytes, one or two 128-byte lines), so that the warps'
+/// loads of them, a few tiles later, find them there and not in DRAM behind the landmark stream (Nsight Compute's
+/// PC sampling, session 31: the flags' loads held 15-25% of the logits kernels' warp stall samples).
+template <int kC>
+__device__ __forceinline__ void prefetch_outlier_flags(const tile_descriptor<kC>& tile) {
+  if (tile.rows <= 0) return;
+  const char* first = reinterpret_cast<const char*>(tile.outliers);
+#ifdef SHADOWKV_OUTLIER_PREFETCH_EVICT_LAST
+  asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(first));
+  asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(first + tile.rows - 1));
+#else
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(first));
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(first + tile.rows - 1));
+#endif
+}
+
 template <typename T, int kRowBytes, int kG, int kC, bool kMma>
 __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG, kC, kMma>())
     decode_landmark_logits_kernel(const dims d, const layer_view* views, const int* batch_slots, const int layer,
@@ -369,6 +385,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG, kC, 
           tile = describe_tile<split::kDims, T, kC>(sequences, batch, share_first + lane, tile_rows, d);
         }
         descriptors[lane] = tile;
+        prefetch_outlier_flags(tile);
       }
       if (lane == 0) {
         fixed_next = min(share_first + kDescribedAhead, share_end);
@@ -377,7 +394,10 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG, kC, 
     } else if (lane == 0) {
       fixed_next = share_edge(blockIdx.x);
       fixed_end = share_edge(blockIdx.x + 1);
-      for (int i = 0; i < kDescribedAhead; ++i) descriptors[i] = next_descriptor();
+      for (int i = 0; i < kDescribedAhead; ++i) {
+        descriptors[i] = next_descriptor();
+        prefetch_outlier_flags(descriptors[i]);
+      }
     }
   }
   __syncthreads();
@@ -791,7 +811,11 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG, kC, 
     // kMma: every warp is done with this tile's stage; refill it with the tile kTileStages on (its descriptor was
     // written kDescribedAhead - kTileStages tiles ago).
     if (kMma && threadIdx.x == 0 && has_tile(ordinal + kTileStages)) issue_tile(ordinal + kTileStages);
-    if (threadIdx.x == 0) descriptors[(ordinal + kDescribedAhead) % kDescriptorSlots] = next_descriptor();
+    if (threadIdx.x == 0) {
+      const tile_descriptor ahead = next_descriptor();
+      descriptors[(ordinal + kDescribedAhead) % kDescriptorSlots] = ahead;
+      prefetch_outlier_flags(ahead);
+    }
     if (new_queries) {
       if constexpr (kMma) {
         store_queries(next, load_queries(next));
