@@ -228,6 +228,18 @@ __device__ tile_descriptor<kC> describe_tile(const sequence_entry<kC>* sequences
   return tile;
 }
 
+/// Asks L2 for a described tile's outlier flags (its rows' bytes, one or two 128-byte lines), so that the warps'
+/// loads of them, a few tiles later, find them there and not in DRAM behind the landmark stream (Nsight Compute's
+/// PC sampling, session 31: the flags' loads held 15-25% of the logits kernels' warp stall samples). Measured at
+/// B = 8: the logits kernel 78 -> 72 µs; an evict_last priority was no better (bench/NOTES.md, session 31).
+template <int kC>
+__device__ __forceinline__ void prefetch_outlier_flags(const tile_descriptor<kC>& tile) {
+  if (tile.rows <= 0) return;
+  const char* first = reinterpret_cast<const char*>(tile.outliers);
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(first));
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(first + tile.rows - 1));
+}
+
 // A persistent grid: CTA x takes a contiguous share of the batch's live tiles (sequence-major, then head, then tile;
 // the shares differ by at most one tile, whatever the context lengths), so there is no partial last wave and a CTA
 // mostly stays on one (sequence, head) and its q. With a pool (`claims`: a launch beside the value fetch) the shares
@@ -252,22 +264,6 @@ __device__ tile_descriptor<kC> describe_tile(const sequence_entry<kC>* sequences
 // kC = 2: two-centroid scores (T = e4m3_code, rows of codes; see row_split). The logit of a row is
 // log(w1 e^(s q·ĉ1) + w2 e^(s q·ĉ2)) as in selection/landmark_scoring.cu's tiled kernel (shadowkv/chunk_centroids.hpp),
 // formed by the lane that keeps the row's two sums.
-/// Asks L2 for a described tile's outlier flags (its rows' bytes, one or two 128-byte lines), so that the warps'
-/// loads of them, a few tiles later, find them there and not in DRAM behind the landmark stream (Nsight Compute's
-/// PC sampling, session 31: the flags' loads held 15-25% of the logits kernels' warp stall samples).
-template <int kC>
-__device__ __forceinline__ void prefetch_outlier_flags(const tile_descriptor<kC>& tile) {
-  if (tile.rows <= 0) return;
-  const char* first = reinterpret_cast<const char*>(tile.outliers);
-#ifdef SHADOWKV_OUTLIER_PREFETCH_EVICT_LAST
-  asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(first));
-  asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(first + tile.rows - 1));
-#else
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(first));
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(first + tile.rows - 1));
-#endif
-}
-
 template <typename T, int kRowBytes, int kG, int kC, bool kMma>
 __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG, kC, kMma>())
     decode_landmark_logits_kernel(const dims d, const layer_view* views, const int* batch_slots, const int layer,
