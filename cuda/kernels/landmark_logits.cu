@@ -231,7 +231,9 @@ __device__ tile_descriptor<kC> describe_tile(const sequence_entry<kC>* sequences
 /// Asks L2 for a described tile's outlier flags (its rows' bytes, one or two 128-byte lines), so that the warps'
 /// loads of them, a few tiles later, find them there and not in DRAM behind the landmark stream (Nsight Compute's
 /// PC sampling, session 31: the flags' loads held 15-25% of the logits kernels' warp stall samples). Measured at
-/// B = 8: the logits kernel 78 -> 72 µs; an evict_last priority was no better (bench/NOTES.md, session 31).
+/// B = 8: the logits kernel 78 -> 72 µs; an evict_last priority was no better (bench/NOTES.md, session 31). The
+/// tensor-core path only: on the FMA path it made the bf16 G = 4 instantiation (B = 1's) spill 20 bytes, and B = 1's
+/// logits were level with it (17.1 -> 17.3 µs).
 template <int kC>
 __device__ __forceinline__ void prefetch_outlier_flags(const tile_descriptor<kC>& tile) {
   if (tile.rows <= 0) return;
@@ -381,7 +383,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG, kC, 
           tile = describe_tile<split::kDims, T, kC>(sequences, batch, share_first + lane, tile_rows, d);
         }
         descriptors[lane] = tile;
-        prefetch_outlier_flags(tile);
+        if constexpr (kMma) prefetch_outlier_flags(tile);
       }
       if (lane == 0) {
         fixed_next = min(share_first + kDescribedAhead, share_end);
@@ -392,7 +394,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG, kC, 
       fixed_end = share_edge(blockIdx.x + 1);
       for (int i = 0; i < kDescribedAhead; ++i) {
         descriptors[i] = next_descriptor();
-        prefetch_outlier_flags(descriptors[i]);
+        if constexpr (kMma) prefetch_outlier_flags(descriptors[i]);
       }
     }
   }
@@ -808,9 +810,13 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG, kC, 
     // written kDescribedAhead - kTileStages tiles ago).
     if (kMma && threadIdx.x == 0 && has_tile(ordinal + kTileStages)) issue_tile(ordinal + kTileStages);
     if (threadIdx.x == 0) {
-      const tile_descriptor ahead = next_descriptor();
-      descriptors[(ordinal + kDescribedAhead) % kDescriptorSlots] = ahead;
-      prefetch_outlier_flags(ahead);
+      if constexpr (kMma) {
+        const tile_descriptor ahead = next_descriptor();
+        descriptors[(ordinal + kDescribedAhead) % kDescriptorSlots] = ahead;
+        prefetch_outlier_flags(ahead);
+      } else {
+        descriptors[(ordinal + kDescribedAhead) % kDescriptorSlots] = next_descriptor();
+      }
     }
     if (new_queries) {
       if constexpr (kMma) {
