@@ -15,6 +15,7 @@ cuda_configure build/profile "$out/cmake.log" -DSHADOWKV_BUILD_TESTS=OFF -DSHADO
   cuda_build build/profile "$out/cmake.log" _core || { tail -40 "$out/cmake.log"; exit 1; }
 cp build/profile/_core*.so python/shadowkv_core/
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+export PATH="$PATH:/usr/local/cuda/bin"  # cuobjdump and nvdisasm for the listings
 kernels="${NCU_KERNELS:-decode_landmark_logits|select|rebuild|sparse_attention}"
 # The kernels' listings with source lines (nvdisasm -g of this build's objects), so that the summary can name the
 # source line of each sampled instruction.

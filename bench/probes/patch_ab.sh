@@ -70,6 +70,13 @@ wait $pid_b || { echo "B's build failed"; tail -40 "$out/b/cmake.log"; exit 1; }
 if [ -n "$pid_c" ]; then wait $pid_c || { echo "C's build failed"; tail -40 "$out/c/cmake.log"; exit 1; }; fi
 echo "built $trees at $((SECONDS - started)) s"
 : >"$out/ab-summary.txt"
+# Registers and stack (spills) of every kernel that the patch changed: a branch's speed can hang on them.
+for tree in b c; do
+  [[ " $trees " == *" $tree "* ]] || continue
+  resources=$(python3 bench/probes/resource_diff.py "$a/build/ab/cuda" "$(root_of $tree)/build/ab/cuda" 2>&1)
+  { echo "== ${tree^^} against A: $(head -1 <<<"$resources")"; tail -n +2 <<<"$resources" | head -40; } |
+    tee -a "$out/ab-summary.txt"
+done
 for tree in $trees; do
   root=$(root_of $tree)
   cp "$root"/build/ab/_core*.so "$root/python/shadowkv_core/"
