@@ -11,10 +11,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 out="${OUT:-bench/results}"
 source bench/cuda_build.sh
-cuda_configure build/profile "$out/cmake.log" -DSHADOWKV_BUILD_TESTS=OFF -DSHADOWKV_BUILD_PYTHON=ON &&
-  cuda_build build/profile "$out/cmake.log" _core || { tail -40 "$out/cmake.log"; exit 1; }
-cp build/profile/_core*.so python/shadowkv_core/
-export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+cuda_python_module build/profile "$out/cmake.log" || exit 1
 export PATH="$PATH:/usr/local/cuda/bin"  # cuobjdump and nvdisasm for the listings
 kernels="${NCU_KERNELS:-decode_landmark_logits|select|rebuild|sparse_attention}"
 # The kernels' listings with source lines (nvdisasm -g of this build's objects), so that the summary can name the

@@ -9,11 +9,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 out="$(cd "${OUT:-bench/results}" && pwd)"
 source bench/cuda_build.sh
-cuda_configure build/stamps "$out/stamps-cmake.log" -DSHADOWKV_BUILD_TESTS=OFF -DSHADOWKV_BUILD_PYTHON=ON \
-  -DCMAKE_CUDA_FLAGS=-DSHADOWKV_PHASE_STAMPS && cuda_build build/stamps "$out/stamps-cmake.log" _core ||
-  { tail -40 "$out/stamps-cmake.log"; exit 1; }
-cp build/stamps/_core*.so python/shadowkv_core/
-export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+cuda_python_module build/stamps "$out/stamps-cmake.log" -DCMAKE_CUDA_FLAGS=-DSHADOWKV_PHASE_STAMPS || exit 1
 for config in ${CONFIGS:-1x122880x2048:device}; do
   name=$(echo "$config" | tr ':+' '__')
   timeout "${STEP_TIMEOUT_S:-120}" python3 bench/step_benchmark.py --config "$config" --hit "${HIT:-0.6}" \

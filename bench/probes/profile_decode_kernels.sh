@@ -10,10 +10,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 out="${OUT:-bench/results}"
 source bench/cuda_build.sh
-cuda_configure build/profile "$out/cmake.log" -DSHADOWKV_BUILD_TESTS=OFF -DSHADOWKV_BUILD_PYTHON=ON &&
-  cuda_build build/profile "$out/cmake.log" _core || { tail -40 "$out/cmake.log"; exit 1; }
-cp build/profile/_core*.so python/shadowkv_core/
-export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+cuda_python_module build/profile "$out/cmake.log" || exit 1
 sections=(--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats
           --section MemoryWorkloadAnalysis)
 logs=()
