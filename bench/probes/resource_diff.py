@@ -22,6 +22,14 @@ def cuobjdump():
     sys.exit("resource_diff.py: no cuobjdump on PATH or in /usr/local/cuda/bin")
 
 
+def same_in_every_tree(mangled):
+    """The name with its anonymous namespace's hashes zeroed: nvcc names `namespace {` after the source file and a hash
+    of its path (`_GLOBAL__N__1d303cb7_14_value_fetch_cu_8f2cd03d`), which differs between two checkouts of the same
+    file. Zeroed in place, so the length prefixes still hold and c++filt still reads it."""
+    return re.sub(r"(_GLOBAL__N__)([0-9a-f]+)(_\d+_\w+?_cu_)([0-9a-f]{8})",
+                  lambda m: m.group(1) + "0" * len(m.group(2)) + m.group(3) + "0" * 8, mangled)
+
+
 def usage(root):
     """{mangled function: (registers, stack bytes)} of the CUDA objects under root."""
     found = {}
@@ -36,7 +44,7 @@ def usage(root):
             for line in text.splitlines():
                 m = re.match(r"^\s*Function (\S+):$", line)
                 if m:
-                    function = m.group(1)
+                    function = same_in_every_tree(m.group(1))
                     continue
                 m = re.search(r"REG:(\d+) STACK:(\d+)", line)
                 if m and function:
