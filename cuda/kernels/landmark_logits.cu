@@ -34,6 +34,10 @@ constexpr int kWarps = kThreads / 32;
 template <int kG, int kC, bool kMma>
 constexpr int min_ctas_per_multiprocessor() {
   if constexpr (kMma) return 2;
+  // Two centroids: one CTA an SM fewer than their sums alone would allow. At 64 and 80 registers the e4m3
+  // instantiations spilled 24-176 bytes of stack inside the tile loop; with these bounds none spills, and the kernel
+  // went 40.3 -> 24.9 µs at B = 1 and 232.7 -> 151.1 at B = 8 (S = 122880; bench/NOTES.md, session 32).
+  if constexpr (kC == 2) return kG * kC <= 4 ? 3 : 2;
   return kG * kC <= 4 ? 4 : (kG * kC <= 8 ? 3 : 2);
 }
 // Batches in a warp's copy ring: two are in flight while the warp computes the third, also across tile boundaries,
