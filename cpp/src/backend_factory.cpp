@@ -12,6 +12,18 @@
 
 namespace shadowkv {
 
+// The store asks supports_extend / supports_truncate before it calls these, so reaching them is a store bug.
+void backend::attend_block(int /*layer*/, std::span<const batch_entry> /*entries*/, const tensor_view& /*queries*/,
+                           const mutable_tensor_view& /*out*/) {
+  throw invalid_argument(detail::format_message("the ", to_string(where()),
+                                                " backend cannot extend by more than one token per call"));
+}
+
+void backend::truncate_generated(int /*layer*/, std::span<const batch_entry> /*entries*/,
+                                 std::span<const layer_state> /*targets*/) {
+  throw invalid_argument(detail::format_message("the ", to_string(where()), " backend cannot truncate sequences"));
+}
+
 std::unique_ptr<backend> make_backend(const config& cfg, device where) {
   if (where.type == device_type::cpu) return std::make_unique<detail::cpu_backend>(cfg);
 #ifdef SHADOWKV_WITH_CUDA

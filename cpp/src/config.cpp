@@ -61,6 +61,8 @@ void config::validate() const {
   SHADOWKV_EXPECTS(generation_window >= chunk_size && generation_window % chunk_size == 0,
                    "generation_window must be a positive multiple of chunk_size (", chunk_size, "), got ",
                    generation_window);
+  SHADOWKV_EXPECTS(extend_block >= 1 && extend_block <= 65536, "extend_block must be in [1, 65536] tokens, got ",
+                   extend_block);
   SHADOWKV_EXPECTS(decode_pipeline_parts >= 0 && decode_pipeline_parts <= 8,
                    "decode_pipeline_parts must be in [0, 8] (0: the backend's choice), got ", decode_pipeline_parts);
   SHADOWKV_EXPECTS(check_finite == finite_check::automatic || check_finite == finite_check::prefill ||

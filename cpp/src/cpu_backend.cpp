@@ -14,6 +14,8 @@
 #include "row_dots.hpp"
 #include "shadowkv/chunk_centroids.hpp"
 #include "shadowkv/errors.hpp"
+#include "fold_rule.hpp"
+#include "tensor_checks.hpp"
 
 namespace shadowkv::detail {
 namespace {
@@ -261,6 +263,9 @@ cpu_layer_data cpu_backend::prefill_one(const batch_entry& entry, const prefill_
     out.exact_positions.push_back(positions[static_cast<std::size_t>(t)]);
   }
   out.last_position = positions.back();
+  out.prompt_last_position = out.last_position;
+  out.journal_keys = host_array(type);
+  out.journal_values = host_array(type);
 
   // An empty selection cache of K slots per head.
   const std::int64_t cache_slots = config_.cache_slots();
@@ -360,6 +365,9 @@ void cpu_backend::fold_oldest_generated_chunk(int layer, std::span<const batch_e
     d.value_store.reserve_runs(
         grown_capacity(d.value_store.capacity_runs(), d.value_store.runs() + heads, ahead * heads, most * heads));
     for (auto& flags : d.is_outlier) reserve_more(flags, 1, ahead, most);
+    reserve_more(d.journal_keys, chunk * width, ahead * chunk * width, most * chunk * width);
+    reserve_more(d.journal_values, chunk * width, ahead * chunk * width, most * chunk * width);
+    reserve_more(d.journal_positions, chunk, ahead * chunk, most * chunk);
   }
   // Phase 2: commit (no allocation beyond the reservations above).
   for (std::size_t e = 0; e < entries.size(); ++e) {
@@ -378,6 +386,11 @@ void cpu_backend::fold_oldest_generated_chunk(int layer, std::span<const batch_e
     }
     for (std::int64_t h = 0; h < heads; ++h) d.value_store.append_run(folded[e].values.data() + h * chunk * dim);
     for (auto& flags : d.is_outlier) flags.push_back(0);
+    // The exact rows go to the fold journal (truncate brings them back), then leave the exact region.
+    d.journal_keys.append_copy(d.exact_keys, first * width, chunk * width);
+    d.journal_values.append_copy(d.exact_values, first * width, chunk * width);
+    d.journal_positions.insert(d.journal_positions.end(), d.exact_positions.begin() + first,
+                               d.exact_positions.begin() + first + chunk);
     d.exact_keys.erase(first * width, chunk * width);
     d.exact_values.erase(first * width, chunk * width);
     d.exact_positions.erase(d.exact_positions.begin() + first, d.exact_positions.begin() + first + chunk);
@@ -630,6 +643,19 @@ void cpu_backend::rebuild_keys(int layer, std::span<const batch_entry> entries) 
 
 void cpu_backend::attend(int layer, std::span<const batch_entry> entries, const tensor_view& queries,
                          const mutable_tensor_view& out) {
+  attend_token(layer, entries, queries, out, 0);
+}
+
+void cpu_backend::attend_block(int layer, std::span<const batch_entry> entries, const tensor_view& queries,
+                               const mutable_tensor_view& out) {
+  const std::int64_t tokens = queries.shape[1];
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    attend_token(layer, entries, select_token(queries, t), select_token(out, t), tokens - 1 - t);
+  }
+}
+
+void cpu_backend::attend_token(int layer, std::span<const batch_entry> entries, const tensor_view& queries,
+                               const mutable_tensor_view& out, std::int64_t exact_rows_hidden) {
   const std::int64_t heads = config_.num_kv_heads;
   const std::int64_t dim = config_.head_dim;
   const std::int64_t width = config_.kv_width();
@@ -643,7 +669,7 @@ void cpu_backend::attend(int layer, std::span<const batch_entry> entries, const 
   for (const batch_entry& entry : entries) {
     const cpu_layer_data& d = data(entry.slot, layer);
     const std::int64_t outlier_rows = entry.state->outlier_chunks * chunk;
-    const std::int64_t exact_rows = d.exact_keys.size() / width;
+    const std::int64_t exact_rows = d.exact_keys.size() / width - exact_rows_hidden;
     for (std::int64_t h = 0; h < heads; ++h) {
       // The union, each token once, as (array, element offset of its key/value row).
       using source = attention_source;
@@ -655,8 +681,18 @@ void cpu_backend::attend(int layer, std::span<const batch_entry> entries, const 
       for (std::int64_t i = 0; i < exact_rows; ++i) {
         union_rows.push_back({&d.exact_keys, &d.exact_values, i * width + h * dim});
       }
+      // The selected chunks in ascending chunk id, whichever slots hold them: the sum's order, and so the output, does
+      // not depend on the selection cache's history (docs/semantics.md, Decode 6; truncate relies on it).
+      std::vector<std::int64_t>& attended = workspace_.attended_slots;
+      attended.clear();
       for (std::int64_t s = 0; s < cache_slots; ++s) {
-        if (!d.slot_selected(static_cast<std::size_t>(h * cache_slots + s))) continue;
+        if (d.slot_selected(static_cast<std::size_t>(h * cache_slots + s))) attended.push_back(s);
+      }
+      std::sort(attended.begin(), attended.end(), [&](std::int64_t x, std::int64_t y) {
+        return d.cache_chunks[static_cast<std::size_t>(h * cache_slots + x)] <
+               d.cache_chunks[static_cast<std::size_t>(h * cache_slots + y)];
+      });
+      for (const std::int64_t s : attended) {
         for (std::int64_t i = 0; i < chunk; ++i) {
           union_rows.push_back({&d.cache_keys, &d.cache_values, ((h * cache_slots + s) * chunk + i) * dim});
         }
@@ -761,6 +797,7 @@ void cpu_backend::reserve_workspace(std::int64_t chunks, std::int64_t union_rows
   w.weights.reserve(group * static_cast<std::size_t>(union_rows));
   w.accumulator.reserve(group * dim);
   w.total.reserve(group);
+  w.attended_slots.reserve(static_cast<std::size_t>(config_.cache_slots()));
 }
 
 void cpu_backend::reserve_decode(int layer, std::span<const batch_entry> entries) {
@@ -775,6 +812,123 @@ void cpu_backend::reserve_decode(int layer, std::span<const batch_entry> entries
   }
   reserve_workspace(chunks, union_rows);
   for (const batch_entry& entry : entries) reserve_exact_token(data(entry.slot, layer), *entry.state, config_);
+}
+
+void cpu_backend::reserve_extend(int layer, std::span<const batch_entry> entries,
+                                 std::span<const std::int64_t> tokens) {
+  const std::int64_t chunk = config_.chunk_size;
+  const std::int64_t width = config_.kv_width();
+  const std::int64_t rank = config_.rank;
+  const std::int64_t heads = config_.num_kv_heads;
+  const std::int64_t dim = config_.head_dim;
+  const std::int64_t window = config_.generation_window;
+  const bool centroids = config_.chunk_score == chunk_score_rule::two_centroids;
+  std::int64_t chunks = 0;
+  std::int64_t union_rows = 0;
+  for (std::size_t i = 0; i < entries.size(); ++i) {
+    const layer_state& state = *entries[i].state;
+    const std::int64_t block = std::min<std::int64_t>(config_.extend_block, tokens[i]);
+    const std::int64_t folds = advance_generated(state.generated_exact_len, tokens[i], window, chunk).folds;
+    chunks = std::max(chunks, state.context_chunks + folds);
+    // A block appends up to `block` tokens to a region of at most W - 1 (after its first fold).
+    const std::int64_t exact_rows = state.local_len + window + block;
+    union_rows = std::max(union_rows, state.outlier_chunks * chunk + exact_rows + config_.budget);
+    cpu_layer_data& d = data(entries[i].slot, layer);
+    d.exact_keys.reserve(exact_rows * width);
+    d.exact_values.reserve(exact_rows * width);
+    d.exact_positions.reserve(static_cast<std::size_t>(exact_rows));
+    if (folds == 0) continue;
+    // Every fold of the call, so that the folds' commits do not reallocate.
+    d.coefficients.reserve(d.coefficients.size() + folds * chunk * rank);
+    d.context_positions.reserve(d.context_positions.size() + static_cast<std::size_t>(folds * chunk));
+    if (centroids) {
+      d.centroid_codes.reserve(d.centroid_codes.size() + static_cast<std::size_t>(folds * heads * 2 * dim));
+      d.centroid_scales.reserve(d.centroid_scales.size() + static_cast<std::size_t>(folds * heads * 2));
+      d.first_counts.reserve(d.first_counts.size() + static_cast<std::size_t>(folds * heads));
+    } else {
+      d.landmarks.reserve(d.landmarks.size() + folds * width);
+    }
+    d.value_store.reserve_runs(d.value_store.runs() + folds * heads);
+    for (auto& flags : d.is_outlier) flags.reserve(flags.size() + static_cast<std::size_t>(folds));
+    d.journal_keys.reserve(d.journal_keys.size() + folds * chunk * width);
+    d.journal_values.reserve(d.journal_values.size() + folds * chunk * width);
+    d.journal_positions.reserve(d.journal_positions.size() + static_cast<std::size_t>(folds * chunk));
+  }
+  reserve_workspace(chunks + 1, union_rows);
+}
+
+void cpu_backend::reserve_truncate(int layer, std::span<const batch_entry> entries,
+                                   std::span<const layer_state> targets) {
+  const std::int64_t width = config_.kv_width();
+  for (std::size_t i = 0; i < entries.size(); ++i) {
+    cpu_layer_data& d = data(entries[i].slot, layer);
+    const std::int64_t rows = targets[i].local_len + targets[i].generated_exact_len;
+    d.exact_keys.reserve(rows * width);
+    d.exact_values.reserve(rows * width);
+    d.exact_positions.reserve(static_cast<std::size_t>(rows));
+  }
+}
+
+void cpu_backend::truncate_generated(int layer, std::span<const batch_entry> entries,
+                                     std::span<const layer_state> targets) {
+  const std::int64_t chunk = config_.chunk_size;
+  const std::int64_t width = config_.kv_width();
+  const std::int64_t rank = config_.rank;
+  const std::int64_t heads = config_.num_kv_heads;
+  const std::int64_t dim = config_.head_dim;
+  const bool centroids = config_.chunk_score == chunk_score_rule::two_centroids;
+  for (std::size_t i = 0; i < entries.size(); ++i) {
+    cpu_layer_data& d = data(entries[i].slot, layer);
+    const layer_state& now = *entries[i].state;
+    const layer_state& target = targets[i];
+    const std::int64_t local = now.local_len;
+    // Generated tokens: [0, folded) in the journal, [folded, total) exact. After: [0, kept_folded) and
+    // [kept_folded, target total).
+    const std::int64_t folded = (now.context_chunks - now.prompt_context_chunks) * chunk;
+    const std::int64_t kept_folded = (target.context_chunks - now.prompt_context_chunks) * chunk;
+    const std::int64_t undone = now.context_chunks - target.context_chunks;
+    // 1. Drop the exact tokens past the target (those still exact).
+    const std::int64_t keep_exact = std::max<std::int64_t>(0, target.generated_total - folded);
+    d.exact_keys.resize((local + keep_exact) * width);
+    d.exact_values.resize((local + keep_exact) * width);
+    d.exact_positions.resize(static_cast<std::size_t>(local + keep_exact));
+    // 2. Undo the folds past the target, newest first: the chunks leave the compressed store and the journal's rows
+    //    up to the target's length come back in front of the exact generated tokens.
+    if (undone > 0) {
+      const std::int64_t back = std::min(folded, target.generated_total) - kept_folded;
+      d.exact_keys.insert_copy(local * width, d.journal_keys, kept_folded * width, back * width);
+      d.exact_values.insert_copy(local * width, d.journal_values, kept_folded * width, back * width);
+      d.exact_positions.insert(d.exact_positions.begin() + local, d.journal_positions.begin() + kept_folded,
+                               d.journal_positions.begin() + kept_folded + back);
+      d.journal_keys.resize(kept_folded * width);
+      d.journal_values.resize(kept_folded * width);
+      d.journal_positions.resize(static_cast<std::size_t>(kept_folded));
+      const std::int64_t chunks = target.context_chunks;
+      d.coefficients.resize(chunks * chunk * rank);
+      d.context_positions.resize(static_cast<std::size_t>(chunks * chunk));
+      if (centroids) {
+        d.centroid_codes.resize(static_cast<std::size_t>(chunks * heads * 2 * dim));
+        d.centroid_scales.resize(static_cast<std::size_t>(chunks * heads * 2));
+        d.first_counts.resize(static_cast<std::size_t>(chunks * heads));
+      } else {
+        d.landmarks.resize(chunks * width);
+      }
+      d.value_store.pop_runs(undone * heads);
+      for (auto& flags : d.is_outlier) flags.resize(static_cast<std::size_t>(chunks));
+      // Undone chunks leave the selection cache; the chunks kept there are unchanged.
+      for (std::size_t slot = 0; slot < d.cache_chunks.size(); ++slot) {
+        if (d.cache_chunks[slot] < chunks) continue;
+        d.cache_chunks[slot] = -1;
+        d.pending_rebuild[slot] = 0;
+        d.pending_fetch[slot] = 0;
+        if (!d.cache_selected.empty()) {
+          d.cache_selected[slot] = 0;
+          d.cache_last_used[slot] = 0;
+        }
+      }
+    }
+    d.last_position = target.generated_total == 0 ? d.prompt_last_position : d.exact_positions.back();
+  }
 }
 
 void cpu_backend::reserve_selection(int /*layer*/, std::span<const batch_entry> entries) {
@@ -823,6 +977,7 @@ memory_report cpu_backend::memory(std::span<const layer_state* const> /*states*/
       (values_on_[slot] == value_place::device ? report.value_store_device : report.value_store_host) +=
           d.value_store.bytes();
       report.selection_cache += d.cache_keys.bytes() + d.cache_values.bytes();
+      report.fold_journal += d.journal_keys.bytes() + d.journal_values.bytes();
       const auto tokens = static_cast<std::int64_t>(d.context_positions.size() + d.exact_positions.size());
       report.full_attention_equivalent += tokens * token_bytes;
     }

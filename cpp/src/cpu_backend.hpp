@@ -34,6 +34,11 @@ struct cpu_layer_data {
   host_array exact_values;  ///< [tokens, Hkv, D]
   std::vector<std::int64_t> exact_positions;
   std::int64_t last_position = -1;
+  std::int64_t prompt_last_position = -1;  ///< where last_position returns to when truncate removes every token
+  // The fold journal: the exact rows of every folded generated chunk, oldest first, so that truncate can undo folds.
+  host_array journal_keys;    ///< [folded generated tokens, Hkv, D] post-RoPE
+  host_array journal_values;  ///< [folded generated tokens, Hkv, D]
+  std::vector<std::int64_t> journal_positions;
   // Selection cache: K = config::cache_slots() buffer slots per KV head (K = k: exactly the last selection).
   std::vector<std::int64_t> cache_chunks;    ///< [Hkv, K]; -1 = empty
   std::vector<std::uint8_t> pending_rebuild;  ///< [Hkv, K]: missed this step, keys to rebuild
@@ -81,6 +86,7 @@ struct cpu_workspace {
   std::vector<double> weights;                        ///< [G, union rows]
   std::vector<double> accumulator;                    ///< [G, D]
   std::vector<double> total;                          ///< [G] each head's softmax denominator
+  std::vector<std::int64_t> attended_slots;           ///< [K] attend: one head's selected slots by chunk id
 };
 
 // Not final: tests derive from it (e.g. a CPU backend that claims graph replay, to test the store's accounting).
@@ -102,6 +108,15 @@ class cpu_backend : public backend {
   void rebuild_keys(int layer, std::span<const batch_entry> entries) override;
   void attend(int layer, std::span<const batch_entry> entries, const tensor_view& queries,
               const mutable_tensor_view& out) override;
+  [[nodiscard]] bool supports_extend() const override { return true; }
+  void attend_block(int layer, std::span<const batch_entry> entries, const tensor_view& queries,
+                    const mutable_tensor_view& out) override;
+  void reserve_extend(int layer, std::span<const batch_entry> entries, std::span<const std::int64_t> tokens) override;
+  [[nodiscard]] bool supports_truncate() const override { return true; }
+  void truncate_generated(int layer, std::span<const batch_entry> entries,
+                          std::span<const layer_state> targets) override;
+  void reserve_truncate(int layer, std::span<const batch_entry> entries,
+                        std::span<const layer_state> targets) override;
   [[nodiscard]] chunk_ids_per_head selected_chunks(int layer, int slot) const override;
   [[nodiscard]] chunk_ids_per_head outlier_chunks(int layer, int slot) const override;
   [[nodiscard]] std::int64_t last_position(int layer, int slot) const override;
@@ -118,6 +133,10 @@ class cpu_backend : public backend {
   [[nodiscard]] cpu_layer_data prefill_one(const batch_entry& entry, const prefill_inputs& inputs) const;
   /// Grows the workspace for selections over up to `chunks` context chunks and attention over `union_rows` tokens.
   void reserve_workspace(std::int64_t chunks, std::int64_t union_rows);
+  /// Attention of one query token per entry, queries and out [B, Hq, D], over the union with the entry's first
+  /// `exact_rows_hidden` exact rows from the end left out (the later tokens of an extend block).
+  void attend_token(int layer, std::span<const batch_entry> entries, const tensor_view& queries,
+                    const mutable_tensor_view& out, std::int64_t exact_rows_hidden);
 
   config config_;
   rope_rotation rope_;

@@ -63,6 +63,20 @@ class host_array {
                 source.bytes_.data() + static_cast<std::size_t>(source_offset) * element,
                 static_cast<std::size_t>(count) * element);
   }
+  /// Appends `count` elements of `source` (same dtype) from `source_offset` (reserve first to make it non-throwing).
+  void append_copy(const host_array& source, std::int64_t source_offset, std::int64_t count) {
+    const std::int64_t offset = size();
+    resize(offset + count);
+    copy_from(source, source_offset, offset, count);
+  }
+  /// Inserts `count` elements of `source` (same dtype, another array) from `source_offset` before element `offset`
+  /// (reserve first to make it non-throwing).
+  void insert_copy(std::int64_t offset, const host_array& source, std::int64_t source_offset, std::int64_t count) {
+    const std::size_t element = dtype_size(type_);
+    const auto from = source.bytes_.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(source_offset) * element);
+    bytes_.insert(bytes_.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(offset) * element), from,
+                  from + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(count) * element));
+  }
   /// Removes `count` elements starting at `offset`.
   void erase(std::int64_t offset, std::int64_t count) noexcept {
     const std::size_t element = dtype_size(type_);

@@ -328,7 +328,28 @@ void kv_store::decode(int layer, std::span<const int> slots, const tensor_view& 
                               " is full: it holds ", state.total_len(), " tokens and max_seq_len = ",
                               config_.max_seq_len);
   }
+  backend_->use_stream(options.stream);
+  decode_checked(layer, slots, q, k_new, v_new, out, options.positions, options.keys_post_rope);
+}
 
+void kv_store::fold_entries(int layer, std::span<const batch_entry> entries) {
+  backend_->fold_oldest_generated_chunk(layer, entries);
+  if (backend_->capturing()) return;
+  for (const batch_entry& entry : entries) {
+    layer_state& state = sequences_[static_cast<std::size_t>(entry.slot)].layers[static_cast<std::size_t>(layer)];
+    // The CPU-side counters keep no ring (ring_head 0): the CUDA kernel keeps its own on the device.
+    const rules::generated_region<std::int64_t> folded = rules::after_fold(
+        rules::generated_region<std::int64_t>{state.context_chunks, state.generated_exact_len, 0},
+        static_cast<std::int64_t>(config_.chunk_size), static_cast<std::int64_t>(config_.generation_window));
+    state.context_chunks = folded.context_chunks;
+    state.generated_exact_len = folded.exact_len;
+  }
+  folds_ += static_cast<std::int64_t>(entries.size());
+}
+
+void kv_store::decode_checked(int layer, std::span<const int> slots, const tensor_view& q, const tensor_view& k_new,
+                              const tensor_view& v_new, const mutable_tensor_view& out, const tensor_view& positions,
+                              bool keys_post_rope) {
   std::vector<batch_entry> entries(slots.size());
   std::vector<batch_entry> folding;
   for (std::size_t b = 0; b < slots.size(); ++b) {
@@ -337,7 +358,6 @@ void kv_store::decode(int layer, std::span<const int> slots, const tensor_view& 
     if (rules::fold_due<std::int64_t>(state.generated_exact_len, config_.generation_window)) folding.push_back(entries[b]);
   }
 
-  backend_->use_stream(options.stream);
   // While a CUDA graph is being captured nothing runs: the host counters stay as they are, and each replay is
   // accounted later (account_replayed_steps). Backends that capture keep their counters on the device.
   const bool recording = backend_->capturing();
@@ -353,24 +373,9 @@ void kv_store::decode(int layer, std::span<const int> slots, const tensor_view& 
   }
   backend_->reserve_decode(layer, entries);
   // 1. Fold the oldest generated chunk where the exact generated region is full.
-  if (!folding.empty()) {
-    backend_->fold_oldest_generated_chunk(layer, folding);
-    if (!recording) {
-      for (const batch_entry& entry : folding) {
-        layer_state& state =
-            sequences_[static_cast<std::size_t>(entry.slot)].layers[static_cast<std::size_t>(layer)];
-        // The CPU-side counters keep no ring (ring_head 0): the CUDA kernel keeps its own on the device.
-        const rules::generated_region<std::int64_t> folded = rules::after_fold(
-            rules::generated_region<std::int64_t>{state.context_chunks, state.generated_exact_len, 0},
-            static_cast<std::int64_t>(config_.chunk_size), static_cast<std::int64_t>(config_.generation_window));
-        state.context_chunks = folded.context_chunks;
-        state.generated_exact_len = folded.exact_len;
-      }
-      folds_ += static_cast<std::int64_t>(folding.size());
-    }
-  }
+  if (!folding.empty()) fold_entries(layer, folding);
   // 2. Append the new token.
-  backend_->append_token(layer, entries, append_inputs{k_new, v_new, options.positions, options.keys_post_rope});
+  backend_->append_token(layer, entries, append_inputs{k_new, v_new, positions, keys_post_rope});
   if (!recording) {
     for (const int slot : slots) {
       layer_state& state = sequences_[static_cast<std::size_t>(slot)].layers[static_cast<std::size_t>(layer)];
@@ -387,6 +392,212 @@ void kv_store::decode(int layer, std::span<const int> slots, const tensor_view& 
   backend_->attend(layer, entries, q, out);
   backend_->finish_call();
   if (!recording) decode_steps_ += 1;
+}
+
+void kv_store::extend(int layer, std::span<const int> slots, const tensor_view& q, const tensor_view& k,
+                      const tensor_view& v, const mutable_tensor_view& out, const extend_options& options) {
+  const std::lock_guard lock(*mutex_);
+  check_layer(layer);
+  check_batch_slots(slots);
+  const auto batch = static_cast<std::int64_t>(slots.size());
+  const device where = backend_->where();
+  detail::expect_float_tensor(q, "q", where, {batch, any_extent, config_.num_q_heads, config_.head_dim});
+  const std::int64_t tokens = q.shape[1];
+  SHADOWKV_EXPECTS(tokens >= 1, "extend needs at least one new token per sequence: q holds T = ", tokens,
+                   " tokens (", q.describe(), ")");
+  detail::expect_float_tensor(k, "k", where, {batch, tokens, config_.num_kv_heads, config_.head_dim});
+  detail::expect_float_tensor(v, "v", where, {batch, tokens, config_.num_kv_heads, config_.head_dim});
+  detail::expect_float_tensor(out, "out", where, {batch, tokens, config_.num_q_heads, config_.head_dim});
+  if (!options.positions.empty()) {
+    detail::expect_index_tensor(options.positions, "positions", where, {batch, tokens});
+  }
+  SHADOWKV_EXPECTS(options.lengths.empty() || static_cast<std::int64_t>(options.lengths.size()) == batch,
+                   "lengths must have one entry per sequence (", batch, "), got ", options.lengths.size());
+  std::vector<std::int64_t> lengths(slots.size(), tokens);
+  for (std::size_t b = 0; b < slots.size(); ++b) {
+    const int slot = slots[b];
+    if (!options.lengths.empty()) {
+      lengths[b] = options.lengths[b];
+      SHADOWKV_EXPECTS(lengths[b] >= 1 && lengths[b] <= tokens, "lengths[", b, "] = ", lengths[b],
+                       " must be in [1, T = ", tokens, "] (q, k and v hold T tokens per sequence)");
+    }
+    const layer_state& state = sequences_[static_cast<std::size_t>(slot)].layers[static_cast<std::size_t>(layer)];
+    SHADOWKV_EXPECTS(state.prefilled, "extend before prefill: layer ", layer, " of slot ", slot,
+                     " has no prompt yet");
+    // Written so that no sum can overflow: total_len <= max_seq_len always holds.
+    SHADOWKV_EXPECTS_CAPACITY(lengths[b] <= config_.max_seq_len - state.total_len(), "slot ", slot, " layer ", layer,
+                              " holds ", state.total_len(), " tokens: ", lengths[b],
+                              " more would exceed max_seq_len = ", config_.max_seq_len);
+  }
+  backend_->use_stream(options.stream);
+  SHADOWKV_EXPECTS(!backend_->capturing(), "extend cannot be captured in a CUDA graph (decode can)");
+  const std::int64_t longest = *std::max_element(lengths.begin(), lengths.end());
+  if (longest == 1) {
+    // One token per sequence: decode, bit for bit (docs/semantics.md, "Extend").
+    const tensor_view positions =
+        options.positions.empty() ? tensor_view{} : detail::select_token(options.positions, 0);
+    decode_checked(layer, slots, detail::select_token(q, 0), detail::select_token(k, 0), detail::select_token(v, 0),
+                   detail::select_token(out, 0), positions, options.keys_post_rope);
+    return;
+  }
+  SHADOWKV_EXPECTS(backend_->supports_extend(), "extend of more than one token per sequence is not implemented on the ",
+                   to_string(where), " backend yet (T = ", longest, "); call decode once per token");
+  const bool check_inputs = config_.check_finite == finite_check::always ||
+                            (config_.check_finite == finite_check::automatic && !backend_->finite_check_waits());
+  if (check_inputs) {
+    expect_all_finite(*backend_, {{"q", &q, lengths}, {"k", &k, lengths}, {"v", &v, lengths}}, slots);
+  }
+
+  // States before the call, to put back if a block fails (only out of memory can: the input is valid).
+  std::vector<layer_state> before(slots.size());
+  std::vector<batch_entry> all(slots.size());
+  for (std::size_t b = 0; b < slots.size(); ++b) {
+    layer_state& state = sequences_[static_cast<std::size_t>(slots[b])].layers[static_cast<std::size_t>(layer)];
+    before[b] = state;
+    all[b] = {slots[b], static_cast<std::int64_t>(b), &state};
+  }
+  backend_->reserve_extend(layer, all, lengths);
+  const std::int64_t block = config_.extend_block;
+  const auto window = static_cast<std::int64_t>(config_.generation_window);
+  const auto chunk = static_cast<std::int64_t>(config_.chunk_size);
+  std::int64_t blocks_run = 0;
+  try {
+    for (std::int64_t start = 0; start < longest; start += block) {
+      // The sequences with tokens in this block, grouped by the block's size (the last block of a sequence may be
+      // shorter): one select and one attention call per size.
+      std::vector<std::int64_t> sizes;
+      for (std::size_t b = 0; b < slots.size(); ++b) {
+        if (lengths[b] > start) sizes.push_back(std::min(block, lengths[b] - start));
+      }
+      std::sort(sizes.begin(), sizes.end());
+      sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
+      for (const std::int64_t size : sizes) {
+        std::vector<batch_entry> entries;
+        std::vector<batch_entry> folding;
+        std::vector<std::int64_t> exact_before;
+        for (std::size_t b = 0; b < slots.size(); ++b) {
+          if (lengths[b] <= start || std::min(block, lengths[b] - start) != size) continue;
+          entries.push_back(all[b]);
+          exact_before.push_back(all[b].state->generated_exact_len);
+          if (rules::fold_due<std::int64_t>(all[b].state->generated_exact_len, window)) folding.push_back(all[b]);
+        }
+        // 1. Fold where the exact region is full, as decode does.
+        if (!folding.empty()) fold_entries(layer, folding);
+        // 2. Append the block's tokens.
+        for (std::int64_t t = 0; t < size; ++t) {
+          const tensor_view positions =
+              options.positions.empty() ? tensor_view{} : detail::select_token(options.positions, start + t);
+          backend_->append_token(layer, entries,
+                                 append_inputs{detail::select_token(k, start + t), detail::select_token(v, start + t),
+                                               positions, options.keys_post_rope});
+          for (const batch_entry& entry : entries) {
+            layer_state& state =
+                sequences_[static_cast<std::size_t>(entry.slot)].layers[static_cast<std::size_t>(layer)];
+            state.generated_total += 1;
+            state.generated_exact_len += 1;
+          }
+        }
+        // 3. One selection with the block's queries; 4. causal attention of each of them.
+        const tensor_view queries = detail::narrow_tokens(q, start, size);
+        backend_->select_chunks(layer, entries, queries);
+        backend_->fetch_values(layer, entries);
+        backend_->rebuild_keys(layer, entries);
+        backend_->attend_block(layer, entries, queries, detail::narrow_tokens(out, start, size));
+        // 5. Fold down to what `size` decode steps would leave.
+        while (true) {
+          std::vector<batch_entry> due;
+          for (std::size_t i = 0; i < entries.size(); ++i) {
+            const std::int64_t target =
+                detail::advance_generated(exact_before[i], size, window, chunk).generated_exact_len;
+            if (entries[i].state->generated_exact_len > target) due.push_back(entries[i]);
+          }
+          if (due.empty()) break;
+          fold_entries(layer, due);
+        }
+      }
+      ++blocks_run;
+    }
+  } catch (...) {
+    // Out of memory inside a block: undo what the call appended (the backend allocates before it writes).
+    std::vector<batch_entry> changed;
+    std::vector<layer_state> targets;
+    for (std::size_t b = 0; b < slots.size(); ++b) {
+      if (all[b].state->generated_total == before[b].generated_total) continue;
+      changed.push_back(all[b]);
+      targets.push_back(before[b]);
+    }
+    if (!changed.empty()) {
+      try {
+        backend_->truncate_generated(layer, changed, targets);
+        for (std::size_t i = 0; i < changed.size(); ++i) {
+          sequences_[static_cast<std::size_t>(changed[i].slot)].layers[static_cast<std::size_t>(layer)] = targets[i];
+        }
+      } catch (...) {
+        // Nothing more can be done: the sequences keep the tokens appended so far (their counters match the data).
+      }
+    }
+    backend_->finish_call();
+    throw;
+  }
+  backend_->finish_call();
+  decode_steps_ += blocks_run;
+}
+
+void kv_store::truncate(std::span<const int> slots, std::span<const std::int64_t> tokens) {
+  const std::lock_guard lock(*mutex_);
+  check_batch_slots(slots);
+  SHADOWKV_EXPECTS(tokens.size() == slots.size(), "tokens must have one entry per slot (", slots.size(), "), got ",
+                   tokens.size());
+  const auto window = static_cast<std::int64_t>(config_.generation_window);
+  const auto chunk = static_cast<std::int64_t>(config_.chunk_size);
+  for (std::size_t i = 0; i < slots.size(); ++i) {
+    SHADOWKV_EXPECTS(tokens[i] >= 0, "truncate: tokens[", i, "] = ", tokens[i], " must be >= 0");
+    if (tokens[i] == 0) continue;
+    for (int layer = 0; layer < config_.num_layers; ++layer) {
+      const layer_state& state =
+          sequences_[static_cast<std::size_t>(slots[i])].layers[static_cast<std::size_t>(layer)];
+      SHADOWKV_EXPECTS(state.prefilled, "truncate: layer ", layer, " of slot ", slots[i],
+                       " has no prompt yet, so it holds no tokens to remove");
+      SHADOWKV_EXPECTS(tokens[i] <= state.generated_total, "truncate: cannot remove ", tokens[i],
+                       " tokens from slot ", slots[i], ": layer ", layer, " holds ", state.generated_total,
+                       " tokens after its prompt (the prompt cannot be truncated)");
+    }
+  }
+  SHADOWKV_EXPECTS(backend_->supports_truncate(), "truncate is not implemented on the ", to_string(backend_->where()),
+                   " backend yet");
+  // Every layer's targets first, then the backend's allocations for all of them, then the writes: running out of
+  // memory leaves every layer as it was.
+  std::vector<std::vector<batch_entry>> entries(static_cast<std::size_t>(config_.num_layers));
+  std::vector<std::vector<layer_state>> targets(static_cast<std::size_t>(config_.num_layers));
+  for (int layer = 0; layer < config_.num_layers; ++layer) {
+    for (std::size_t i = 0; i < slots.size(); ++i) {
+      if (tokens[i] == 0) continue;
+      const layer_state& state =
+          sequences_[static_cast<std::size_t>(slots[i])].layers[static_cast<std::size_t>(layer)];
+      layer_state target = state;
+      target.generated_total = state.generated_total - tokens[i];
+      // The fold rule depends on the generated length only (decode and extend alike).
+      const detail::generated_advance from_prompt =
+          detail::advance_generated(0, target.generated_total, window, chunk);
+      target.generated_exact_len = from_prompt.generated_exact_len;
+      target.context_chunks = state.prompt_context_chunks + from_prompt.folds;
+      entries[static_cast<std::size_t>(layer)].push_back({slots[i], static_cast<std::int64_t>(i), &state});
+      targets[static_cast<std::size_t>(layer)].push_back(target);
+    }
+  }
+  for (int layer = 0; layer < config_.num_layers; ++layer) {
+    const auto l = static_cast<std::size_t>(layer);
+    if (!entries[l].empty()) backend_->reserve_truncate(layer, entries[l], targets[l]);
+  }
+  for (int layer = 0; layer < config_.num_layers; ++layer) {
+    const auto l = static_cast<std::size_t>(layer);
+    if (entries[l].empty()) continue;
+    backend_->truncate_generated(layer, entries[l], targets[l]);
+    for (std::size_t i = 0; i < entries[l].size(); ++i) {
+      sequences_[static_cast<std::size_t>(entries[l][i].slot)].layers[l] = targets[l][i];
+    }
+  }
+  backend_->finish_call();
 }
 
 void kv_store::account_replayed_steps(int layer, std::span<const int> slots, std::int64_t steps) {

@@ -1,5 +1,7 @@
 #include "tensor_checks.hpp"
 
+#include <cstddef>
+
 
 #include "shadowkv/errors.hpp"
 
@@ -58,6 +60,47 @@ tensor_view insert_unit_dim(const tensor_view& view) {
   result.rank = 4;
   result.shape = {view.shape[0], 1, view.shape[1], view.shape[2]};
   result.strides = {view.strides[0], 0, view.strides[1], view.strides[2]};
+  return result;
+}
+
+namespace {
+
+std::int64_t element_bytes(const tensor_view& view) {
+  if (view.is_integer) return view.int_type == index_type::int32 ? 4 : 8;
+  return static_cast<std::int64_t>(dtype_size(view.float_type));
+}
+
+}  // namespace
+
+tensor_view narrow_tokens(const tensor_view& view, std::int64_t start, std::int64_t count) {
+  SHADOWKV_ASSERT(view.rank >= 2 && start >= 0 && count >= 0 && start + count <= view.shape[1]);
+  tensor_view result = view;
+  result.data = static_cast<const std::byte*>(view.data) + start * view.strides[1] * element_bytes(view);
+  result.shape[1] = count;
+  return result;
+}
+
+mutable_tensor_view narrow_tokens(const mutable_tensor_view& view, std::int64_t start, std::int64_t count) {
+  mutable_tensor_view result = view;
+  static_cast<tensor_view&>(result) = narrow_tokens(static_cast<const tensor_view&>(view), start, count);
+  return result;
+}
+
+tensor_view select_token(const tensor_view& view, std::int64_t token) {
+  tensor_view result = narrow_tokens(view, token, 1);
+  for (int dim = 1; dim + 1 < view.rank; ++dim) {
+    result.shape[static_cast<std::size_t>(dim)] = view.shape[static_cast<std::size_t>(dim + 1)];
+    result.strides[static_cast<std::size_t>(dim)] = view.strides[static_cast<std::size_t>(dim + 1)];
+  }
+  result.shape[static_cast<std::size_t>(view.rank - 1)] = 0;
+  result.strides[static_cast<std::size_t>(view.rank - 1)] = 0;
+  result.rank = view.rank - 1;
+  return result;
+}
+
+mutable_tensor_view select_token(const mutable_tensor_view& view, std::int64_t token) {
+  mutable_tensor_view result = view;
+  static_cast<tensor_view&>(result) = select_token(static_cast<const tensor_view&>(view), token);
   return result;
 }
 

@@ -72,6 +72,17 @@ class value_store_array {
     scales_.push_back(scale);
   }
 
+  /// Removes the last `count` runs.
+  void pop_runs(std::int64_t count) noexcept {
+    const std::int64_t keep = runs() - count;
+    if (format_ == value_format::fp8_e4m3) {
+      codes_.erase(codes_.begin() + static_cast<std::ptrdiff_t>(keep * run_), codes_.end());
+      scales_.erase(scales_.begin() + static_cast<std::ptrdiff_t>(keep), scales_.end());
+    } else {
+      same_.erase(keep * run_, count * run_);
+    }
+  }
+
   /// Writes run `index` into `target` (the store's dtype) at element `offset`: a copy, or the dequantized codes.
   void read_run(std::int64_t index, host_array& target, std::int64_t offset) const noexcept {
     if (format_ != value_format::fp8_e4m3) {

@@ -119,6 +119,39 @@ class backend {
   virtual void attend(int layer, std::span<const batch_entry> entries, const tensor_view& queries,
                       const mutable_tensor_view& out) = 0;
 
+  // --- extend and truncate (docs/semantics.md, "Extend" and "Truncate") -------------------------------------------
+
+  /// True if the backend implements attend_block, i.e. extend by more than one token per sequence.
+  [[nodiscard]] virtual bool supports_extend() const { return false; }
+  /// Exact attention of a block of `queries` [B, s, Hq, D] (every entry's last s exact generated tokens are the
+  /// block's, appended already): query token t attends over outliers ∪ local ∪ selected ∪ the generated region
+  /// without its last s - 1 - t tokens. Writes `out` [B, s, Hq, D]. With s = 1 it is attend().
+  virtual void attend_block(int layer, std::span<const batch_entry> entries, const tensor_view& queries,
+                            const mutable_tensor_view& out);
+  /// Allocates what an extend of `tokens[i]` tokens of entries[i] (states before it) needs beyond reserve_decode:
+  /// room for the exact region of a block, the block's attention and every fold of the call. May throw
+  /// out_of_memory, changing nothing observable. The default reserves a decode step.
+  virtual void reserve_extend(int layer, std::span<const batch_entry> entries, std::span<const std::int64_t> tokens) {
+    (void)tokens;
+    reserve_decode(layer, entries);
+  }
+
+  /// True if the backend implements truncate_generated.
+  [[nodiscard]] virtual bool supports_truncate() const { return false; }
+  /// Makes each entry's (layer, slot) the state `targets[i]` (fewer generated tokens, the same prompt; counters as
+  /// the fold rule gives them): drops the exact tokens past the target, undoes the folds past targets[i].context_chunks
+  /// (newest first, their exact rows back from the fold journal) and drops undone chunks from the selection cache.
+  /// States hold the counters before. Does not throw after reserve_truncate with the same arguments.
+  virtual void truncate_generated(int layer, std::span<const batch_entry> entries,
+                                  std::span<const layer_state> targets);
+  /// Allocates everything truncate_generated(layer, entries, targets) will need, so that it cannot fail once the store
+  /// has called this for every layer of a truncate. May throw out_of_memory, changing nothing observable.
+  virtual void reserve_truncate(int layer, std::span<const batch_entry> entries, std::span<const layer_state> targets) {
+    (void)layer;
+    (void)entries;
+    (void)targets;
+  }
+
   /// The chunks of the last selection of (layer, slot), per KV head.
   [[nodiscard]] virtual chunk_ids_per_head selected_chunks(int layer, int slot) const = 0;
   /// The outlier chunks of (layer, slot), per KV head.

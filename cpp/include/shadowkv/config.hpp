@@ -98,6 +98,9 @@ struct config {
   int sink_chunks = 1;           ///< of those, the prompt's first chunks, always (attention sinks; at most outlier_chunks)
   int local_chunks = 4;          ///< chunks at the end of the prompt kept exact as the local window
   int generation_window = 256;   ///< exact generated tokens kept before the oldest chunk is folded (multiple of C)
+  /// Tokens of an extend call that share one selection (docs/semantics.md, "Extend"): 1 makes extend equal to one
+  /// decode call per token; larger blocks select less often.
+  int extend_block = 32;
   factorization_method factorization = factorization_method::gram;
   dtype kv_dtype = dtype::bfloat16;  ///< storage precision of keys, values and landmarks
   value_store_policy value_store = value_store_policy::host;

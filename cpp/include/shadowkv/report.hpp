@@ -17,13 +17,14 @@ struct memory_report {
   std::int64_t value_store_device = 0;  ///< value_store of sequences whose values are in device memory
   std::int64_t value_store_host = 0;    ///< value_store of sequences whose values are in host memory
   std::int64_t selection_cache = 0;   ///< rebuilt keys and fetched values of the selected chunks
+  std::int64_t fold_journal = 0;      ///< exact keys and values of folded generated chunks (what truncate restores)
   std::int64_t full_attention_equivalent = 0;  ///< a plain KV cache of the same tokens in the same dtype
   std::int64_t device_reserved = 0;  ///< device memory reserved: arenas for the configured capacity, and the value
                                      ///< stores of live sequences placed on the device (CUDA)
   std::int64_t host_reserved = 0;    ///< pinned host memory reserved for the value stores of live sequences (CUDA)
 
   [[nodiscard]] std::int64_t total() const noexcept {
-    return low_rank_factors + landmarks + outliers + exact_tokens + value_store + selection_cache;
+    return low_rank_factors + landmarks + outliers + exact_tokens + value_store + selection_cache + fold_journal;
   }
 };
 

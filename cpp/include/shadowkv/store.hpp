@@ -49,6 +49,15 @@ struct decode_options {
   std::optional<stream_view> stream;
 };
 
+/// Optional inputs of kv_store::extend.
+struct extend_options {
+  std::vector<std::int64_t> lengths;  ///< new tokens per row (right padding), each in [1, T]; empty: every row has T
+  tensor_view positions;              ///< int [B, T]; empty: each sequence's last position + 1, + 2, ...
+  bool keys_post_rope = true;         ///< k carries RoPE (false: the store applies it), as decode_options
+  /// As prefill_options::stream; `out` is written in stream order.
+  std::optional<stream_view> stream;
+};
+
 /// Makes a store's backend from the configuration the store runs with (kv_store's second constructor).
 using backend_maker = std::function<std::unique_ptr<backend>(const config&)>;
 
@@ -89,6 +98,20 @@ class kv_store {
   /// (post-RoPE) and writes the attention output to out [B, Hq, D].
   void decode(int layer, std::span<const int> slots, const tensor_view& q, const tensor_view& k_new,
               const tensor_view& v_new, const mutable_tensor_view& out, const decode_options& options = {});
+
+  /// Appends T >= 1 tokens per sequence to layer `layer` at once (a chat turn, a draft to verify): q [B, T, Hq, D]
+  /// post-RoPE, k and v [B, T, Hkv, D], out [B, T, Hq, D] (rows past a sequence's length are not written). Every token
+  /// attends exactly and causally to the new tokens before it and to the exact regions, and through one selection
+  /// per block of config.extend_block tokens to the compressed context (docs/semantics.md, "Extend"). T = 1 is
+  /// decode. Throws invalid_argument / capacity_error (bad input, a full sequence) and out_of_memory, changing nothing.
+  void extend(int layer, std::span<const int> slots, const tensor_view& q, const tensor_view& k, const tensor_view& v,
+              const mutable_tensor_view& out, const extend_options& options = {});
+
+  /// Removes the last tokens[i] tokens appended after the prefill (by decode or extend) from every layer of
+  /// slots[i]; the sequence then equals one that never saw them (docs/semantics.md, "Truncate"). Throws
+  /// invalid_argument (a slot not live, a count into the prompt or beyond a layer's generated tokens) and
+  /// out_of_memory, changing nothing.
+  void truncate(std::span<const int> slots, std::span<const std::int64_t> tokens);
 
   /// Accounts for `steps` decode steps of (layer, slots) that ran without the store seeing them: replays of a CUDA
   /// graph captured around one decode call. Advances the host counters (fold rule included) exactly as that many
@@ -131,6 +154,12 @@ class kv_store {
   void check_slot(int slot) const;
   [[nodiscard]] bool layer_prefilled(int layer, int slot) const;  ///< after check_layer and check_slot
   void check_batch_slots(std::span<const int> slots) const;
+  /// decode() after its lock and argument checks; extend() of one token per sequence runs it too.
+  void decode_checked(int layer, std::span<const int> slots, const tensor_view& q, const tensor_view& k_new,
+                      const tensor_view& v_new, const mutable_tensor_view& out, const tensor_view& positions,
+                      bool keys_post_rope);
+  /// Folds the oldest generated chunk of each entry (backend and host counters).
+  void fold_entries(int layer, std::span<const batch_entry> entries);
 
   config config_;
   // Serialises every public call (see "Thread safety" above); a pointer so that the store stays movable.
