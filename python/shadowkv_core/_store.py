@@ -225,6 +225,17 @@ def _empty_like(reference: Any, shape: Sequence[int]) -> Any:
     raise ValueError(f"cannot allocate an output like {type(reference).__name__}; pass torch tensors or numpy arrays")
 
 
+def _zeros_like(reference: Any, shape: Sequence[int]) -> Any:
+    """A new zero array of `shape` with the dtype and device of `reference` (torch or numpy)."""
+    if hasattr(reference, "new_zeros"):
+        return reference.new_zeros(tuple(shape))
+    import numpy as np
+
+    if isinstance(reference, np.ndarray):
+        return np.zeros(tuple(shape), dtype=reference.dtype)
+    raise ValueError(f"cannot allocate an output like {type(reference).__name__}; pass torch tensors or numpy arrays")
+
+
 class KVStore:
     """A ShadowKV key/value store for all layers of a model and up to `max_batch` sequences.
 
@@ -252,6 +263,7 @@ class KVStore:
         outlier_chunks, local_chunks: chunks kept exact. sink_chunks: how many of the outlier chunks are the prompt's
             first chunks, always (attention sinks), the rest chosen by the min-cosine rule. generation_window: exact generated tokens kept before the
             oldest chunk is folded into the compressed store (a multiple of chunk_size).
+        extend_block: tokens of an `extend` call that share one selection (1: extend equals one decode per token).
         factorization: "gram" (eigenvectors of KᵀK, default) or "svd".
         dtype: storage precision of keys/values ("bfloat16", "float16", "float32" or a torch dtype).
         device: "cpu" or "cuda:N".
@@ -310,6 +322,7 @@ class KVStore:
         sink_chunks: int = 1,
         local_chunks: int = 4,
         generation_window: int = 256,
+        extend_block: int = 32,
         factorization: str = "gram",
         dtype: Any = "bfloat16",
         device: Any = "cpu",
@@ -337,6 +350,7 @@ class KVStore:
         sink_chunks = _integer("sink_chunks", sink_chunks)
         local_chunks = _integer("local_chunks", local_chunks)
         generation_window = _integer("generation_window", generation_window)
+        extend_block = _integer("extend_block", extend_block)
         rope_style, factorization = _text("rope_style", rope_style), _text("factorization", factorization)
         check_finite = _text("check_finite", check_finite)
         dtype_name = _dtype_name(dtype)
@@ -365,6 +379,7 @@ class KVStore:
         cfg.sink_chunks = sink_chunks
         cfg.local_chunks = local_chunks
         cfg.generation_window = generation_window
+        cfg.extend_block = extend_block
         cfg.factorization = factorization
         cfg.dtype = dtype_name
         value_store = _text("value_store", value_store)
@@ -494,6 +509,62 @@ class KVStore:
         )
         return out
 
+    def extend(
+        self,
+        layer: int,
+        slots: Union[int, Iterable[int]],
+        q: Any,
+        k: Any,
+        v: Any,
+        lengths: Optional[Any] = None,
+        positions: Optional[Any] = None,
+        k_post_rope: bool = True,
+        out: Optional[Any] = None,
+    ) -> Any:
+        """Appends T >= 1 tokens per sequence to one layer at once (a chat turn, a draft to verify) and returns their
+        attention outputs [B, T, Hq, D] in q's dtype and on q's device.
+
+        q: post-RoPE queries [B, T, Hq, D]; k, v: [B, T, Hkv, D] (k post-RoPE unless k_post_rope=False).
+        lengths: new tokens per row of a right-padded batch (default T); output rows past a length are zero (or, with
+        `out`, left as they were). positions: int [B, T] (default: each sequence's last position + 1, + 2, ...).
+        Each token attends exactly and causally to the new tokens before it and to the exact regions, and to the
+        compressed context through one selection per block of `extend_block` tokens (docs/semantics.md, "Extend");
+        T = 1 is decode.
+        """
+        layer, slot_list = _integer("layer", layer), _slot_list(slots)
+        k_post_rope = _flag("k_post_rope", k_post_rope)
+        length_list = [] if lengths is None else _integer_list("lengths", lengths, _INT64)
+        q = _required("q", q)
+        if out is None:
+            shape = tuple(getattr(q, "shape", ()))
+            if len(shape) != 4:
+                raise ValueError(f"q must have shape [B, T, Hq, D], got {list(shape)}")
+            out = _zeros_like(q, shape)
+        self._store.extend(
+            layer,
+            slot_list,
+            _exported(q),
+            _exported(_required("k", k)),
+            _exported(_required("v", v)),
+            _exported(_required("out", out)),
+            length_list,
+            _exported(_plain("positions", positions)),
+            k_post_rope,
+            _stream_of(q),
+        )
+        return out
+
+    def truncate(self, slots: Union[int, Iterable[int]], tokens: Union[int, Iterable[int]]) -> None:
+        """Removes the last `tokens` tokens appended after the prefill (by decode or extend) from every layer of each
+        slot (one count for all, or one per slot); each sequence then decodes exactly as one that never saw them
+        (docs/semantics.md, "Truncate"). Removing into the prompt raises ValueError and changes nothing."""
+        slot_list = _slot_list(slots)
+        if hasattr(tokens, "__index__") and getattr(tokens, "ndim", 0) == 0 and not _is_bool(tokens):
+            counts = [_integer("tokens", tokens, _INT64)] * len(slot_list)
+        else:
+            counts = _integer_list("tokens", tokens, _INT64)
+        self._store.truncate(slot_list, counts)
+
     def account_replayed_steps(self, layer: int, slots: Union[int, Iterable[int]], steps: int) -> None:
         """Tells the store that a CUDA graph captured around `decode(layer, slots, ...)` was replayed `steps` times
         (each replay advances the device state by one step). Capture after one eager decode with the same slots;
@@ -522,7 +593,8 @@ class KVStore:
 
     def memory_report(self) -> dict:
         """Bytes by kind (docs/semantics.md): low_rank_factors, landmarks, outliers, exact_tokens, value_store
-        (= value_store_device + value_store_host), selection_cache, total (the six kinds), full_attention_equivalent
+        (= value_store_device + value_store_host), selection_cache, fold_journal (exact rows of folded generated chunks,
+        kept for truncate), total (the seven kinds), full_attention_equivalent
         (a plain KV cache of the same tokens), device_reserved and host_reserved (CUDA reservations; 0 on the CPU)."""
         return self._store.memory_report()
 

@@ -105,6 +105,7 @@ nb::dict memory_dict(const shadowkv::memory_report& report) {
   d["value_store_device"] = report.value_store_device;
   d["value_store_host"] = report.value_store_host;
   d["selection_cache"] = report.selection_cache;
+  d["fold_journal"] = report.fold_journal;
   d["total"] = report.total();
   d["full_attention_equivalent"] = report.full_attention_equivalent;
   d["device_reserved"] = report.device_reserved;
@@ -154,6 +155,7 @@ NB_MODULE(_core, m) {
       .def_rw("sink_chunks", &shadowkv::config::sink_chunks)
       .def_rw("local_chunks", &shadowkv::config::local_chunks)
       .def_rw("generation_window", &shadowkv::config::generation_window)
+      .def_rw("extend_block", &shadowkv::config::extend_block)
       .def_prop_rw(
           "factorization",
           [](const shadowkv::config& c) {
@@ -236,6 +238,31 @@ NB_MODULE(_core, m) {
           },
           "layer"_a, "slots"_a, "q"_a, "k_new"_a, "v_new"_a, "out"_a, "positions"_a.none(), "k_new_post_rope"_a,
           "stream"_a.none() = nb::none())
+      .def(
+          "extend",
+          [](shadowkv::kv_store& s, int layer, const std::vector<int>& slots, const input_array& q, const input_array& k,
+             const input_array& v, const output_array& out, const std::vector<std::int64_t>& lengths,
+             const std::optional<input_array>& positions, bool k_post_rope, std::optional<std::uintptr_t> stream) {
+            shadowkv::extend_options options;
+            if (stream) options.stream = shadowkv::stream_view::from_integer(*stream);
+            options.lengths = lengths;
+            options.positions = optional_view(positions, "positions");
+            options.keys_post_rope = k_post_rope;
+            const shadowkv::tensor_view q_view = to_view(q, "q");  // inputs first: errors name them, not `out`
+            const shadowkv::tensor_view k_view = to_view(k, "k");
+            const shadowkv::tensor_view v_view = to_view(v, "v");
+            shadowkv::mutable_tensor_view out_view;
+            static_cast<shadowkv::tensor_view&>(out_view) = to_view(out, "out");
+            without_gil([&] { s.extend(layer, slots, q_view, k_view, v_view, out_view, options); });
+          },
+          "layer"_a, "slots"_a, "q"_a, "k"_a, "v"_a, "out"_a, "lengths"_a, "positions"_a.none(), "k_post_rope"_a,
+          "stream"_a.none() = nb::none())
+      .def(
+          "truncate",
+          [](shadowkv::kv_store& s, const std::vector<int>& slots, const std::vector<std::int64_t>& tokens) {
+            without_gil([&] { s.truncate(slots, tokens); });
+          },
+          "slots"_a, "tokens"_a)
       .def(
           "account_replayed_steps",
           [](shadowkv::kv_store& s, int layer, const std::vector<int>& slots, std::int64_t steps) {
