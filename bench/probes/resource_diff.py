@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The kernels whose registers or stack (spills) differ between two builds: `cuobjdump -res-usage` over every CUDA
 object under each directory, functions matched by name. patch_ab.sh prints it for B (and C) against A, since a
-branch's speed can hang on its compiled registers as much as on its source (bench/NOTES.md, sessions 30 and 31).
+branch's speed can hang on its compiled registers as much as on its source (docs/performance.md, "Tried and lost": the descriptor cursor and the outlier flags loaded ahead).
 
     python3 bench/probes/resource_diff.py <build dir A> <build dir B>
 

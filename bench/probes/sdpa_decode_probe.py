@@ -1,6 +1,6 @@
 """Why is the example decoder's full-attention decode slow on the H200? Times one layer's decode attention over a
 preallocated cache [B, Hkv, max_len, D] (the example's layout) in the forms SDPA can take, next to a contiguous
-[B, Hkv, S, D] cache (step_benchmark.py's form, DESIGN.md §7: 0.9 ms at B=8), and the cache write.
+[B, Hkv, S, D] cache (step_benchmark.py's form; full-attention decode over 122K tokens at B=8: ~0.9 ms on the H200, bench/README.md), and the cache write.
 
     python bench/probes/sdpa_decode_probe.py
 """
