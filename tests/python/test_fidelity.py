@@ -259,3 +259,18 @@ def test_haystack_prompt_length():
     ids = F.haystack_ids(Tok(), 3000)
     assert ids.shape == (1, 3000) and ids[0, 0] == 1
     assert bytes(ids[0, -len(F.PROMPT_SUFFIX.encode()):].tolist()).decode() == F.PROMPT_SUFFIX
+
+
+def test_extend_replay(capture):
+    """--extend-block: blocks of one token are the decode replay; at full rank and budget any block is full attention;
+    larger blocks at a small budget cost accuracy (docs/eval.md measures how much)."""
+    full_rank = capture.meta["num_kv_heads"] * capture.meta["head_dim"]
+    decode = F.evaluate(capture, budgets=[64, "full"], ranks=["full"], mass=False, **SMALL)
+    ones = F.evaluate(capture, budgets=[64, "full"], ranks=["full"], extend_block=1, **SMALL)
+    blocks = F.evaluate(capture, budgets=[64, "full"], ranks=["full"], extend_block=8, **SMALL)
+    for a, b in zip(decode["runs"], ones["runs"]):
+        assert a["overall"]["rel_err_mean"] == b["overall"]["rel_err_mean"]
+    (full,) = [r for r in blocks["runs"] if r["budget"] == "full"]
+    assert full["overall"]["rel_err_max"] < 1e-5 and full["rank"] == full_rank
+    (small,) = [r for r in blocks["runs"] if r["budget"] == 64]
+    assert 0.0 < small["overall"]["rel_err_mean"] < 1.0

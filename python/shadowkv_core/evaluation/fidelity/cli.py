@@ -59,6 +59,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="how a chunk's score combines a group's query heads (default mean)")
     parser.add_argument("--chunk-score", default="landmark", choices=["landmark", "two_centroids"],
                         help="what a chunk's score is computed from (default landmark)")
+    parser.add_argument("--extend-block", type=int, default=None,
+                        help="feed the captured tokens to one extend call per layer with this extend_block (default: "
+                             "one decode call per token)")
     parser.add_argument("--no-warm", action="store_true", help="do not warm the selection with the last prompt query")
     parser.add_argument("--no-mass", action="store_true", help="skip the attention-mass columns")
     parser.add_argument("--json", help="write the result JSON here")
@@ -111,7 +114,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       outlier_chunks=args.outlier_chunks, local_chunks=args.local_chunks,
                       generation_window=args.generation_window, dtype=args.dtype, factorization=args.factorization,
                       value_dtype=args.value_dtype, sink_chunks=args.sink_chunks, factor_dtype=args.factor_dtype,
-                      group_score=args.group_score, chunk_score=args.chunk_score,
+                      group_score=args.group_score, chunk_score=args.chunk_score, extend_block=args.extend_block,
                       warm=not args.no_warm,
                       mass=not args.no_mass, verbose=True)
     times["evaluate_s"] = time.perf_counter() - t0

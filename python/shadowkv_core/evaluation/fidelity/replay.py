@@ -48,11 +48,17 @@ def _evaluate(capture: Capture, budgets: Sequence[Any] = (64, 128, 256, 512, 102
              layers: Optional[Sequence[int]] = None, fractions: Sequence[float] = DEFAULT_FRACTIONS,
              mass: bool = True, verbose: bool = False, value_dtype: Optional[str] = None,
              sink_chunks: int = 1, factor_dtype: Optional[str] = None, group_score: str = "mean",
-             chunk_score: str = "landmark") -> dict:
+             chunk_score: str = "landmark", extend_block: Optional[int] = None) -> dict:
     """`evaluate` without the thread setting. value_dtype: the store's value format (None: `dtype`; "float8_e4m3").
     factor_dtype: the low-rank factors' element type (None: the store's default for `dtype`; "float32", "bfloat16").
     group_score: how a chunk's score combines a group's query heads ("mean", the store's default, or "max").
-    chunk_score: what a chunk's score is computed from ("landmark", the default, or "two_centroids")."""
+    chunk_score: what a chunk's score is computed from ("landmark", the default, or "two_centroids").
+    extend_block: None feeds the captured tokens one `decode` call each; a number feeds all of them to one `extend`
+    call per layer with that `extend_block` (one selection per block of that many tokens; docs/semantics.md,
+    "Extend"): the error of a chat turn or a verified draft instead of token-by-token generation. The mass columns
+    and the per-step hit rate need a selection per token and are left out then."""
+    if extend_block is not None:
+        mass = False
     m = capture.meta
     hq, hkv, d = m["num_q_heads"], m["num_kv_heads"], m["head_dim"]
     g = hq // hkv
@@ -122,7 +128,8 @@ def _evaluate(capture: Capture, budgets: Sequence[Any] = (64, 128, 256, 512, 102
                             chunk_size=chunk_size, budget=b, outlier_chunks=outlier_chunks, sink_chunks=sink_chunks,
                             local_chunks=local_chunks, generation_window=generation_window,
                             factorization=factorization, dtype=dtype, device="cpu", value_dtype=value_dtype,
-                            factor_dtype=factor_dtype, group_score=group_score, chunk_score=chunk_score)
+                            factor_dtype=factor_dtype, group_score=group_score, chunk_score=chunk_score,
+                            extend_block=extend_block or 32)
             slot = store.add_sequences(1)[0]
             positions = torch.arange(S, dtype=torch.int64)[None]
             for i, layer in enumerate(layers):
@@ -133,7 +140,15 @@ def _evaluate(capture: Capture, budgets: Sequence[Any] = (64, 128, 256, 512, 102
                         for i in range(len(layers))}
             store.reset_stats()
             per_layer = {layer: dict(err=[], hits=0, selected=0, mass=[], oracle=[], attended=[]) for layer in layers}
-            for t in range(T):
+            if extend_block is not None:
+                positions_new = torch.arange(S, S + T, dtype=torch.int64)[None]
+                for i, layer in enumerate(layers):
+                    lc = capture.layers[layer]
+                    out = store.extend(i, [slot], lc.q[None], lc.k_new[None], lc.v_new[None], positions=positions_new)
+                    for t in range(T):
+                        ref = refs[layer][t]
+                        per_layer[layer]["err"].append(float((out[0, t].double() - ref).norm() / ref.norm()))
+            for t in range(T if extend_block is None else 0):
                 pos = torch.tensor([S + t], dtype=torch.int64)
                 for i, layer in enumerate(layers):
                     lc = capture.layers[layer]
@@ -199,7 +214,7 @@ def _evaluate(capture: Capture, budgets: Sequence[Any] = (64, 128, 256, 512, 102
     config = dict(chunk_size=chunk_size, outlier_chunks=outlier_chunks, local_chunks=local_chunks,
                   generation_window=generation_window, dtype=dtype, value_dtype=value_dtype or dtype,
                   sink_chunks=sink_chunks, factor_dtype=factor_dtype or "auto", group_score=group_score,
-                  chunk_score=chunk_score,
+                  chunk_score=chunk_score, extend_block=extend_block,
                   factorization=factorization, warm=warm,
                   budgets=[str(b) for b in budgets], ranks=rank_values, layers=layers, prompt_len=S, steps=T,
                   full_budget_tokens=full_budget, full_rank=full_rank)
