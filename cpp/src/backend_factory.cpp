@@ -13,7 +13,7 @@
 namespace shadowkv {
 
 // The store asks supports_extend / supports_truncate before it calls these, so reaching them is a store bug.
-void backend::attend_block(int /*layer*/, std::span<const batch_entry> /*entries*/, const tensor_view& /*queries*/,
+void backend::extend_block(int /*layer*/, std::span<const batch_entry> /*entries*/, const block_inputs& /*inputs*/,
                            const mutable_tensor_view& /*out*/) {
   throw invalid_argument(detail::format_message("the ", to_string(where()),
                                                 " backend cannot extend by more than one token per call"));

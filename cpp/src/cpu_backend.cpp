@@ -15,6 +15,7 @@
 #include "shadowkv/chunk_centroids.hpp"
 #include "shadowkv/errors.hpp"
 #include "fold_rule.hpp"
+#include "shadowkv/generated_region.hpp"
 #include "tensor_checks.hpp"
 
 namespace shadowkv::detail {
@@ -391,6 +392,7 @@ void cpu_backend::fold_oldest_generated_chunk(int layer, std::span<const batch_e
     d.journal_values.append_copy(d.exact_values, first * width, chunk * width);
     d.journal_positions.insert(d.journal_positions.end(), d.exact_positions.begin() + first,
                                d.exact_positions.begin() + first + chunk);
+    if (!keep_full_journal_) trim_journal(d);
     d.exact_keys.erase(first * width, chunk * width);
     d.exact_values.erase(first * width, chunk * width);
     d.exact_positions.erase(d.exact_positions.begin() + first, d.exact_positions.begin() + first + chunk);
@@ -646,6 +648,94 @@ void cpu_backend::attend(int layer, std::span<const batch_entry> entries, const 
   attend_token(layer, entries, queries, out, 0);
 }
 
+void cpu_backend::trim_journal(cpu_layer_data& d) const noexcept {
+  const std::int64_t width = config_.kv_width();
+  const std::int64_t keep = config_.journal_chunks() * config_.chunk_size;
+  const auto rows = static_cast<std::int64_t>(d.journal_positions.size());
+  if (rows <= keep) return;
+  d.journal_keys.erase(0, (rows - keep) * width);
+  d.journal_values.erase(0, (rows - keep) * width);
+  d.journal_positions.erase(d.journal_positions.begin(), d.journal_positions.begin() + (rows - keep));
+}
+
+void cpu_backend::end_extend(int layer, std::span<const batch_entry> entries) {
+  keep_full_journal_ = false;
+  for (const batch_entry& entry : entries) trim_journal(data(entry.slot, layer));
+}
+
+void cpu_backend::extend_block(int layer, std::span<const batch_entry> entries, const block_inputs& inputs,
+                               const mutable_tensor_view& out) {
+  std::vector<layer_state> states(entries.size());
+  std::vector<batch_entry> local(entries.size());
+  for (std::size_t i = 0; i < entries.size(); ++i) {
+    states[i] = *entries[i].state;
+    local[i] = {entries[i].slot, entries[i].row, &states[i]};
+  }
+  try {
+    run_block(layer, local, states, inputs, out);
+  } catch (...) {
+    // All or nothing: put the block's tokens back out (the journal holds the block's folds: reserve_extend).
+    std::vector<layer_state> before(entries.size());
+    for (std::size_t i = 0; i < entries.size(); ++i) before[i] = *entries[i].state;
+    truncate_generated(layer, local, before);
+    throw;
+  }
+}
+
+void cpu_backend::run_block(int layer, std::span<const batch_entry> entries, std::span<layer_state> states,
+                            const block_inputs& inputs, const mutable_tensor_view& out) {
+  const std::int64_t tokens = inputs.queries.shape[1];
+  const auto window = static_cast<std::int64_t>(config_.generation_window);
+  const auto chunk = static_cast<std::int64_t>(config_.chunk_size);
+  std::vector<std::int64_t> exact_before(entries.size());
+  const auto fold = [&](const std::vector<std::size_t>& which) {
+    if (which.empty()) return;
+    std::vector<batch_entry> due;
+    for (const std::size_t i : which) due.push_back(entries[i]);
+    fold_oldest_generated_chunk(layer, due);
+    for (const std::size_t i : which) {
+      const rules::generated_region<std::int64_t> folded = rules::after_fold(
+          rules::generated_region<std::int64_t>{states[i].context_chunks, states[i].generated_exact_len, 0}, chunk,
+          window);
+      states[i].context_chunks = folded.context_chunks;
+      states[i].generated_exact_len = folded.exact_len;
+    }
+  };
+  // 1. Fold a full region, as decode does.
+  std::vector<std::size_t> due;
+  for (std::size_t i = 0; i < entries.size(); ++i) {
+    exact_before[i] = states[i].generated_exact_len;
+    if (rules::fold_due<std::int64_t>(states[i].generated_exact_len, window)) due.push_back(i);
+  }
+  fold(due);
+  // 2. Append the block's tokens.
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    const tensor_view positions = inputs.positions.empty() ? tensor_view{} : select_token(inputs.positions, t);
+    append_token(layer, entries,
+                 append_inputs{select_token(inputs.keys, t), select_token(inputs.values, t), positions,
+                               inputs.keys_post_rope});
+    for (layer_state& state : states) {
+      state.generated_total += 1;
+      state.generated_exact_len += 1;
+    }
+  }
+  // 3. One selection with the block's queries; 4. the causal attention of each of them.
+  select_chunks(layer, entries, inputs.queries);
+  fetch_values(layer, entries);
+  rebuild_keys(layer, entries);
+  attend_block(layer, entries, inputs.queries, out);
+  // 5. Fold down to what `tokens` decode steps leave.
+  while (true) {
+    due.clear();
+    for (std::size_t i = 0; i < entries.size(); ++i) {
+      const std::int64_t target = advance_generated(exact_before[i], tokens, window, chunk).generated_exact_len;
+      if (states[i].generated_exact_len > target) due.push_back(i);
+    }
+    if (due.empty()) break;
+    fold(due);
+  }
+}
+
 void cpu_backend::attend_block(int layer, std::span<const batch_entry> entries, const tensor_view& queries,
                                const mutable_tensor_view& out) {
   const std::int64_t tokens = queries.shape[1];
@@ -855,6 +945,7 @@ void cpu_backend::reserve_extend(int layer, std::span<const batch_entry> entries
     d.journal_positions.reserve(d.journal_positions.size() + static_cast<std::size_t>(folds * chunk));
   }
   reserve_workspace(chunks + 1, union_rows);
+  keep_full_journal_ = true;  // until end_extend: the store may undo the whole call
 }
 
 void cpu_backend::reserve_truncate(int layer, std::span<const batch_entry> entries,
@@ -895,14 +986,17 @@ void cpu_backend::truncate_generated(int layer, std::span<const batch_entry> ent
     // 2. Undo the folds past the target, newest first: the chunks leave the compressed store and the journal's rows
     //    up to the target's length come back in front of the exact generated tokens.
     if (undone > 0) {
+      // The journal holds the generated tokens [folded - journal rows, folded); the store checked it reaches back
+      // to kept_folded.
       const std::int64_t back = std::min(folded, target.generated_total) - kept_folded;
-      d.exact_keys.insert_copy(local * width, d.journal_keys, kept_folded * width, back * width);
-      d.exact_values.insert_copy(local * width, d.journal_values, kept_folded * width, back * width);
-      d.exact_positions.insert(d.exact_positions.begin() + local, d.journal_positions.begin() + kept_folded,
-                               d.journal_positions.begin() + kept_folded + back);
-      d.journal_keys.resize(kept_folded * width);
-      d.journal_values.resize(kept_folded * width);
-      d.journal_positions.resize(static_cast<std::size_t>(kept_folded));
+      const std::int64_t first = kept_folded - (folded - static_cast<std::int64_t>(d.journal_positions.size()));
+      d.exact_keys.insert_copy(local * width, d.journal_keys, first * width, back * width);
+      d.exact_values.insert_copy(local * width, d.journal_values, first * width, back * width);
+      d.exact_positions.insert(d.exact_positions.begin() + local, d.journal_positions.begin() + first,
+                               d.journal_positions.begin() + first + back);
+      d.journal_keys.resize(first * width);
+      d.journal_values.resize(first * width);
+      d.journal_positions.resize(static_cast<std::size_t>(first));
       const std::int64_t chunks = target.context_chunks;
       d.coefficients.resize(chunks * chunk * rank);
       d.context_positions.resize(static_cast<std::size_t>(chunks * chunk));

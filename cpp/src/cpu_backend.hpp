@@ -35,7 +35,8 @@ struct cpu_layer_data {
   std::vector<std::int64_t> exact_positions;
   std::int64_t last_position = -1;
   std::int64_t prompt_last_position = -1;  ///< where last_position returns to when truncate removes every token
-  // The fold journal: the exact rows of every folded generated chunk, oldest first, so that truncate can undo folds.
+  // The fold journal: the exact rows of the newest config::journal_chunks() folded generated chunks (of every fold
+  // of an extend call while it runs), oldest first, so that truncate can undo folds.
   host_array journal_keys;    ///< [folded generated tokens, Hkv, D] post-RoPE
   host_array journal_values;  ///< [folded generated tokens, Hkv, D]
   std::vector<std::int64_t> journal_positions;
@@ -109,9 +110,10 @@ class cpu_backend : public backend {
   void attend(int layer, std::span<const batch_entry> entries, const tensor_view& queries,
               const mutable_tensor_view& out) override;
   [[nodiscard]] bool supports_extend() const override { return true; }
-  void attend_block(int layer, std::span<const batch_entry> entries, const tensor_view& queries,
-                    const mutable_tensor_view& out) override;
   void reserve_extend(int layer, std::span<const batch_entry> entries, std::span<const std::int64_t> tokens) override;
+  void extend_block(int layer, std::span<const batch_entry> entries, const block_inputs& inputs,
+                    const mutable_tensor_view& out) override;
+  void end_extend(int layer, std::span<const batch_entry> entries) override;
   [[nodiscard]] bool supports_truncate() const override { return true; }
   void truncate_generated(int layer, std::span<const batch_entry> entries,
                           std::span<const layer_state> targets) override;
@@ -133,6 +135,14 @@ class cpu_backend : public backend {
   [[nodiscard]] cpu_layer_data prefill_one(const batch_entry& entry, const prefill_inputs& inputs) const;
   /// Grows the workspace for selections over up to `chunks` context chunks and attention over `union_rows` tokens.
   void reserve_workspace(std::int64_t chunks, std::int64_t union_rows);
+  /// extend_block's steps, on states it advances as it goes (`states`: the entries' copies).
+  void run_block(int layer, std::span<const batch_entry> entries, std::span<layer_state> states,
+                 const block_inputs& inputs, const mutable_tensor_view& out);
+  /// Causal attention of a block of queries [B, s, Hq, D] whose tokens are the entries' last s exact rows.
+  void attend_block(int layer, std::span<const batch_entry> entries, const tensor_view& queries,
+                    const mutable_tensor_view& out);
+  /// Drops the fold journal's rows beyond its newest journal_chunks() chunks.
+  void trim_journal(cpu_layer_data& d) const noexcept;
   /// Attention of one query token per entry, queries and out [B, Hq, D], over the union with the entry's first
   /// `exact_rows_hidden` exact rows from the end left out (the later tokens of an extend block).
   void attend_token(int layer, std::span<const batch_entry> entries, const tensor_view& queries,
@@ -144,6 +154,7 @@ class cpu_backend : public backend {
   std::vector<value_place> values_on_;               ///< [slot]: where the slot's values are (a label on the CPU)
   store_stats stats_;
   cpu_workspace workspace_;
+  bool keep_full_journal_ = false;  ///< inside an extend call: folds keep their journal rows until end_extend
 };
 
 }  // namespace shadowkv::detail

@@ -464,7 +464,7 @@ void kv_store::extend(int layer, std::span<const int> slots, const tensor_view& 
   try {
     for (std::int64_t start = 0; start < longest; start += block) {
       // The sequences with tokens in this block, grouped by the block's size (the last block of a sequence may be
-      // shorter): one select and one attention call per size.
+      // shorter): one backend call per size.
       std::vector<std::int64_t> sizes;
       for (std::size_t b = 0; b < slots.size(); ++b) {
         if (lengths[b] > start) sizes.push_back(std::min(block, lengths[b] - start));
@@ -473,52 +473,32 @@ void kv_store::extend(int layer, std::span<const int> slots, const tensor_view& 
       sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
       for (const std::int64_t size : sizes) {
         std::vector<batch_entry> entries;
-        std::vector<batch_entry> folding;
-        std::vector<std::int64_t> exact_before;
         for (std::size_t b = 0; b < slots.size(); ++b) {
-          if (lengths[b] <= start || std::min(block, lengths[b] - start) != size) continue;
-          entries.push_back(all[b]);
-          exact_before.push_back(all[b].state->generated_exact_len);
-          if (rules::fold_due<std::int64_t>(all[b].state->generated_exact_len, window)) folding.push_back(all[b]);
+          if (lengths[b] > start && std::min(block, lengths[b] - start) == size) entries.push_back(all[b]);
         }
-        // 1. Fold where the exact region is full, as decode does.
-        if (!folding.empty()) fold_entries(layer, folding);
-        // 2. Append the block's tokens.
-        for (std::int64_t t = 0; t < size; ++t) {
-          const tensor_view positions =
-              options.positions.empty() ? tensor_view{} : detail::select_token(options.positions, start + t);
-          backend_->append_token(layer, entries,
-                                 append_inputs{detail::select_token(k, start + t), detail::select_token(v, start + t),
-                                               positions, options.keys_post_rope});
-          for (const batch_entry& entry : entries) {
-            layer_state& state =
-                sequences_[static_cast<std::size_t>(entry.slot)].layers[static_cast<std::size_t>(layer)];
-            state.generated_total += 1;
-            state.generated_exact_len += 1;
-          }
-        }
-        // 3. One selection with the block's queries; 4. causal attention of each of them.
-        const tensor_view queries = detail::narrow_tokens(q, start, size);
-        backend_->select_chunks(layer, entries, queries);
-        backend_->fetch_values(layer, entries);
-        backend_->rebuild_keys(layer, entries);
-        backend_->attend_block(layer, entries, queries, detail::narrow_tokens(out, start, size));
-        // 5. Fold down to what `size` decode steps would leave.
-        while (true) {
-          std::vector<batch_entry> due;
-          for (std::size_t i = 0; i < entries.size(); ++i) {
-            const std::int64_t target =
-                detail::advance_generated(exact_before[i], size, window, chunk).generated_exact_len;
-            if (entries[i].state->generated_exact_len > target) due.push_back(entries[i]);
-          }
-          if (due.empty()) break;
-          fold_entries(layer, due);
+        const block_inputs inputs{
+            detail::narrow_tokens(q, start, size), detail::narrow_tokens(k, start, size),
+            detail::narrow_tokens(v, start, size),
+            options.positions.empty() ? tensor_view{} : detail::narrow_tokens(options.positions, start, size),
+            options.keys_post_rope};
+        backend_->extend_block(layer, entries, inputs, detail::narrow_tokens(out, start, size));
+        // The block's counters: `size` tokens more, folded as `size` decode steps fold (docs/semantics.md).
+        for (const batch_entry& entry : entries) {
+          layer_state& state =
+              sequences_[static_cast<std::size_t>(entry.slot)].layers[static_cast<std::size_t>(layer)];
+          const detail::generated_advance advance =
+              detail::advance_generated(state.generated_exact_len, size, window, chunk);
+          state.generated_total += size;
+          state.generated_exact_len = advance.generated_exact_len;
+          state.context_chunks += advance.folds;
+          folds_ += advance.folds;
         }
       }
       ++blocks_run;
     }
   } catch (...) {
-    // Out of memory inside a block: undo what the call appended (the backend allocates before it writes).
+    // Out of memory inside a block (which undid itself): undo the call's earlier blocks too (the backend kept the
+    // fold journal's rows of every fold of the call, reserve_extend).
     std::vector<batch_entry> changed;
     std::vector<layer_state> targets;
     for (std::size_t b = 0; b < slots.size(); ++b) {
@@ -526,19 +506,25 @@ void kv_store::extend(int layer, std::span<const int> slots, const tensor_view& 
       changed.push_back(all[b]);
       targets.push_back(before[b]);
     }
-    if (!changed.empty()) {
-      try {
+    try {
+      if (!changed.empty()) {
+        backend_->reserve_truncate(layer, changed, targets);
         backend_->truncate_generated(layer, changed, targets);
         for (std::size_t i = 0; i < changed.size(); ++i) {
-          sequences_[static_cast<std::size_t>(changed[i].slot)].layers[static_cast<std::size_t>(layer)] = targets[i];
+          layer_state& state =
+              sequences_[static_cast<std::size_t>(changed[i].slot)].layers[static_cast<std::size_t>(layer)];
+          folds_ -= state.context_chunks - targets[i].context_chunks;
+          state = targets[i];
         }
-      } catch (...) {
-        // Nothing more can be done: the sequences keep the tokens appended so far (their counters match the data).
       }
+    } catch (...) {
+      // Nothing more can be done: the sequences keep the blocks that ran (their counters match their data).
     }
+    backend_->end_extend(layer, all);
     backend_->finish_call();
     throw;
   }
+  backend_->end_extend(layer, all);
   backend_->finish_call();
   decode_steps_ += blocks_run;
 }
@@ -565,6 +551,30 @@ void kv_store::truncate(std::span<const int> slots, std::span<const std::int64_t
   }
   SHADOWKV_EXPECTS(backend_->supports_truncate(), "truncate is not implemented on the ", to_string(backend_->where()),
                    " backend yet");
+  // The fold journal keeps the exact rows of the last journal_chunks() folded chunks: a truncate may undo that many.
+  for (std::size_t i = 0; i < slots.size(); ++i) {
+    if (tokens[i] == 0) continue;
+    for (int layer = 0; layer < config_.num_layers; ++layer) {
+      const layer_state& state =
+          sequences_[static_cast<std::size_t>(slots[i])].layers[static_cast<std::size_t>(layer)];
+      const std::int64_t folds_now = state.context_chunks - state.prompt_context_chunks;
+      const auto folds_at = [&](std::int64_t generated) {
+        return detail::advance_generated(0, generated, window, chunk).folds;
+      };
+      if (folds_now - folds_at(state.generated_total - tokens[i]) <= config_.journal_chunks()) continue;
+      std::int64_t most = 0;  // the most tokens that can be removed now
+      while (most < state.generated_total &&
+             folds_now - folds_at(state.generated_total - most - 1) <= config_.journal_chunks()) {
+        ++most;
+      }
+      throw invalid_argument(detail::format_message(
+          "truncate: cannot remove ", tokens[i], " tokens from slot ", slots[i], ": that would undo ",
+          folds_now - folds_at(state.generated_total - tokens[i]), " folds of layer ", layer,
+          ", and the store keeps the exact tokens of the last ", config_.journal_chunks(),
+          " folded chunks only (generation_window = ", config_.generation_window, " tokens); at most ", most,
+          " tokens can be removed now"));
+    }
+  }
   // Every layer's targets first, then the backend's allocations for all of them, then the writes: running out of
   // memory leaves every layer as it was.
   std::vector<std::vector<batch_entry>> entries(static_cast<std::size_t>(config_.num_layers));

@@ -62,6 +62,16 @@ struct append_inputs {
   bool keys_post_rope = true;
 };
 
+/// Inputs of one block of an extend: queries [B, s, Hq, D] post-RoPE, keys and values [B, s, Hkv, D], positions
+/// [B, s] (may be empty: each sequence's last position + 1, + 2, ...).
+struct block_inputs {
+  tensor_view queries;
+  tensor_view keys;
+  tensor_view values;
+  tensor_view positions;
+  bool keys_post_rope = true;
+};
+
 /// Chunk ids per KV head (ascending), as returned for inspection.
 using chunk_ids_per_head = std::vector<std::vector<std::int64_t>>;
 
@@ -121,26 +131,35 @@ class backend {
 
   // --- extend and truncate (docs/semantics.md, "Extend" and "Truncate") -------------------------------------------
 
-  /// True if the backend implements attend_block, i.e. extend by more than one token per sequence.
+  /// True if the backend implements extend_block, i.e. extend by more than one token per sequence.
   [[nodiscard]] virtual bool supports_extend() const { return false; }
-  /// Exact attention of a block of `queries` [B, s, Hq, D] (every entry's last s exact generated tokens are the
-  /// block's, appended already): query token t attends over outliers ∪ local ∪ selected ∪ the generated region
-  /// without its last s - 1 - t tokens. Writes `out` [B, s, Hq, D]. With s = 1 it is attend().
-  virtual void attend_block(int layer, std::span<const batch_entry> entries, const tensor_view& queries,
-                            const mutable_tensor_view& out);
   /// Allocates what an extend of `tokens[i]` tokens of entries[i] (states before it) needs beyond reserve_decode:
-  /// room for the exact region of a block, the block's attention and every fold of the call. May throw
-  /// out_of_memory, changing nothing observable. The default reserves a decode step.
+  /// room for the exact region of a block, the block's attention and every fold of the call (and the fold journal's
+  /// rows of all of them, so that the store can undo the call). May throw out_of_memory, changing nothing observable.
   virtual void reserve_extend(int layer, std::span<const batch_entry> entries, std::span<const std::int64_t> tokens) {
     (void)tokens;
     reserve_decode(layer, entries);
+  }
+  /// One block of an extend (docs/semantics.md, "Extend", steps 1–5) for entries that all take s = inputs.queries
+  /// .shape[1] tokens: the fold of a full region, the block's tokens appended, one selection with its queries, the
+  /// causal attention of each of them into `out` [B, s, Hq, D], and the folds down to what s decode steps leave.
+  /// States hold the counters before the block (the store advances them afterwards by the fold rule). All or nothing:
+  /// when it throws, the entries' data are as before the block.
+  virtual void extend_block(int layer, std::span<const batch_entry> entries, const block_inputs& inputs,
+                            const mutable_tensor_view& out);
+  /// The extend call whose blocks ran on these entries is over (succeeded or undone): the backend may drop what it
+  /// kept to undo the call (the fold journal's rows beyond its last journal_chunks folds).
+  virtual void end_extend(int layer, std::span<const batch_entry> entries) {
+    (void)layer;
+    (void)entries;
   }
 
   /// True if the backend implements truncate_generated.
   [[nodiscard]] virtual bool supports_truncate() const { return false; }
   /// Makes each entry's (layer, slot) the state `targets[i]` (fewer generated tokens, the same prompt; counters as
   /// the fold rule gives them): drops the exact tokens past the target, undoes the folds past targets[i].context_chunks
-  /// (newest first, their exact rows back from the fold journal) and drops undone chunks from the selection cache.
+  /// (newest first, their exact rows back from the fold journal, which the store has checked holds them) and drops
+  /// undone chunks from the selection cache.
   /// States hold the counters before. Does not throw after reserve_truncate with the same arguments.
   virtual void truncate_generated(int layer, std::span<const batch_entry> entries,
                                   std::span<const layer_state> targets);

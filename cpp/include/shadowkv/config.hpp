@@ -140,6 +140,11 @@ struct config {
   }
   /// The budget in chunks, k = budget / chunk_size (what the selection and its cache are sized by).
   [[nodiscard]] std::int64_t budget_chunks() const noexcept { return chunk_size > 0 ? budget / chunk_size : 0; }
+  /// Folded generated chunks whose exact rows the fold journal keeps for truncate: W / C (docs/semantics.md,
+  /// "Truncate"), so that the last generation_window tokens can always be removed.
+  [[nodiscard]] std::int64_t journal_chunks() const noexcept {
+    return chunk_size > 0 ? generation_window / chunk_size : 0;
+  }
   /// The selection cache's slots per (sequence, layer, KV head), K = cache_tokens / chunk_size (k when 0).
   [[nodiscard]] std::int64_t cache_slots() const noexcept {
     if (cache_tokens == 0) return budget_chunks();
