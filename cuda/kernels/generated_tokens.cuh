@@ -23,6 +23,20 @@ void launch_append_generated(const dims& d, int kv_type, layer_view* views, cons
                              int batch, strided_tensor k_new, strided_tensor v_new, strided_tensor positions,
                              int positions_bits, bool keys_post_rope, const float* inv_freq, cudaStream_t stream);
 
+/// An extend block's appends (docs/semantics.md, "Extend"): for each of `tokens` tokens of keys, values [B, s, Hkv, D]
+/// and positions [B, s] (data == nullptr: last position + 1), step 1 then step 2; then step 1 once more (a decode
+/// step that fills the ring ends with its fold). One launch, a CTA per entry.
+void launch_append_block(const dims& d, int kv_type, layer_view* views, const int* batch_slots, int layer, int batch,
+                         int tokens, strided_tensor keys, strided_tensor values, strided_tensor positions,
+                         int positions_bits, bool keys_post_rope, const float* inv_freq, cudaStream_t stream);
+
+/// Truncate of one (slot, layer) whose device view is `view`: undo its folds past `kept_chunks` context chunks (their
+/// exact rows back from the fold journal, which holds them: dims::journal_chunks is one more than the host's limit,
+/// for a ring the device folded early), keep `exact` exact generated tokens, free the undone chunks' cache slots and set
+/// the last position (docs/semantics.md, "Truncate").
+void launch_truncate_generated(const dims& d, int kv_type, layer_view* view, int kept_chunks, int exact,
+                               cudaStream_t stream);
+
 /// Steps 1 and 2 in stream order: launch_fold_generated, then launch_append_generated (same arguments).
 void launch_advance_generated(const dims& d, int kv_type, layer_view* views, const int* batch_slots, int layer,
                               int batch, strided_tensor k_new, strided_tensor v_new, strided_tensor positions,
