@@ -7,30 +7,10 @@ A configuration is BATCHxSEQ_LENxBUDGET, optionally followed by :host (values in
 :device (values in device memory, value_store="device"), :host_fp8 or :device_fp8 (fp8 values: e4m3 codes and a
 float32 scale per chunk and head, half the bytes), and optionally by +f32 (float32 low-rank factors instead of the
 default bfloat16 ones, e.g. 24x122880x2048:host+f32), +pN (decode_pipeline_parts=N; +p1: no pipelining), +cN (a
-value fetch of N CTAs: SHADOWKV_FETCH_CTAS and SHADOWKV_DEVICE_FETCH_CTAS, instead of the backend's choice), +max
+value fetch across PCIe of N CTAs: SHADOWKV_FETCH_CTAS, instead of the backend's choice), +max
 (group_score="max" instead of the default mean), +kN (a selection cache of N times the budget:
 cache_tokens = N * BUDGET, e.g. 24x122880x2048:host+k2; each result records its cache_tokens, 0 = the budget) and/or
-+tc (chunk_score="two_centroids": chunks scored by two fp8 centroids instead of the landmark) and/or +ip (device
-values read in place by attention, SHADOWKV_DEVICE_VALUES=in_place, instead of gathered into the selection cache)
-and/or +ev (even pipeline parts, SHADOWKV_PIPELINE_SPLIT=even, instead of the default tapered ones: the first and
-last parts half the others; +tp names the default explicitly)
-and/or +fma (sparse attention on the CUDA-core kernel, SHADOWKV_ATTENTION=fma, instead of tensor cores) and/or +sN
-(the select kernel on N = 1, 2, 4 or 8 CTAs a (sequence, KV head), SHADOWKV_SELECT_CLUSTER=N, instead of the
-planner's choice) and/or +pl0 (plain kernel launches, SHADOWKV_PROGRAMMATIC_LAUNCH=off, instead of programmatic
-dependent launches) and/or +np (the fetch across PCIe at its stream's priority, SHADOWKV_FETCH_PRIORITY=normal,
-instead of the device's greatest) and/or +rt0 (no RoPE table: the key rebuild computes every row's coefficients,
-SHADOWKV_ROPE_TABLE=off) and/or +mt (the key rebuild multiplies bf16 factors on TF32 MMAs, SHADOWKV_REBUILD_MMA=tf32,
-instead of bf16 MMAs) and/or +sma (select clusters merge their histograms with every CTA summing every bin,
-SHADOWKV_SELECT_MERGE=all, instead of by reduce-scatter) and/or +rs (the key rebuild's RoPE over its results in shared
-memory, SHADOWKV_REBUILD_ROPE=shared, instead of in the MMA accumulators) and/or +lf / +lm (the decode landmark logits
-always summed by the lanes' FMAs, SHADOWKV_LOGITS=fma, or always on bf16 MMAs, =mma, instead of the planner's choice)
-and/or +lp0 (the landmark logits beside the value fetch with every tile in fixed shares, SHADOWKV_LOGITS_POOL=off,
-instead of half of them claimed from a pool) and/or +sh0 (select clusters always run the full radix select,
-SHADOWKV_SELECT_HINT=off, instead of starting from the previous selection's hint) and/or +le0 (the landmark logits
-read the landmarks as plain loads, SHADOWKV_LANDMARK_L2=normal, instead of under an L2 evict-first policy) and/or +acN
-(the tensor-core attention's split count aimed at N CTAs, SHADOWKV_ATTENTION_CTAS=N, instead of 264) and/or +ep0 (the
-tensor-core landmark logits' tile epilogue writes the logits and finds the maxima, SHADOWKV_LOGITS_EPILOGUE=full,
-instead of the warps as they compute) and/or +lyN (a store of N layers,
++tc (chunk_score="two_centroids": chunks scored by two fp8 centroids instead of the landmark) and/or +lyN (a store of N layers,
 each with its own random context, and every step decodes all N in order, as a model does: the times are per layer,
 the step's divided by N. One layer's landmarks at B = 1 and S = 122880 are 31.5 MB, less than the H200's L2, so a
 one-layer step may find them there from the step before, which a model's next layer cannot).
@@ -155,29 +135,11 @@ def run_case(args, device, batch, seq_len, budget, value_store, target_hit, band
     parts = next((int(o[1:]) for o in options if o.startswith("p") and o[1:].isdigit()), 0)
     fetch_ctas = next((o[1:] for o in options if o.startswith("c") and o[1:].isdigit()), None)
     cache_multiple = next((int(o[1:]) for o in options if o.startswith("k")), 0)
-    select_cluster = next((o[1:] for o in options if o.startswith("s") and o[1:].isdigit()), None)
     layers = next((int(o[2:]) for o in options if o.startswith("ly") and o[2:].isdigit()), 1)
-    attention_ctas = next((o[2:] for o in options if o.startswith("ac") and o[2:].isdigit()), None)
     cache_tokens = cache_multiple * budget  # 0: the default cache of exactly the budget
-    # The CUDA backend's measurement knobs, read once when it is constructed: each is set for this row, or removed
-    # (its default) when the row does not name it, whatever the caller's environment says.
-    knobs = {"SHADOWKV_FETCH_CTAS": fetch_ctas, "SHADOWKV_DEVICE_FETCH_CTAS": fetch_ctas, "SHADOWKV_DEVICE_VALUES": "in_place" if "ip" in options else None,
-             "SHADOWKV_PIPELINE_SPLIT": "even" if "ev" in options else None,
-             "SHADOWKV_ATTENTION": "fma" if "fma" in options else None,
-             "SHADOWKV_SELECT_CLUSTER": select_cluster,
-             "SHADOWKV_PROGRAMMATIC_LAUNCH": "off" if "pl0" in options else None,
-             "SHADOWKV_FETCH_PRIORITY": "normal" if "np" in options else None,
-             "SHADOWKV_ROPE_TABLE": "off" if "rt0" in options else None,
-             "SHADOWKV_REBUILD_MMA": "tf32" if "mt" in options else None,
-             "SHADOWKV_SELECT_MERGE": "all" if "sma" in options else None,
-             "SHADOWKV_REBUILD_ROPE": "shared" if "rs" in options else None,
-             "SHADOWKV_LOGITS": "fma" if "lf" in options else ("mma" if "lm" in options else None),
-             "SHADOWKV_LOGITS_POOL": "off" if "lp0" in options else None,
-             "SHADOWKV_SELECT_HINT": "off" if "sh0" in options else None,
-             "SHADOWKV_LANDMARK_L2": "normal" if "le0" in options else None,
-             "SHADOWKV_ATTENTION_CTAS": attention_ctas,
-             "SHADOWKV_LOGITS_EPILOGUE": "full" if "ep0" in options else None,
-             "SHADOWKV_FUSED_MISSES": "on" if "fm" in options else ("off" if "fm0" in options else None)}
+    # The one environment variable of the CUDA backend (read when it is constructed): set for this row, or removed (the
+    # backend's choice) when the row does not name it, whatever the caller's environment says.
+    knobs = {"SHADOWKV_FETCH_CTAS": fetch_ctas}
     with _environment(knobs):
         store = KVStore(layers, hq, hkv, dim, max_batch=batch, max_seq_len=capacity, rank=args.rank, chunk_size=chunk,
                         budget=budget, outlier_chunks=48, local_chunks=4, generation_window=256, dtype="bfloat16",
@@ -272,19 +234,6 @@ def run_case(args, device, batch, seq_len, budget, value_store, target_hit, band
            "fetch_ctas": int(fetch_ctas) if fetch_ctas is not None else None,  # None: the backend's choice
            "factor_dtype": model_store.config["factor_dtype"], "group_score": model_store.config["group_score"],
            "chunk_score": model_store.config["chunk_score"], "layers": layers,
-           "device_values": "in_place" if "ip" in options else "gather",
-           "pipeline_split": "even" if "ev" in options else "tapered",
-           "attention": "fma" if "fma" in options else "default",
-           "attention_ctas": int(attention_ctas) if attention_ctas is not None else None,  # None: the kernel's 264
-           "select_cluster": int(select_cluster) if select_cluster is not None else None,  # None: the planner's
-           "programmatic_launch": "pl0" not in options, "fetch_priority": "normal" if "np" in options else "high", "rope_table": "rt0" not in options,
-           "rebuild_mma": "tf32" if "mt" in options else "bf16", "select_merge": "all" if "sma" in options else "scatter",
-           "rebuild_rope": "shared" if "rs" in options else "registers",
-           "logits": "fma" if "lf" in options else ("mma" if "lm" in options else "auto"),
-           "logits_pool": "lp0" not in options, "select_hint": "sh0" not in options,
-           "landmark_l2": "normal" if "le0" in options else "evict_first",
-           "logits_epilogue": "full" if "ep0" in options else "lean",
-           "fused_misses": "on" if "fm" in options else ("off" if "fm0" in options else "auto"),
            "target_hit": target_hit, "hit": hit,
            "query_correlation": a, "ours_ms": ours * 1e3, "full_ms": full * 1e3, "floor_ms": floor * 1e3,
            "ours_over_full": ours / full, "ours_over_floor": ours / floor}
@@ -478,15 +427,13 @@ def _parse_config(text: str) -> tuple:
     batch, seq_len, budget = (int(x) for x in shape.split("x"))
     place, *options = value_store.split("+")
     if place not in ("", "host", "device", "host_fp8", "device_fp8") or not all(
-            o in ("f32", "max", "tc", "ip", "tp", "ev", "fma", "pl0", "np", "rt0", "mt", "sma", "rs", "lf", "lm", "lp0", "sh0", "le0", "ep0", "fm", "fm0") or (o[:1] in ("p", "c", "k") and o[1:].isdigit())
-            or (o[:2] in ("ly", "ac") and o[2:].isdigit() and int(o[2:]) >= 1)
-            or o in ("s1", "s2", "s4", "s8") for o in options) or any(o[:1] == "k" and int(o[1:]) < 1 for o in options):
+            o in ("f32", "max", "tc") or (o[:1] in ("p", "c", "k") and o[1:].isdigit())
+            or (o[:2] == "ly" and o[2:].isdigit() and int(o[2:]) >= 1)
+            for o in options) or any(o[:1] == "k" and int(o[1:]) < 1 for o in options):
         raise SystemExit(f"--config {text}: the value store must be :host, :device, :host_fp8 or :device_fp8, "
                          f"optionally followed by +f32 (float32 factors), +pN (pipeline parts), +max (group_score max), +tc "
-                         f"(two-centroid chunk scores), +ip (device values read in place), +ev (even pipeline parts), +fma (CUDA-core attention), "
-                         f"+cN (value fetch CTAs), +kN (a selection cache of N >= 1 times the budget), +sN (select kernel on "
-                         f"N = 1, 2, 4 or 8 CTAs a head), +pl0 (plain kernel launches), +np (fetch at normal priority), +rt0 (no RoPE table), "
-                         f"+mt (rebuild on TF32 MMAs), +sma (select merge by every CTA), +rs (rebuild RoPE in shared memory), +lf / +lm (FMA / MMA landmark logits), +lp0 (no logits tile pool), +sh0 (no select hint), +le0 (landmarks as plain loads), +ep0 (full logits epilogue), +acN (attention CTAs), +fm / +fm0 (fused misses on / off) and/or +lyN (N >= 1 layers a step)")
+                         f"(two-centroid chunk scores), +cN (value fetch CTAs across PCIe), +kN (a selection cache of "
+                         f"N >= 1 times the budget) and/or +lyN (N >= 1 layers a step)")
     return batch, seq_len, budget, "+".join([place or "host", *options])
 
 
@@ -590,7 +537,7 @@ def main(argv=None) -> int:
     for r in rows:
         g = f" {r['ours_graph_ms']:.3f} |" if graph else ""
         best = min(r["ours_ms"], r.get("ours_graph_ms", r["ours_ms"]))
-        print(f"| {r['batch']} | {r['seq_len']} | {r['budget']} | {r['value_store']}, {r['factor_dtype']}{', ' + r['group_score'] if r.get('group_score', 'mean') != 'mean' else ''}{', two centroids' if r.get('chunk_score') == 'two_centroids' else ''}{', values in place' if r.get('device_values') == 'in_place' else ''}{', even parts' if r.get('pipeline_split') == 'even' else ''}{', FMA attention' if r.get('attention') == 'fma' else ''}{', select on ' + str(r['select_cluster']) + ' CTAs' if r.get('select_cluster') else ''}{', plain launches' if r.get('programmatic_launch') is False else ''}{', fetch at normal priority' if r.get('fetch_priority') == 'normal' else ''}{', no RoPE table' if r.get('rope_table') is False else ''}{', rebuild on TF32 MMAs' if r.get('rebuild_mma') == 'tf32' else ''}{', select merge by every CTA' if r.get('select_merge') == 'all' else ''}{', rebuild RoPE in shared memory' if r.get('rebuild_rope') == 'shared' else ''}{', ' + r['logits'].upper() + ' logits' if r.get('logits') in ('fma', 'mma') else ''}{', no logits pool' if r.get('logits_pool') is False else ''}{', no select hint' if r.get('select_hint') is False else ''}{', attention CTAs ' + str(r['attention_ctas']) if r.get('attention_ctas') else ''}{', landmarks as plain loads' if r.get('landmark_l2') == 'normal' else ''}{', full logits epilogue' if r.get('logits_epilogue') == 'full' else ''}{', parts ' + str(r['decode_pipeline_parts']) if r.get('decode_pipeline_parts') else ''}{', fetch CTAs ' + str(r['fetch_ctas']) if r.get('fetch_ctas') else ''}{', cache ' + str(r['cache_tokens']) if r.get('cache_tokens') else ''}{', ' + str(r['layers']) + ' layers a step' if r.get('layers', 1) > 1 else ''} | {r['hit']:.2f} | {r['ours_ms']:.3f} |{g} "
+        print(f"| {r['batch']} | {r['seq_len']} | {r['budget']} | {r['value_store']}, {r['factor_dtype']}{', ' + r['group_score'] if r.get('group_score', 'mean') != 'mean' else ''}{', two centroids' if r.get('chunk_score') == 'two_centroids' else ''}{', parts ' + str(r['decode_pipeline_parts']) if r.get('decode_pipeline_parts') else ''}{', fetch CTAs ' + str(r['fetch_ctas']) if r.get('fetch_ctas') else ''}{', cache ' + str(r['cache_tokens']) if r.get('cache_tokens') else ''}{', ' + str(r['layers']) + ' layers a step' if r.get('layers', 1) > 1 else ''} | {r['hit']:.2f} | {r['ours_ms']:.3f} |{g} "
               f"{r['full_ms']:.3f} | {r['floor_ms']:.3f} | {best / r['full_ms']:.2f} | {best * 1e3 / (r['floor_ms'] * 1e3):.1f} |")
     if graph:
         print("ratios use the faster of eager and graph-replayed steps")

@@ -43,43 +43,14 @@ struct dims {
                        ///< holds exactly the last selection, K > k: slots keep their chunk until evicted (LRU)
   int chunk_centroids;  ///< 1: chunks are scored by two centroids (config::chunk_score two_centroids,
                         ///< shadowkv/chunk_centroids.hpp) held in layer_view::centroid_*, not by landmarks
-  int attention_fma;    ///< 1: sparse attention always on its FMA kernel (SHADOWKV_ATTENTION=fma), 0: on tensor
-                        ///< cores where that kernel serves the shape (bf16, D <= 128; sparse_attention.cu)
-  int select_cluster;   ///< CTAs a (sequence, KV head) of the select kernel: 0 = the planner's choice
-                        ///< (selection_plan.cuh, plan_select_cluster), 1 = one CTA, 2/4/8 = a cluster of that many
-                        ///< where the batch allows clusters and their shared memory fits (SHADOWKV_SELECT_CLUSTER;
-                        ///< tests)
-  int programmatic_launch;  ///< 1: the decode step's kernels after the first are launched programmatically dependent
-                            ///< on the one before (common/dependent_launch.cuh), 0: plain launches
-                            ///< (SHADOWKV_PROGRAMMATIC_LAUNCH=off)
-  int rebuild_mma_tf32;  ///< 1: the key rebuild multiplies bf16 factors on TF32 MMAs (SHADOWKV_REBUILD_MMA=tf32),
-                         ///< 0: on bf16 MMAs (chunk_rebuild.cu); float32 factors always take 3xTF32
-  int select_merge_all;  ///< 1: select clusters merge histograms with every CTA summing every bin
-                         ///< (SHADOWKV_SELECT_MERGE=all), 0: by reduce-scatter then gather (select_kernel.cu)
-  int rebuild_rope_shared;  ///< 1: the key rebuild's RoPE always runs over its results in shared memory
-                            ///< (SHADOWKV_REBUILD_ROPE=shared), 0: in the accumulators where it can (chunk_rebuild.cu)
-  int logits_pooled;  ///< 1: a decode logits launch beside the value fetch takes half its tiles from a shared pool
-                      ///< (landmark_logits.cu; SHADOWKV_LOGITS_POOL=on, the default), 0: all in fixed shares
-  int logits_arithmetic;  ///< the decode landmark logits (SHADOWKV_LOGITS; landmark_logits.cu): 0 = the planner's
-                          ///< choice (tensor cores for bf16 rows of 64 or 128 when the batch has many tiles), 1 = the
-                          ///< lanes' FMAs always, 2 = tensor cores wherever they serve the shape
-  int select_hint;  ///< 1: a select cluster starts from layer_view::selection_hint when it can (select_kernel.cu;
-                    ///< SHADOWKV_SELECT_HINT=on, the default), 0: always the full radix select
-  int landmark_evict_first;  ///< 1: the decode landmark logits read the landmarks under an L2 evict-first policy
-                             ///< (landmark_logits.cu; SHADOWKV_LANDMARK_L2=evict_first, the store's default),
-                             ///< 0: evict-normal, as plain loads
   int attention_early;  ///< 1: the key rebuild releases the attention's launch at its start, and the tensor-core
                         ///< attention walks its rows and stages q before it waits for the rebuild
-                        ///< (sparse_attention.cu; the backend's choice by batch, SHADOWKV_ATTENTION_EARLY),
-                        ///< 0: the attention starts after it
-  int attention_ctas;  ///< CTAs the tensor-core attention's split count aims for (SHADOWKV_ATTENTION_CTAS), 0: 264
+                        ///< (sparse_attention.cu; the backend's choice by batch, pipeline_plan.hpp), 0: the attention
+                        ///< starts after it
   int fused_misses;  ///< 1: the key rebuild also attends over the rows it rebuilds (a partial per group of misses,
                      ///< chunk_rebuild.cuh's miss_attention) and the attention walks only the other rows, without
                      ///< waiting for the rebuild (sparse_attention.cu); the backend's choice per step
-                     ///< (SHADOWKV_FUSED_MISSES), 0: the rebuild writes keys, the attention reads every row
-  int logits_lean_epilogue;  ///< 1: the tensor-core decode logits' warps store their rows' logits and maxima as they
-                             ///< compute them, so a tile's epilogue only sums exponentials (landmark_logits.cu;
-                             ///< SHADOWKV_LOGITS_EPILOGUE=lean, the store's default), 0: the epilogue does all of it
+                     ///< (pipeline_plan.hpp), 0: the rebuild writes keys, the attention reads every row
 };
 
 /// Everything of one (slot, layer) on the device. Row-major, head-major where a kernel reads one head at a time.
@@ -126,10 +97,6 @@ struct layer_view {
   std::uint8_t* centroid_codes;  ///< [Hkv, max_chunks, 2 * D] e4m3 codes: centroid 1, then centroid 2
   float* centroid_scales;        ///< [Hkv, max_chunks, 2]
   std::uint8_t* first_counts;    ///< [Hkv, max_chunks]: keys in the first cluster
-  // 1: attention reads this sequence's selected values from value_store where they are (device values, not fp8, and
-  // SHADOWKV_DEVICE_VALUES=in_place), and the value fetch only counts their bytes; 0: from cache_values, filled by the
-  // fetch (issue 15 item 1 asks for both, measured).
-  int values_in_place;
   // [Hkv] radix key where the last selection's scores put the count from the top at 2k (select_kernel.cu's hint
   // path; 0: none). Only a place to start from: any value gives the same selection. Null: no hints.
   unsigned* selection_hint;

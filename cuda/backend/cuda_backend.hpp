@@ -1,4 +1,10 @@
-// The CUDA backend: the backend seam on one GPU (DESIGN.md §2–4).
+// The CUDA backend: the backend seam on one GPU (DESIGN.md §2–4). Its members are defined by job:
+//   cuda_backend.cpp   construction (dims from the config, streams, events) and each call's streams
+//   arenas.cpp         the arenas and the decode workspace reserved up front, sequences joining and leaving, memory
+//   prefill.cpp        a prefill: prompt keys, factorisation (Gram eigensolve or SVD), landmarks, outliers, scatter
+//   decode_step.cpp    a decode step's orchestration over the compute and copy streams
+//   pipeline_plan.cpp  the step's plan: pipeline parts, fetch CTAs and priority, early attention, fused misses
+//   inspection.cpp     reads of device state (selections, outliers, positions, statistics) and the finiteness check
 //
 // Everything a sequence can need on the device is reserved when the store is built: per (slot, layer) device arenas
 // sized from max_seq_len and the decode workspace for max_batch sequences, so a decode step allocates nothing. A
@@ -79,6 +85,9 @@ class cuda_backend final : public backend {
 
  private:
   struct layer_sizes;  // bytes of each array of one (slot, layer)
+  /// Reserves everything up front (arenas.cpp): the (slot, layer) arenas and views, the decode workspace for
+  /// max_batch sequences, the RoPE table, the prefill's small buffers; then the default device value budget.
+  void reserve_memory();
   void upload_batch(std::span<const batch_entry> entries);
   /// A prompt's keys as the prefill reads them (launch_prepare_prompt_keys): float32 before RoPE (scaled for the
   /// Gram matrix), the store's type after RoPE, and the positions.
@@ -138,19 +147,19 @@ class cuda_backend final : public backend {
   static constexpr int kDefaultPipelineParts = 3;  ///< the backend's choice from kPipelineFromBatch sequences
   static constexpr int kDefaultPipelinePartsFp8 = 2;  ///< the same with fp8 values (half the PCIe bytes to hide)
   static constexpr int kPipelineFromBatch = 16;    ///< (with host values; bench/NOTES.md)
-  /// The largest batch whose attention the key rebuild releases early by default (dims::attention_early; measured at
-  /// B = 1 and 8, bench/NOTES.md session 20).
+  /// The largest batch whose attention the key rebuild releases early (dims::attention_early; measured at B = 1 and
+  /// 8, bench/NOTES.md session 20: at B = 1 device values hit 0.52 the step 0.071 -> 0.069 ms in one-step graphs,
+  /// 0.066 -> 0.064 in graphs of 8; B = 8 level).
   static constexpr int kEarlyAttentionMaxBatch = 8;
   /// dims_ as the kernels of a decode step of `batch` sequences take them (dims::attention_early).
   [[nodiscard]] dims step_dims(int batch) const;
-  /// The largest batch whose steps are fused by default (dims::fused_misses, SHADOWKV_FUSED_MISSES=auto): one
-  /// sequence. Measured on the H200 at B = 1, S = 122880, device values (bench/NOTES.md, session 25): at hit 0.52 the
+  /// The largest batch whose steps are fused (dims::fused_misses): one sequence. Measured on the H200 at B = 1, S = 122880, device values (bench/NOTES.md, session 25): at hit 0.52 the
   /// fused step takes 0.066 ms a step in graphs of 8 against 0.068 unfused (0.068 against 0.070 in one-step graphs);
   /// at hit 0.04 it is slower (0.079 against 0.073), but decode hit rates on real captures are 0.6-0.9. At B = 8 a
   /// fused rebuild CTA takes several groups, and the step is slower (0.236 against 0.205 ms, session 23).
   static constexpr int kFusedMissesMaxBatch = 1;
-  /// Whether this step's key rebuild attends over the missed rows (dims::fused_misses): the setting allows it, the
-  /// call decodes (not a prefill), the batch is one pipeline part, every value is in device memory, and the shapes
+  /// Whether this step's key rebuild attends over the missed rows (dims::fused_misses): at most
+  /// kFusedMissesMaxBatch sequences, the call decodes (not a prefill), the batch is one pipeline part, every value is in device memory, and the shapes
   /// allow it (sparse_attention_fuses).
   [[nodiscard]] bool fuse_step(std::span<const batch_entry> entries) const;
   /// stream_ waits for the whole fetch queued by fetch_values, once (no-op when none is pending).
@@ -167,8 +176,8 @@ class cuda_backend final : public backend {
   /// inspection calls read through it instead of the legacy default stream, which would wait for every blocking
   /// stream of the device (the caller's included).
   void read_back(void* host, const void* device, std::size_t bytes) const;
-  /// The pipeline's parts for this batch: config::decode_pipeline_parts when set (at most the batch), else the
-  /// backend's choice (see the measurement in pipeline_parts).
+  /// The pipeline's parts for this batch, split tapered (part_start): config::decode_pipeline_parts when set (at
+  /// most the batch), else the backend's choice (see the measurement in pipeline_parts).
   [[nodiscard]] std::vector<batch_part> pipeline_parts(std::span<const batch_entry> entries) const;
   /// Whether any of these entries' values are in pinned host memory.
   [[nodiscard]] bool any_host_values(std::span<const batch_entry> entries) const;
@@ -185,13 +194,9 @@ class cuda_backend final : public backend {
   int fetch_ctas_host_ = 1;             ///< value fetch CTAs when values cross PCIe (fetch_ctas_for_host_values)
   int fetch_ctas_device_ = 1;           ///< value fetch CTAs when every value of the part is in device memory
   int fetch_priority_host_ = 0;         ///< launch priority of a fetch across PCIe (fetch_priority_for_host_values)
-  int attention_early_ = 0;             ///< SHADOWKV_ATTENTION_EARLY: 1 on, -1 off, 0 auto (step_dims)
-  int fused_misses_ = 0;                ///< SHADOWKV_FUSED_MISSES: 1 on, -1 off, 0 auto (fuse_step)
   bool fused_step_ = false;  ///< this call is a fused step (fetch_values decides; rebuild_keys and attend follow)
   bool prefilling_ = false;             ///< this call is a prefill (its selection is not followed by an attention)
   strided_tensor selection_queries_{};  ///< this call's queries as [B, Hq, D] (select_chunks; miss_attention)
-  bool values_in_place_ = false;        ///< SHADOWKV_DEVICE_VALUES=in_place (layer_view::values_in_place)
-  bool tapered_split_ = true;           ///< SHADOWKV_PIPELINE_SPLIT (tapered unless "even"; pipeline_parts)
   cudaStream_t stream_ = nullptr;       ///< the current call's compute stream (caller's or own_stream_)
   bool caller_stream_ = false;
   // Handles before buffers: members are destroyed in reverse order, so the buffers (freed on own_stream_) go first.

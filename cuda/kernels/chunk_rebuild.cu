@@ -88,7 +88,7 @@ int splits_for(int batch, int kv_heads, int most, int resident_per_sm) {
 // x = big + small (big = x rounded to tf32, small = the exact fp32 remainder rounded to tf32) and acc +=
 // small_a*big_b + big_a*small_b + big_a*big_b: about 22 significant bits per product (what CUTLASS calls
 // OpMultiplyAddFastF32). A bf16 factor (8-bit mantissa) times another is exact in fp32 on the bf16 MMA (and on a TF32
-// MMA, a bf16 number being a tf32 number as it is: SHADOWKV_REBUILD_MMA=tf32, the way before session 15).
+// MMA too, but the bf16 MMA takes half as many; add_bf16_tile_products).
 // The tensor cores accumulate each K tile from zero; the tiles are summed with ordinary fp32 adds (see the main loop).
 constexpr int kRebuildRows = 64;      // M
 static_assert(kRebuildRows == kMaxChunkSize, "shape_support.hpp's chunk limit is the rebuild tile's rows");
@@ -205,10 +205,6 @@ __device__ __forceinline__ void split_tf32(float x, cutlass::tfloat32_t& big, cu
   small = cutlass::tfloat32_t::bitcast((__float_as_uint(remainder) + 0x1000U) & 0xFFFFE000U);
 }
 
-/// A tf32 operand from a factor element: float32 is split into big + small parts, bf16 is exact as it is.
-__device__ __forceinline__ cutlass::tfloat32_t exact_tf32(__nv_bfloat16 x) {
-  return cutlass::tfloat32_t::bitcast(__float_as_uint(__bfloat162float(x)));
-}
 
 /// Whether the rebuild rotates a group's keys in the MMA accumulators, where every thread holds both dims of each of
 /// its pairs (SM80_16x8_Row: a thread's values v = 0, 1 of an n8 block are (row g, columns 2t, 2t + 1), v = 2, 3 the
@@ -217,10 +213,10 @@ __device__ __forceinline__ cutlass::tfloat32_t exact_tf32(__nv_bfloat16 x) {
 /// is a multiple of 16. It needs the store's RoPE table: every row's coefficients are then in shared memory
 /// (issue_coefficients computes those of rows past the table), so the unrolled rotation has no float64 sincos in it.
 /// Elsewhere (half-split at D = 80 or with a partial rotary_dim, or no table) RoPE runs over the results in shared
-/// memory as before, as it does with SHADOWKV_REBUILD_ROPE=shared (dims::rebuild_rope_shared).
+/// memory.
 template <int D>
 __host__ __device__ __forceinline__ bool rope_in_registers(const dims& d, bool table) {
-  if (d.rebuild_rope_shared != 0 || !table) return false;
+  if (!table) return false;
   return d.rope_interleaved != 0 || ((D / 2) % 16 == 0 && d.rotary_dim == D);
 }
 
@@ -234,7 +230,7 @@ using bf16_rebuild_mma = decltype(cute::make_tiled_mma(cute::SM80_16x8x16_F32BF1
 /// lays them out) into `tile_sums` on bf16 MMAs: per k-block of 16, the warp's A operand (16 rows x 16) by one
 /// ldmatrix.x4 and each n8 block's B operand (16 x 8, stored dim-major) by one ldmatrix.x2.trans. Both are free of bank
 /// conflicts with rebuild_tile's padded rows (A: 80 bytes a row, B: 2 (D + 8) bytes, an odd number of 16-byte units).
-/// Against bf16 factors widened to tf32 (rebuild_mma_tf32): half the MMAs, and one shared-memory instruction for what
+/// Against bf16 factors widened to tf32 (the way before session 15): half the MMAs, and one shared-memory instruction for what
 /// took eight scalar loads and conversions (bench/NOTES.md, session 14: ~260 instructions a warp a K tile).
 template <int D, typename Sums>
 __device__ __forceinline__ void add_bf16_tile_products(const __nv_bfloat16* stage, Sums& tile_sums) {
@@ -305,8 +301,8 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
       shared_bytes + attend_layout::queries_offset(use_table(), values_in_coefficients));  // [G, D]
   float* const scores = queries + d.group * D;                                             // [G, kRebuildRows]
   // kAttend: this head's values in the selection cache (cache_values, [K, C, D] a head), where the group's values go
-  // once they have landed (what the value fetch does in an unfused step; the backend launches none in a fused one);
-  // nullptr when the attention reads the values in place (layer_view::values_in_place). Set by thread 0 in pass 0.
+  // once they have landed (what the value fetch does in an unfused step; the backend launches none in a fused one).
+  // Set by thread 0 in pass 0.
   __shared__ T* cache_values_of_head;
   const auto value_rows = [&](int buffer) {  // [kRebuildRows]: a row's values in the value store (padding: nullptr)
     return reinterpret_cast<const T**>(shared_bytes + attend_layout::value_rows_offset(use_table(),
@@ -661,18 +657,6 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
               gemm(mma, tile_sums(_, 0, n), a_big(_, 0), b_big, tile_sums(_, 0, n));
             }
           }
-        } else if (d.rebuild_mma_tf32 != 0) {
-          CUTE_UNROLL
-          for (int kb = 0; kb < size<2>(tCsA); ++kb) {
-            CUTE_UNROLL
-            for (int i = 0; i < size(a_big); ++i) a_big(i) = exact_tf32(tCsA(_, _, kb, stage)(i));
-            CUTE_UNROLL
-            for (int n = 0; n < size<1>(tCsB); ++n) {
-              CUTE_UNROLL
-              for (int i = 0; i < size(b_big); ++i) b_big(i) = exact_tf32(tCsB(_, n, kb, stage)(i));
-              gemm(mma, tile_sums(_, 0, n), a_big(_, 0), b_big, tile_sums(_, 0, n));
-            }
-          }
         } else {
           add_bf16_tile_products<D>(shared + stage * tile::stage, tile_sums);
         }
@@ -768,10 +752,8 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
       if (pass == 0 && threadIdx.x == kRebuildRows) {
         // The head's values in the selection cache, and the bytes this (sequence, head) reads from the value store
         // this step counted once (by its CTA 0), as the value fetch counts them (counters[3]).
-        cache_values_of_head = view->values_in_place != 0
-                                   ? nullptr
-                                   : static_cast<T*>(view->cache_values) +
-                                         static_cast<long long>(h) * d.cache_slots * d.chunk * D;
+        cache_values_of_head =
+            static_cast<T*>(view->cache_values) + static_cast<long long>(h) * d.cache_slots * d.chunk * D;
         if (blockIdx.z == 0) {
           atomicAdd(workspace.counters + 3,
                     static_cast<unsigned long long>(misses) * d.chunk * D * static_cast<unsigned long long>(sizeof(T)));
@@ -864,16 +846,14 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
         wait_async_copies_at_most(has_next ? min(kRebuildStages - 1, k_tiles) : 0);
         __syncthreads();  // every thread's values have landed
         phase_stamp(stamped_kernel::rebuild, 36);
-        if (cache_values_of_head != nullptr) {
-          // The group's values into their selection-cache slots (the keys' targets), 16-byte stores.
-          const long long* const targets = row_target(buffer ^ 1);
-          constexpr int kVectorsPerRow = D * static_cast<int>(sizeof(T)) / 16;
-          for (int v = static_cast<int>(threadIdx.x); v < current_rows * kVectorsPerRow; v += kRebuildThreads) {
-            const int row = v / kVectorsPerRow;
-            const int piece = v % kVectorsPerRow;
-            reinterpret_cast<uint4*>(cache_values_of_head + targets[row])[piece] =
-                reinterpret_cast<const uint4*>(group_values + row * D)[piece];
-          }
+        // The group's values into their selection-cache slots (the keys' targets), 16-byte stores.
+        const long long* const targets = row_target(buffer ^ 1);
+        constexpr int kVectorsPerRow = D * static_cast<int>(sizeof(T)) / 16;
+        for (int v = static_cast<int>(threadIdx.x); v < current_rows * kVectorsPerRow; v += kRebuildThreads) {
+          const int row = v / kVectorsPerRow;
+          const int piece = v % kVectorsPerRow;
+          reinterpret_cast<uint4*>(cache_values_of_head + targets[row])[piece] =
+              reinterpret_cast<const uint4*>(group_values + row * D)[piece];
         }
         phase_stamp(stamped_kernel::rebuild, 48);  // (thread 0's stores issued; no barrier)
         attend_group(current_rows, (next - group_stride) / group_chunks);
@@ -918,7 +898,7 @@ void launch_rebuild_for(const dims& d, layer_view* views, const int* batch_slots
   const dim3 grid(static_cast<unsigned>(batch), static_cast<unsigned>(d.kv_heads),
                   static_cast<unsigned>(splits_for(batch, d.kv_heads, groups, resident)));
   launch_after_prior_grid(rebuild_keys_kernel<T, F, D, kAttend>, grid, dim3(kRebuildThreads), shared, stream,
-                          d.programmatic_launch != 0, d, views, batch_slots, layer, workspace, inv_freq, attend);
+                          true, d, views, batch_slots, layer, workspace, inv_freq, attend);
 }
 
 template <typename T, int D, bool kAttend>

@@ -40,7 +40,7 @@ constexpr int kMissAttentionMaxGroup = 16;
 /// chunk_size above 64. With `attend` (dims::fused_misses set): also the attention over the rebuilt rows
 /// (miss_attention; bf16 keys, values in device memory and not fp8, head_dim <= 128, G <= kMissAttentionMaxGroup,
 /// else shadowkv::invalid_argument), and the value fetch's work for those rows (launch_fetch_values, which a fused
-/// step does not launch): their values into their slots of cache_values (unless layer_view::values_in_place), their
+/// step does not launch): their values into their slots of cache_values, their
 /// bytes added to counters[3].
 void launch_rebuild_keys(const dims& d, int kv_type, layer_view* views, const int* batch_slots, int layer, int batch,
                          const step_workspace& workspace, const float* inv_freq, cudaStream_t stream,

@@ -31,8 +31,8 @@
 //      the (at most k) victims exactly by their 64-bit stamps (selection/cache_policy.cuh, update_lru_cache). The
 //      radix keys live in shared memory when max_chunks fits (4 B per chunk, up to about 54K chunks on an H200);
 //      else in workspace.radix_keys (plan_select decides, for the workspace query and the launch alike).
-//      When the batch leaves multiprocessors idle (B = 1: one CTA a head on 8 of 132 SMs), a cluster of 8 CTAs (2
-//      or 4 when forced) takes each (b, h) instead (select_cluster_kernel, plan_select_cluster): CTA r ranks the r-th slice of
+//      When the batch leaves multiprocessors idle (B = 1: one CTA a head on 8 of 132 SMs), a cluster of 8 CTAs (or 4,
+//      where the GPCs hold no more clusters of 8) takes each (b, h) instead (select_cluster_kernel, plan_select_cluster): CTA r ranks the r-th slice of
 //      the chunks, the radix select's histograms are summed over the cluster through distributed shared memory, the
 //      compaction offsets each CTA's ids by the counts of the CTAs before it, and the first CTA updates the cache;
 //      the radix keys live in workspace.radix_keys there (rows for such small launches are always reserved).

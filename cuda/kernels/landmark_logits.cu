@@ -257,7 +257,7 @@ __device__ __forceinline__ void prefetch_outlier_flags(const tile_descriptor<kC>
 // epilogue: coalesced logit writes and the tile's softmax partial per query head, one warp per head; the copies of
 // the next batches are in flight meanwhile.
 //
-// kMma (bf16 rows of 64 or 128 elements when the batch has many tiles; dims::logits_arithmetic): whole tiles land in
+// kMma (bf16 rows of 64 or 128 elements when the batch has many tiles; the planner in launch_decode_landmark_logits): whole tiles land in
 // shared memory by the TMA's bulk copies (thread 0 issues tile t + kTileStages into the stage that tile t frees; a
 // transaction barrier a stage), a warp's batch is 16 rows, one m16n8k16 MMA's M, and each lane's A fragments are
 // 16-byte vectors of the tile as they stand (row_split: every fourth vector of rows g and g + 8). q is the B operand, in three bf16 terms (hi + mid + lo == q, so every product is
@@ -291,10 +291,10 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG, kC, 
   float* q_shared = reinterpret_cast<float*>(shared + layout.queries);
   float* tile_logits = reinterpret_cast<float*>(shared + layout.tile_logits);
   float* tile_maxima = reinterpret_cast<float*>(shared + layout.tile_maxima);
-  // dims::logits_lean_epilogue (tensor cores only): the warps store their rows' logits to global memory and their
+  // The lean epilogue (tensor cores only): the warps store their rows' logits to global memory and their
   // maxima to tile_maxima as they compute them, and the epilogue's head g falls to warp kWarps - 1 - g, away from
   // thread 0, which issues the tiles and writes the descriptors.
-  const bool lean = kMma && d.logits_lean_epilogue != 0;
+  constexpr bool lean = kMma;
   tile_descriptor* descriptors = reinterpret_cast<tile_descriptor*>(shared + layout.descriptors);
   sequence_entry* sequences = reinterpret_cast<sequence_entry*>(shared + layout.sequences);
 
@@ -563,7 +563,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG, kC, 
       const int first_row = (warp + copy_sub * kWarps) * split::kBatchRows;
       if (first_row < rows) {
         // Every landmark is read once a step (read_once_policy; made here, not held across the loop in registers).
-        const unsigned long long landmark_policy = read_once_policy(d.landmark_evict_first != 0);
+        const unsigned long long landmark_policy = read_once_policy();
         const T* tile_source = static_cast<const T*>(tile.source);
         uint4* ring = warp_ring + copy_stage * split::kSlots * 32;
 #pragma unroll
@@ -594,7 +594,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG, kC, 
     const int stage_index = ordinal % kTileStages;
     const int bytes = tile.rows * kRowBytes;
     tile_barrier::arrive_and_expect_tx(&barriers[stage_index], static_cast<std::uint32_t>(bytes));
-    const unsigned long long landmark_policy = read_once_policy(d.landmark_evict_first != 0);  // read once a step
+    const unsigned long long landmark_policy = read_once_policy();  // read once a step
     bulk_copy_with_policy(shared + layout.rings + stage_index * tile_rows * kRowBytes, tile.source,
                           reinterpret_cast<unsigned long long*>(&barriers[stage_index]),
                           static_cast<unsigned>(bytes), landmark_policy);
@@ -683,30 +683,26 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG, kC, 
 #pragma unroll
           for (int quad = 0; quad < split::kHeadQuads; ++quad) {
             const int g = 4 * quad + part;
-            float m = kNegativeInfinity;  // lean: the max of the lane's live rows, then of the warp's 16
+            float m = kNegativeInfinity;  // the max of the lane's live rows, then of the warp's 16
 #pragma unroll
             for (int u = 0; u < 2; ++u) {
               if (g < d.group && live[u]) {
                 const float sum = (acc[quad][2 * u] + acc[quad][2 * u + 1]) + acc[split::kHeadQuads][2 * u + quad];
                 const float logit = outlier[u] ? kNegativeInfinity : d.softmax_scale * sum;
                 buffer[g * tile_rows + row + 8 * u] = logit;
-                if (lean) {
-                  const long long j = static_cast<long long>(tile.sequence) * d.q_heads +
-                                      static_cast<long long>(tile.head) * d.group + g;
-                  logits[j * d.max_chunks + static_cast<long long>(tile.index) * tile_rows + row + 8 * u] = logit;
-                  m = fmaxf(m, logit);
-                }
+                const long long j = static_cast<long long>(tile.sequence) * d.q_heads +
+                                    static_cast<long long>(tile.head) * d.group + g;
+                logits[j * d.max_chunks + static_cast<long long>(tile.index) * tile_rows + row + 8 * u] = logit;
+                m = fmaxf(m, logit);
               }
             }
-            if (lean) {
-              // The 8 lanes of head g (lane % 4 == part) hold its 16 rows, the warp's only batch of the tile (the
-              // tensor-core path takes tiles of 128 rows: 8 warps x 16; launch_decode_landmark_logits).
+            // The 8 lanes of head g (lane % 4 == part) hold its 16 rows, the warp's only batch of the tile (the
+            // tensor-core path takes tiles of 128 rows: 8 warps x 16; launch_decode_landmark_logits).
 #pragma unroll
-              for (int offset = 4; offset < 32; offset <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffU, m, offset));
-              if (row_group == 0 && g < d.group) maxima_of_tile[warp * kG + g] = m;
-            }
+            for (int offset = 4; offset < 32; offset <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffU, m, offset));
+            if (row_group == 0 && g < d.group) maxima_of_tile[warp * kG + g] = m;
           }
-        } else if (lean && row_group == 0) {
+        } else if (row_group == 0) {
           // No rows of this tile for the warp: the identity of the max.
 #pragma unroll
           for (int quad = 0; quad < split::kHeadQuads; ++quad) {
@@ -901,7 +897,7 @@ bool launch_with(const dims& d, const layer_view* views, const int* batch_slots,
   const long long ctas = std::min<long long>(
       std::max<long long>(resident - std::max(beside_ctas, 0), std::max(multiprocessors, 1)), most_tiles);
   launch_after_prior_grid(decode_landmark_logits_kernel<T, kRowBytes, kG, kC, kMma>, dim3(static_cast<unsigned>(ctas)),
-                          dim3(kThreads), static_cast<std::size_t>(layout.bytes), stream, d.programmatic_launch != 0,
+                          dim3(kThreads), static_cast<std::size_t>(layout.bytes), stream, true,
                           d, views, batch_slots, layer, batch, queries, tile_rows, tiles, logits, partials, claims);
   return true;
 }
@@ -926,8 +922,8 @@ bool launch_decode_landmark_logits(const dims& d, int kv_type, const layer_view*
                                    int multiprocessors, int beside_ctas, float* logits, float* partials,
                                    unsigned* claims, cudaStream_t stream) {
   if (d.group < 1 || d.group > 8 || batch <= 0 || tiles <= 0 || tile_rows <= 0) return false;
-  // The tile pool only where another kernel may slow some of the CTAs (dims::logits_pooled).
-  if (beside_ctas <= 0 || d.logits_pooled == 0) claims = nullptr;
+  // The tile pool only where another kernel may slow some of the CTAs.
+  if (beside_ctas <= 0) claims = nullptr;
   if (d.chunk_centroids != 0) {
     // Rows of 2·D codes, whatever the store's element type.
     auto launch = [&](auto row_bytes) {
@@ -953,8 +949,7 @@ bool launch_decode_landmark_logits(const dims& d, int kv_type, const layer_view*
       // stays capturable): measured on the H200 (bench/NOTES.md, session 16), B = 8 and 24 at S = 122880 run 3-6%
       // faster on them, B = 1 (7 tiles a multiprocessor) 0.8 µs slower, its two CTAs an SM sharing fewer tiles.
       const bool many_tiles = static_cast<long long>(batch) * d.kv_heads * tiles >= 16LL * multiprocessors;
-      const bool tensor_cores = d.logits_arithmetic == 2 || (d.logits_arithmetic == 0 && many_tiles);
-      if (tensor_cores && (row_bytes == 128 || row_bytes == 256) && tile_rows == 128 &&
+      if (many_tiles && (row_bytes == 128 || row_bytes == 256) && tile_rows == 128 &&
           compute_capability_major() >= 9) {
         launched = row_bytes == 128
                        ? launch_for_group<T, 128, 1, true>(d, views, batch_slots, layer, batch, queries, tile_rows,

@@ -23,7 +23,7 @@ namespace shadowkv::cuda {
 /// e4m3 codes. Returns false, launching nothing, for shapes it does not cover: a row (landmark, or codes) of other
 /// than 128, 256 or 512 bytes, or more than 8 query heads per KV head. The grid (one wave: the CTAs that fit on
 /// `multiprocessors`, less `beside_ctas` that another kernel may hold meanwhile) depends on dims, batch and the
-/// device only. With `beside_ctas` > 0, dims::logits_pooled and `claims` (step_workspace::logits_claims, two
+/// device only. With `beside_ctas` > 0 and `claims` (step_workspace::logits_claims, two
 /// counters that are zero and are left zero) the CTAs take half of the tiles in fixed shares and claim the rest.
 bool launch_decode_landmark_logits(const dims& d, int kv_type, const layer_view* views, const int* batch_slots,
                                    int layer, int batch, const strided_tensor& queries, int tile_rows, int tiles,

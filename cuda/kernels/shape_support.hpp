@@ -1,12 +1,7 @@
 // The shapes the CUDA kernels take: one table that the kernels' launchers and the backend's construction-time check
-// share (so that a store the kernels cannot serve is rejected when it is built, not after a call has changed it).
-// Host code only (no device code): the backend includes it from a plain C++ translation unit.
+// (backend/kernel_support.hpp) share, so that a store the kernels cannot serve is rejected when it is built, not after
+// a call has changed it. Plain constants: it includes nothing of the store.
 #pragma once
-
-#include <cstdint>
-
-#include "shadowkv/config.hpp"
-#include "shadowkv/errors.hpp"
 
 namespace shadowkv::cuda {
 
@@ -22,18 +17,6 @@ constexpr bool supported_head_dim(int head_dim) {
     if (supported == head_dim) return true;
   }
   return false;
-}
-
-/// Throws invalid_argument naming the first field of `cfg` the CUDA kernels cannot serve.
-inline void check_kernel_support(const config& cfg) {
-  SHADOWKV_EXPECTS(supported_head_dim(cfg.head_dim), "the CUDA backend supports head_dim 64, 80, 96, 128 or 256, got ",
-                   cfg.head_dim, " (the CPU backend takes any)");
-  SHADOWKV_EXPECTS(cfg.chunk_size <= kMaxChunkSize, "the CUDA backend supports chunk_size up to ", kMaxChunkSize,
-                   ", got ", cfg.chunk_size, " (the CPU backend takes any)");
-  SHADOWKV_EXPECTS(cfg.num_kv_heads <= kMaxGridDimension, "the CUDA backend supports up to ", kMaxGridDimension,
-                   " KV heads, got ", cfg.num_kv_heads);
-  SHADOWKV_EXPECTS(cfg.max_batch <= kMaxGridDimension, "the CUDA backend supports max_batch up to ",
-                   kMaxGridDimension, ", got ", cfg.max_batch);
 }
 
 }  // namespace shadowkv::cuda

@@ -26,7 +26,7 @@
 //    The CTA loops over query tiles when G > 8 (each tile re-reads the CTA's rows, mostly from L2). A CTA whose
 //    range is empty writes the neutral partial (-inf, 0, 0...).
 //    For bf16 keys and values with D <= 128 the tensor-core split kernel (sparse_attention_mma_kernel, below) takes
-//    its place: same grid, row walk and partials, Q K^T and P V on mma.sync (dims::attention_fma keeps the FMA one).
+//    its place: same grid, row walk and partials, Q K^T and P V on mma.sync (the FMA one serves every other shape).
 // 2. combine kernel, grid (query head, entry): weights 2^(max_s - max) per split, out = sum_s w_s acc_s / sum_s w_s l_s
 //    written in out.type with out.stride (0 when no row at all exists).
 // A fused step (dims::fused_misses, off by default): the split kernel walks only the rows of the slots this step did
@@ -140,20 +140,15 @@ struct cta_layout {
 /// and one split's contiguous share [row_begin, row_end) of it (see the file comment, 1.). Made by begin_row_walk.
 template <typename T, int D, bool kListed>
 struct row_walk {
-  const layer_view* view;
   const int* slot_list;  ///< the cache part's list (shared memory when it fits)
-  int h;
-  int kv_heads;
   int chunk;
   int chunk_shift;  ///< log2(chunk), or -1 when chunk is not a power of two
   int local_capacity;
   int window;
-  int cache_slots;
   int outlier_rows;
   int local_rows;
   int generated_rows;
-  int ring_head;         ///< view->ring_head, read with the view's other fields at the start
-  bool values_in_place;  ///< view->values_in_place, likewise
+  int ring_head;  ///< view->ring_head, read with the view's other fields at the start
   int row_begin;
   int row_end;
   const T* outlier_keys;
@@ -195,15 +190,7 @@ struct row_walk {
       i += (slot_list[entry] - entry) * chunk;
     }
     key = cache_keys + static_cast<long long>(i) * D;
-    if (values_in_place) {
-      // The value store's run of (chunk, head h), [max_chunks, Hkv, C, D], for buffer slot i / C's chunk.
-      const int slot = entry_of(i);
-      const int token = i - slot * chunk;
-      const long long chunk_id = view->cache_chunks[static_cast<long long>(h) * cache_slots + slot];
-      value = static_cast<const T*>(view->value_store) + ((chunk_id * kv_heads + h) * chunk + token) * D;
-    } else {
-      value = cache_values + static_cast<long long>(i) * D;
-    }
+    value = cache_values + static_cast<long long>(i) * D;
   }
 };
 
@@ -294,7 +281,6 @@ __device__ __forceinline__ row_walk<T, D, kListed> begin_row_walk(const dims& d,
   walk.local_rows = view.local_len;
   walk.generated_rows = view.generated_exact_len;
   walk.ring_head = view.ring_head;
-  walk.values_in_place = view.values_in_place != 0;
   const void* outlier_keys = view.outlier_keys;
   const void* outlier_values = view.outlier_values;
   const void* exact_keys = view.exact_keys;
@@ -319,15 +305,11 @@ __device__ __forceinline__ row_walk<T, D, kListed> begin_row_walk(const dims& d,
     for (int w = 0; w < kBlockThreads / 32; ++w) last_filled = max(last_filled, warp_last_filled[w]);
   }
 
-  walk.view = &view;
   walk.slot_list = list_in_shared || hits_only ? shared_slots : global_slot_list;
-  walk.h = h;
-  walk.kv_heads = d.kv_heads;
   walk.chunk = d.chunk;
   walk.chunk_shift = (d.chunk & (d.chunk - 1)) == 0 ? __ffs(d.chunk) - 1 : -1;  // C is normally a power of two
   walk.local_capacity = d.local_capacity;
   walk.window = d.window;
-  walk.cache_slots = d.cache_slots;
   const int total_rows = walk.outlier_rows + walk.local_rows + walk.generated_rows + (last_filled + 1) * d.chunk;
   const int span = (total_rows + splits - 1) / splits;
   walk.row_begin = min(total_rows, split * span);
@@ -1058,9 +1040,9 @@ __global__ void __launch_bounds__(kCombineThreads)
 bool valid_element_type(int type) { return type == element_f32 || type == element_f16 || type == element_bf16; }
 
 /// Whether the tensor-core kernel serves these dims and element type: bf16 keys and values, D <= 128 (its float32
-/// accumulators of 16 heads x D stay in registers), and dims::attention_fma not set.
+/// accumulators of 16 heads x D stay in registers).
 bool mma_kernel_serves(const dims& d, int kv_type) {
-  return d.attention_fma == 0 && kv_type == element_bf16 && d.head_dim <= 128 && d.head_dim % 16 == 0;
+  return kv_type == element_bf16 && d.head_dim <= 128 && d.head_dim % 16 == 0;
 }
 
 int choose_splits(const dims& d, int batch, int max_splits, int target_ctas) {
@@ -1093,7 +1075,7 @@ void launch_mma_split(const split_launch& a) {
   shadowkv_allow_large_shared_memory(sparse_attention_mma_kernel<D, kListed>, allowed_on_devices);
   const dim3 grid(static_cast<unsigned>(a.splits), static_cast<unsigned>(a.d.kv_heads), static_cast<unsigned>(a.batch));
   launch_after_prior_grid(sparse_attention_mma_kernel<D, kListed>, grid, dim3(kMmaThreads), layout::shared_bytes,
-                          a.stream, a.d.programmatic_launch != 0, a.d, a.views, a.batch_slots, a.layer, a.q, a.partial,
+                          a.stream, true, a.d, a.views, a.batch_slots, a.layer, a.q, a.partial,
                           a.splits, a.max_splits, a.misses);
 }
 
@@ -1106,7 +1088,7 @@ void launch_split(const split_launch& a) {
   }
   const dim3 grid(static_cast<unsigned>(a.splits), static_cast<unsigned>(a.d.kv_heads), static_cast<unsigned>(a.batch));
   launch_after_prior_grid(sparse_attention_split_kernel<T, D, HeadTile, kListed>, grid, dim3(kThreads),
-                          layout::shared_bytes, a.stream, a.d.programmatic_launch != 0, a.d, a.views, a.batch_slots,
+                          layout::shared_bytes, a.stream, true, a.d, a.views, a.batch_slots,
                           a.layer, a.q, a.partial, a.splits, a.max_splits);
 }
 
@@ -1136,11 +1118,9 @@ int sparse_attention_splits(const dims& d, int kv_type, int batch, int max_split
   const bool tensor_cores = mma_kernel_serves(d, kv_type);
   if (d.fused_misses != 0) {
     // The key rebuild's partials follow the splits (rebuild_max_groups of them at most).
-    return choose_splits(d, batch, max_splits - rebuild_max_groups(d),
-                         d.attention_ctas > 0 ? d.attention_ctas : kFusedTargetCtas);
+    return choose_splits(d, batch, max_splits - rebuild_max_groups(d), kFusedTargetCtas);
   }
-  return choose_splits(d, batch, max_splits,
-                       tensor_cores ? (d.attention_ctas > 0 ? d.attention_ctas : kMmaTargetCtas) : kTargetCtas);
+  return choose_splits(d, batch, max_splits, tensor_cores ? kMmaTargetCtas : kTargetCtas);
 }
 
 void launch_sparse_attention(const dims& d, int kv_type, const layer_view* views, const int* batch_slots, int layer,
@@ -1217,7 +1197,7 @@ void launch_sparse_attention(const dims& d, int kv_type, const layer_view* views
   if (splits_done != nullptr) SHADOWKV_CUDA_TRY(cudaEventRecord(splits_done, stream));
   launch_after_prior_grid(sparse_attention_combine_kernel,
                           dim3(static_cast<unsigned>(d.q_heads), static_cast<unsigned>(batch)), dim3(kCombineThreads),
-                          0, stream, d.programmatic_launch != 0, d.head_dim, d.q_heads, partial, splits, max_splits,
+                          0, stream, true, d.head_dim, d.q_heads, partial, splits, max_splits,
                           out, fused ? miss_counts : nullptr, d.group, rebuild_group_chunks(d));
 }
 

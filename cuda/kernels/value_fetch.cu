@@ -60,12 +60,6 @@ __global__ void fetch_values_kernel(dims d, layer_view* views, const int* batch_
       const unsigned long long run_bytes = d.value_fp8 != 0 ? run + sizeof(float) : run * sizeof(T);
       atomicAdd(workspace.counters + 3, static_cast<unsigned long long>(misses) * run_bytes);
     }
-    if (view->values_in_place != 0) {
-      // Attention reads these values from the value store: the bytes are counted (the statistics stay the same
-      // whichever way the values are read), nothing is copied; on to the next pair.
-      unit = next_pair_unit();
-      continue;
-    }
     const int m = first + sub;
     if (m < misses) {
       const int slot = workspace.miss_slots[pair * d.budget + m];  // k entries per pair, slots in [0, K)

@@ -79,9 +79,6 @@ struct case_config {
   int cache_slots = 0;   ///< K, buffer slots per head (0: the budget); miss lists stay k long, slots in [0, K)
   miss_pattern pattern = miss_pattern::ragged;
   bool bf16_factors = false;  ///< A and B held as bf16 (dims::factor_bf16): exact bf16 MMAs instead of 3xTF32
-  bool tf32_for_bf16 = false;  ///< bf16 factors widened to tf32 on TF32 MMAs (dims::rebuild_mma_tf32)
-  bool rope_shared = false;    ///< RoPE over the results in shared memory even where the accumulators could take it
-                               ///< (dims::rebuild_rope_shared)
   bool misaligned = false;  ///< A and B start one element past a 16-byte boundary (the kernel's scalar copy path)
   bool graph = false;       ///< capture once, replay with a second set of miss lists
   long long rope_table = 0;  ///< positions of a RoPE table (rope_table.cuh) the rebuild reads; 0: none. With one, the
@@ -96,7 +93,7 @@ struct case_config {
       << " r=" << full_rank() << (rank > 0 ? "" : "(full)") << " rotary=" << rotary()
       << (interleaved ? " interleaved" : " half-split") << " scaling=" << attention_scaling << " theta=" << rope_theta
       << " kv=" << type_name(kv_type) << (bf16_factors ? " factors=bf16" : " factors=f32")
-      << (tf32_for_bf16 ? " mma=tf32" : "") << (rope_shared ? " rope=shared" : "") << " k=" << budget
+      << " k=" << budget
       << " K=" << slots()
       << " misses=" << pattern_name(pattern)
       << (misaligned ? " misaligned" : "") << (graph ? " graph" : "")
@@ -250,8 +247,6 @@ void run_case(const case_config& cfg) {
   const int factor_type = cfg.bf16_factors ? shadowkv::cuda::element_bf16 : shadowkv::cuda::element_f32;
   const std::size_t factor_bytes = element_bytes(factor_type);
   d.factor_bf16 = cfg.bf16_factors ? 1 : 0;
-  d.rebuild_mma_tf32 = cfg.tf32_for_bf16 ? 1 : 0;
-  d.rebuild_rope_shared = cfg.rope_shared ? 1 : 0;
   std::vector<host_entry> entries(static_cast<std::size_t>(B));
   std::vector<layer_view> views(static_cast<std::size_t>(slots) * num_layers);
   std::memset(views.data(), 0, views.size() * sizeof(layer_view));
@@ -786,8 +781,7 @@ TEST_F(ChunkRebuild, RopeTableGivesTheSameKeys) {
   // per position (8-byte copies), interleaved pairs with attention scaling, one K tile, and float32 factors at D = 128
   // (whose shared memory has no room for the coefficients: the table is not read); half-split at D = 96 and 256 and
   // interleaved with a partial rotary_dim (the rotation in the accumulators, rope_in_registers; the rebuild without
-  // the table rotates over sC, so the byte comparison checks one against the other). Each shape with the RoPE in the
-  // accumulators where it can be, and over sC always (SHADOWKV_REBUILD_ROPE=shared).
+  // the table rotates over sC, so the byte comparison checks one against the other).
   struct shape {
     int kv_heads;
     int head_dim;
@@ -827,42 +821,36 @@ TEST_F(ChunkRebuild, RopeTableGivesTheSameKeys) {
     cfg.budget = s.budget;
     cfg.pattern = miss_pattern::ragged;
     cfg.rope_table = 300000;
-    for (const bool rope_shared : {false, true}) {
-      cfg.rope_shared = rope_shared;
-      run_case(cfg);
-      if (HasFatalFailure()) return;
-    }
+    run_case(cfg);
+    if (HasFatalFailure()) return;
   }
 }
 
-TEST_F(ChunkRebuild, Bf16FactorsOnEitherMma) {
-  // bf16 factors on the bf16 MMAs (ldmatrix operands; the default) and widened to tf32 (SHADOWKV_REBUILD_MMA=tf32):
-  // every head dim (the ldmatrix.trans rows of B are 2 (D + 8) bytes apart), every key type, ranks on and off the
-  // 16-byte copy path and with a K tile's tail (rank 37: zero-filled columns inside a k-block of 16), A and B off
-  // their 16-byte alignment, several groups a CTA, chunks of 1 and 16.
+TEST_F(ChunkRebuild, Bf16FactorsOnBf16Mma) {
+  // bf16 factors on the bf16 MMAs (ldmatrix operands): every head dim (the ldmatrix.trans rows of B are 2 (D + 8)
+  // bytes apart), every key type, ranks on and off the 16-byte copy path and with a K tile's tail (rank 37:
+  // zero-filled columns inside a k-block of 16), A and B off their 16-byte alignment, several groups a CTA, chunks of
+  // 1 and 16.
   std::uint64_t seed = 2024;
   int index = 0;
-  for (const bool tf32 : {false, true}) {
-    for (const int head_dim : {64, 80, 96, 128, 256}) {
-      for (const int rank : {37, 160}) {
-        case_config cfg;
-        cfg.seed = seed++;
-        cfg.batch = 2;
-        cfg.kv_heads = 3;  // rank 160 <= 3 x 64
-        cfg.head_dim = head_dim;
-        cfg.chunk = index % 3 == 0 ? 16 : (index % 3 == 1 ? 8 : 1);
-        cfg.rank = rank;
-        cfg.kv_type = kTypes[index % 3];
-        cfg.bf16_factors = true;
-        cfg.tf32_for_bf16 = tf32;
-        cfg.misaligned = index % 4 == 3;
-        cfg.budget = 5 * 64 / cfg.chunk;  // five groups when every chunk is missed
-        cfg.pattern = index % 2 == 0 ? miss_pattern::all : miss_pattern::ragged;
-        cfg.rope_theta = 500000.0;
-        run_case(cfg);
-        if (HasFatalFailure()) return;
-        ++index;
-      }
+  for (const int head_dim : {64, 80, 96, 128, 256}) {
+    for (const int rank : {37, 160}) {
+      case_config cfg;
+      cfg.seed = seed++;
+      cfg.batch = 2;
+      cfg.kv_heads = 3;  // rank 160 <= 3 x 64
+      cfg.head_dim = head_dim;
+      cfg.chunk = index % 3 == 0 ? 16 : (index % 3 == 1 ? 8 : 1);
+      cfg.rank = rank;
+      cfg.kv_type = kTypes[index % 3];
+      cfg.bf16_factors = true;
+      cfg.misaligned = index % 4 == 3;
+      cfg.budget = 5 * 64 / cfg.chunk;  // five groups when every chunk is missed
+      cfg.pattern = index % 2 == 0 ? miss_pattern::all : miss_pattern::ragged;
+      cfg.rope_theta = 500000.0;
+      run_case(cfg);
+      if (HasFatalFailure()) return;
+      ++index;
     }
   }
 }

@@ -75,15 +75,9 @@ struct case_config {
   bool fresh_second = false;     ///< second step's queries unrelated to the first's (else a small perturbation)
   bool graph = false;            ///< capture the launch once in a CUDA graph and replay it for both steps
   bool two_centroids = false;    ///< chunks scored by two e4m3 centroids (dims::chunk_centroids), not landmarks
-  int select_cluster = 0;        ///< dims::select_cluster: 0 the planner's choice, 1 one CTA, 2/4/8 a cluster
-  bool select_merge_all = false;  ///< dims::select_merge_all: a cluster's histograms summed by every CTA
-  bool programmatic = false;     ///< dims::programmatic_launch: kernels launched after the previous one's tail
-  int logits = 0;                ///< dims::logits_arithmetic: 0 the planner's choice, 1 the lanes' FMAs, 2 bf16 MMAs
   int beside = 0;                ///< launch_select_chunks' beside_ctas: > 0 gives the decode logits their tile pool
-  bool pooled = true;            ///< dims::logits_pooled
-  bool lean_epilogue = true;     ///< dims::logits_lean_epilogue (the tensor-core logits; the store's default)
   unsigned empty_entries = 0;    ///< bit b: entry b has no context at either step (besides the seed's last-entry rule)
-  /// layer_view::selection_hint: 0 none (null, dims::select_hint off), 1 zeroed at the start and then kept by the
+  /// layer_view::selection_hint: 0 none (null: no hint path), 1 zeroed at the start and then kept by the
   /// select clusters (their hint path from the second step), 2 random values at the start (stale hints of any kind)
   int hints = 1;
 
@@ -95,11 +89,8 @@ struct case_config {
       << " q=" << type_name(q_type) << " max_context=" << max_context << " outliers<=" << max_outliers
       << " qscale=" << query_scale << " ties=" << tie_fraction << (equal_landmarks ? " equal_landmarks" : "")
       << (warm_cache ? " warm" : "") << (fresh_second ? " fresh_second" : "") << (graph ? " graph" : "")
-      << (two_centroids ? " two_centroids" : "") << " select_cluster=" << select_cluster
-      << (select_merge_all ? " merge=all" : "") << (programmatic ? " programmatic" : "")
-      << (logits == 1 ? " logits=fma" : (logits == 2 ? " logits=mma" : "")) << " beside=" << beside
-      << (pooled ? "" : " pool=off") << (lean_epilogue ? "" : " epilogue=full") << " empty_entries=0x" << std::hex << empty_entries
-      << std::dec << " hints=" << hints;
+      << (two_centroids ? " two_centroids" : "") << " beside=" << beside << " empty_entries=0x" << std::hex
+      << empty_entries << std::dec << " hints=" << hints;
     return s.str();
   }
 };
@@ -370,13 +361,6 @@ void run_case(const case_config& cfg, unsigned long long* hinted = nullptr) {
   d.attention_scaling = 1.0F;
   d.softmax_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
   d.chunk_centroids = cfg.two_centroids ? 1 : 0;
-  d.select_cluster = cfg.select_cluster;
-  d.select_merge_all = cfg.select_merge_all ? 1 : 0;
-  d.programmatic_launch = cfg.programmatic ? 1 : 0;
-  d.logits_arithmetic = cfg.logits;
-  d.logits_pooled = cfg.pooled ? 1 : 0;
-  d.logits_lean_epilogue = cfg.lean_epilogue ? 1 : 0;
-  d.select_hint = cfg.hints > 0 ? 1 : 0;
 
   // Entries on a shuffled subset of the slots (exercises slot * num_layers + layer indexing).
   std::vector<int> slot_order(static_cast<std::size_t>(slots));
@@ -828,7 +812,7 @@ void run_case(const case_config& cfg, unsigned long long* hinted = nullptr) {
   EXPECT_EQ(counters_end[2], static_cast<unsigned long long>(cfg.steps) * static_cast<unsigned long long>(B));
   EXPECT_EQ(counters_end[3], 777ULL);
   if (hinted != nullptr) *hinted = counters_end[4];
-  if (cfg.hints == 0 || cfg.select_cluster == 1) EXPECT_EQ(counters_end[4], 0ULL) << "a hint path without hints or clusters";
+  if (cfg.hints == 0) EXPECT_EQ(counters_end[4], 0ULL) << "a hint path without hints";
   std::printf("[ chunk_selection ]   hits %llu misses %llu, %zu selections differ from float64 at near-ties, %llu by "
               "the hint path\n",
               expected_hits, expected_misses, ambiguous, counters_end[4]);
@@ -860,8 +844,6 @@ case_config random_case(std::uint64_t seed) {
   cfg.tie_fraction = pick({0, 1, 3}) * 0.1;
   cfg.warm_cache = pick({0, 1}) != 0;
   cfg.fresh_second = pick({0, 0, 1}) != 0;
-  cfg.select_cluster = pick({0, 1, 2, 4, 8});
-  cfg.programmatic = pick({0, 1}) != 0;
   return cfg;
 }
 
@@ -905,39 +887,35 @@ TEST_F(ChunkSelection, LargerCacheRandomConfigurations) {
   }
 }
 
-TEST_F(ChunkSelection, ClustersOfEverySizeRankLikeOneCta) {
-  // The select kernel on one CTA and on clusters of 2, 4 and 8 that split the chunks (select_cluster_kernel), the
-  // planner's choice too: contexts of a few thousand chunks (slices of several passes of 1024 threads; a cluster of 8
-  // leaves the last CTAs an empty slice at the shortest contexts), planted ties at the threshold, one and three query
-  // tokens, the default cache and one of 3 x the budget (run by the cluster's first CTA), a graph replay; clusters
-  // merge their histograms both ways (reduce-scatter, and every CTA summing every bin).
-  for (const int cluster : {0, 1, 2, 4, 8}) {
+TEST_F(ChunkSelection, ClustersRankLikeTheModel) {
+  // The select kernel in the planner's clusters (select_cluster_kernel, plan_select_cluster: 8 CTAs a head when the
+  // rows' clusters fit on the device at once, 4 where the GPCs hold fewer clusters of 8, else one CTA) that split the
+  // chunks: contexts of a few thousand chunks (slices of several passes of 1024 threads; a cluster of 8 leaves the
+  // last CTAs an empty slice at the shortest contexts), planted ties at the threshold, one and three query tokens, 6
+  // and 15 rows (batch x KV heads), the default cache and one of 3 x the budget (run by the cluster's first CTA), a
+  // graph replay.
+  for (const int batch : {2, 5}) {
     for (const int tokens : {1, 3}) {
-      for (const bool merge_all : {false, true}) {
-        if (merge_all && cluster == 1) continue;  // one CTA merges nothing
-        case_config cfg;
-        cfg.seed = 0xc105ULL + static_cast<std::uint64_t>(cluster * 10 + tokens);
-        cfg.select_merge_all = merge_all;
-        cfg.batch = 2;
-        cfg.kv_heads = 3;
-        cfg.group = 4;
-        cfg.head_dim = 128;
-        cfg.max_chunks = 6000;
-        cfg.max_context = 5500;
-        cfg.budget = 300;
-        cfg.max_outliers = 48;
-        cfg.tokens = tokens;
-        cfg.tie_fraction = 0.3;
-        cfg.warm_cache = tokens == 1;
-        cfg.select_cluster = cluster;
-        run_case(cfg);
-        if (HasFatalFailure()) return;
-        cfg.cache_slots = 3 * cfg.budget;
-        cfg.steps = 6;
-        cfg.graph = tokens == 1;
-        run_case(cfg);
-        if (HasFatalFailure()) return;
-      }
+      case_config cfg;
+      cfg.seed = 0xc105ULL + static_cast<std::uint64_t>(batch * 10 + tokens);
+      cfg.batch = batch;
+      cfg.kv_heads = 3;
+      cfg.group = 4;
+      cfg.head_dim = 128;
+      cfg.max_chunks = 6000;
+      cfg.max_context = 5500;
+      cfg.budget = 300;
+      cfg.max_outliers = 48;
+      cfg.tokens = tokens;
+      cfg.tie_fraction = 0.3;
+      cfg.warm_cache = tokens == 1;
+      run_case(cfg);
+      if (HasFatalFailure()) return;
+      cfg.cache_slots = 3 * cfg.budget;
+      cfg.steps = 6;
+      cfg.graph = tokens == 1;
+      run_case(cfg);
+      if (HasFatalFailure()) return;
     }
   }
 }
@@ -947,44 +925,42 @@ TEST_F(ChunkSelection, HintPathSelectsWhatTheFullRadixSelectDoes) {
   // 2048 radix keys lie at or above it, it ranks those alone. Every step is checked against the model as in every
   // case; here the steps are many and close (each query a small perturbation of the last), so that the hint path runs,
   // with planted ties at the threshold, the default cache and one of 3 x the budget, a graph replay, budgets with
-  // room for 2k keys under the 2048 and one without (1200), and random stale hints at the
-  // start. With hints off (dims::select_hint 0 and no array) nothing takes the path. (At k = 1200 the next hint's
-  // count, 2k, is past the 2048: the path runs only when the scores drop enough to bring it under.)
+  // room for 2k keys under the 2048 and one without (1200), and random stale hints at the start. The planner puts
+  // these 6 rows of 9000 chunks in clusters of 8 on an H100 or H200. With no hint array nothing takes the path. (At
+  // k = 1200 the next hint's count, 2k, is past the 2048: the path runs only when the scores drop enough to bring it
+  // under.)
   unsigned long long hinted_total = 0;
-  for (const int cluster : {2, 8}) {
-    for (const int budget : {64, 300, 1200}) {
-      for (const int hints : {0, 1, 2}) {
-        case_config cfg;
-        cfg.seed = 0x4157ULL + static_cast<std::uint64_t>(cluster * 100 + budget + hints);
-        cfg.batch = 2;
-        cfg.kv_heads = 3;
-        cfg.group = 4;
-        cfg.head_dim = 128;
-        cfg.max_chunks = 9000;
-        cfg.max_context = 8500;
-        cfg.budget = budget;
-        cfg.max_outliers = 48;
-        cfg.tie_fraction = 0.3;
-        cfg.warm_cache = true;
-        cfg.select_cluster = cluster;
-        cfg.steps = 5;
-        cfg.hints = hints;
-        unsigned long long hinted = 0;
-        run_case(cfg, &hinted);
-        if (HasFatalFailure()) return;
-        if (hints == 0) EXPECT_EQ(hinted, 0ULL) << cfg.describe();
-        if (hints == 1 && budget != 1200) {
-          // Steps 2-4 at least of the entries with a context above 2k (the first step has no hint yet).
-          EXPECT_GT(hinted, 0ULL) << cfg.describe() << ": the hint path never ran";
-        }
-        hinted_total += hinted;
-        cfg.cache_slots = 3 * budget;
-        cfg.graph = true;
-        run_case(cfg, &hinted);
-        if (HasFatalFailure()) return;
-        if (hints == 0) EXPECT_EQ(hinted, 0ULL) << cfg.describe();
-        hinted_total += hinted;
+  for (const int budget : {64, 300, 1200}) {
+    for (const int hints : {0, 1, 2}) {
+      case_config cfg;
+      cfg.seed = 0x4157ULL + static_cast<std::uint64_t>(8 * 100 + budget + hints);
+      cfg.batch = 2;
+      cfg.kv_heads = 3;
+      cfg.group = 4;
+      cfg.head_dim = 128;
+      cfg.max_chunks = 9000;
+      cfg.max_context = 8500;
+      cfg.budget = budget;
+      cfg.max_outliers = 48;
+      cfg.tie_fraction = 0.3;
+      cfg.warm_cache = true;
+      cfg.steps = 5;
+      cfg.hints = hints;
+      unsigned long long hinted = 0;
+      run_case(cfg, &hinted);
+      if (HasFatalFailure()) return;
+      if (hints == 0) EXPECT_EQ(hinted, 0ULL) << cfg.describe();
+      if (hints == 1 && budget != 1200) {
+        // Steps 2-4 at least of the entries with a context above 2k (the first step has no hint yet).
+        EXPECT_GT(hinted, 0ULL) << cfg.describe() << ": the hint path never ran";
       }
+      hinted_total += hinted;
+      cfg.cache_slots = 3 * budget;
+      cfg.graph = true;
+      run_case(cfg, &hinted);
+      if (HasFatalFailure()) return;
+      if (hints == 0) EXPECT_EQ(hinted, 0ULL) << cfg.describe();
+      hinted_total += hinted;
     }
   }
   std::printf("[ chunk_selection ] %llu selections by the hint path\n", hinted_total);
@@ -1175,19 +1151,18 @@ TEST_F(ChunkSelection, LongRaggedContextsGiveEachCtaSeveralTiles) {
 }
 
 TEST_F(ChunkSelection, TensorCoreAndLaneLogitsBothMatchTheModel) {
-  // bf16 landmark rows of 64 and 128 elements take the tensor-core decode logits with dims::logits_arithmetic = 2
-  // (bulk-copied tiles, q in three bf16 terms, 16 rows a warp) and the lanes' FMAs with 1. Each against the float64
-  // model (scores within the tolerance, selections equal up to near-ties, planted ties bit-equal and won by the
-  // smaller id): every group size of the head tiles (G = 3, 5 and 6 masked, G = 8 with two quads of heads), float32
-  // and bf16 queries, long ragged contexts whose CTAs cross heads and sequences and end inside partial batches. The
-  // tensor cores with both epilogues (dims::logits_lean_epilogue: the warps' own logit stores and maxima, or the
-  // epilogue's; logits 3 below).
+  // bf16 landmark rows of 64 and 128 elements take the tensor-core decode logits (bulk-copied tiles, q in three bf16
+  // terms, 16 rows a warp) where the planner finds at least 16 tiles a multiprocessor (launch_decode_landmark_logits:
+  // here 3 x 2 x 469 tiles of 60000 chunks, on up to 175 multiprocessors), and the lanes' FMAs where it does not
+  // (71 tiles of 9000 chunks). Each against the float64 model (scores within the tolerance, selections equal up to
+  // near-ties, planted ties bit-equal and won by the smaller id): every group size of the head tiles (G = 3, 5 and 6
+  // masked, G = 8 with two quads of heads), float32 and bf16 queries, long ragged contexts whose CTAs cross heads and
+  // sequences and end inside partial batches.
   const int shapes[][3] = {{1, 64, 0}, {2, 128, 2}, {3, 128, 0}, {4, 128, 0}, {4, 64, 2}, {5, 128, 0},
                            {6, 64, 0}, {8, 128, 2}};  // group, head_dim, query type
   std::uint64_t seed = 97;
   for (const auto& shape : shapes) {
-    for (const int arithmetic : {2, 1, 3}) {
-      const int logits = arithmetic == 3 ? 2 : arithmetic;
+    for (const int max_chunks : {60000, 9000}) {
       case_config cfg = random_case(seed);
       cfg.seed = seed++;
       cfg.batch = 3;
@@ -1197,12 +1172,10 @@ TEST_F(ChunkSelection, TensorCoreAndLaneLogitsBothMatchTheModel) {
       cfg.kv_type = shadowkv::cuda::element_bf16;
       cfg.q_type = shape[2];
       cfg.tokens = 1;
-      cfg.max_chunks = 9000;
+      cfg.max_chunks = max_chunks;
       cfg.max_context = 9000;
       cfg.budget = 256;
       cfg.tie_fraction = 0.2;
-      cfg.logits = logits;
-      cfg.lean_epilogue = arithmetic != 3;
       run_case(cfg);
       if (HasFatalFailure()) return;
     }
@@ -1211,9 +1184,9 @@ TEST_F(ChunkSelection, TensorCoreAndLaneLogitsBothMatchTheModel) {
 
 TEST_F(ChunkSelection, TensorCoreTileSharesCrossHeadsAndEmptyEntries) {
   // The tensor-core decode logits' shares of many tiles a CTA that cross heads and entries: 132 CTAs (a launch beside
-  // 250 others, the pool off) over ~1500 live tiles of 16 ragged entries, two heads each, with empty entries between
-  // full ones (one alone, two side by side, the first), so that thread 0's descriptors inside the tile loop (not only
-  // the first ones, a lane each) land on every kind of boundary.
+  // 250 others) over ~1500 live tiles of 16 ragged entries, two heads each (the planner's tensor cores: 16 x 2 x 94
+  // tiles), with empty entries between full ones (one alone, two side by side, the first), so that thread 0's
+  // descriptors inside the tile loop (not only the first ones, a lane each) land on every kind of boundary.
   std::uint64_t seed = 811;
   for (const unsigned empty : {0x188U, 0x1U | 0x6000U}) {
     case_config cfg = random_case(seed);
@@ -1227,10 +1200,7 @@ TEST_F(ChunkSelection, TensorCoreTileSharesCrossHeadsAndEmptyEntries) {
     cfg.max_chunks = 12000;
     cfg.max_context = 12000;
     cfg.budget = 256;
-    cfg.logits = 2;
     cfg.beside = 250;
-    cfg.pooled = false;
-    cfg.select_cluster = 0;
     cfg.empty_entries = empty;
     run_case(cfg);
     if (HasFatalFailure()) return;
@@ -1240,10 +1210,11 @@ TEST_F(ChunkSelection, TensorCoreTileSharesCrossHeadsAndEmptyEntries) {
 TEST_F(ChunkSelection, PooledLogitTilesMatchTheModel) {
   // A launch beside another kernel (beside_ctas > 0) takes half of the decode logits' tiles in fixed shares and the
   // rest from the pool, kClaimTiles at a time; every tile must still be computed once, whichever CTA claims it: long
-  // ragged contexts (claims that cross heads and sequences, CTAs with no fixed tile), tensor cores and FMA lanes, a
-  // graph replayed for both steps (the counters reset by the last CTA), and with the pool switched off.
+  // ragged contexts (claims that cross heads and sequences, CTAs with no fixed tile), tensor cores (60000 chunks of
+  // capacity: 4 x 2 x 469 tiles) and FMA lanes (9000: 4 x 2 x 71), a graph replayed for both steps (the counters
+  // reset by the last CTA).
   std::uint64_t seed = 301;
-  for (const int logits : {2, 1}) {
+  for (const int max_chunks : {60000, 9000}) {
     for (const int beside : {40, 250}) {
       for (const bool graph : {false, true}) {
         case_config cfg = random_case(seed);
@@ -1254,13 +1225,11 @@ TEST_F(ChunkSelection, PooledLogitTilesMatchTheModel) {
         cfg.head_dim = 128;
         cfg.kv_type = shadowkv::cuda::element_bf16;
         cfg.tokens = 1;
-        cfg.max_chunks = 9000;
+        cfg.max_chunks = max_chunks;
         cfg.max_context = 9000;
         cfg.budget = 256;
-        cfg.logits = logits;
         cfg.beside = beside;
         cfg.graph = graph;
-        cfg.pooled = !(graph && beside == 250);
         run_case(cfg);
         if (HasFatalFailure()) return;
       }
@@ -1440,7 +1409,7 @@ dims llama_122k_select_dims() {
 // Argument checks happen before any CUDA call, so they run without a device too.
 // The select clusters keep their slices' radix keys, and the first CTA the head's cache, in shared memory
 // (selection_plan.cuh, cluster_shared_layout): the planner takes a cluster only where that fits beside the kernel's
-// static arrays, forced sizes included, and the layout's parts do not overlap.
+// static arrays, and the layout's parts do not overlap.
 TEST(SelectClusterPlan, TakesAClusterOnlyWhereItsSharedMemoryFits) {
   namespace sel = shadowkv::cuda::selection;
   dims d = llama_122k_select_dims();
@@ -1465,14 +1434,10 @@ TEST(SelectClusterPlan, TakesAClusterOnlyWhereItsSharedMemoryFits) {
   lru.cache_slots = 512;
   EXPECT_EQ(sel::cluster_shared_layout_for(lru, 8).bitmap_words, 0);
   EXPECT_LT(sel::cluster_shared_layout_for(lru, 8).bytes, layout.bytes);
-  // 4M tokens: the slices of 8 CTAs no longer fit, so one CTA a head (also when a cluster is forced).
+  // 4M tokens: the slices of 8 CTAs no longer fit, so one CTA a head.
   d.max_chunks = 1 << 19;
   EXPECT_GT(sel::cluster_shared_layout_for(d, 8).bytes, room);
   EXPECT_EQ(sel::plan_select_cluster(d, 1, h200, true), 1);
-  d.select_cluster = 2;
-  EXPECT_EQ(sel::plan_select_cluster(d, 1, h200, true), 1);
-  d.max_chunks = 15360;
-  EXPECT_EQ(sel::plan_select_cluster(d, 1, h200, true), 2);
 }
 
 // A cluster sits in one GPC, so the device may hold fewer clusters of 8 at once than multiprocessors / 8: then the
@@ -1495,8 +1460,6 @@ TEST(SelectClusterPlan, TakesClustersOfEightOnlyWhereTheGpcsHoldThemAllAtOnce) {
   EXPECT_EQ(sel::plan_select_cluster(d, 2, limits, true), 4);
   limits.clusters_at_once[0] = 15;  // nor clusters of 4: one CTA a head
   EXPECT_EQ(sel::plan_select_cluster(d, 2, limits, true), 1);
-  d.select_cluster = 8;  // forced sizes are taken as they are
-  EXPECT_EQ(sel::plan_select_cluster(d, 2, limits, true), 8);
 }
 
 TEST(ChunkSelectionArguments, RejectsInvalidArguments) {

@@ -48,7 +48,6 @@ struct fetch_case {
   bool host_store = false;  ///< value store in pinned mapped host memory
   int ctas = 33;
   misses pattern = misses::ragged;
-  bool one_in_place = false;  ///< entry 0 reads its values in place (the fetch only counts them)
 
   [[nodiscard]] int slots() const { return cache_slots > 0 ? cache_slots : budget; }
   [[nodiscard]] std::string describe() const {
@@ -56,8 +55,7 @@ struct fetch_case {
     s << "seed=" << seed << " B=" << batch << " Hkv=" << kv_heads << " D=" << head_dim << " C=" << chunk
       << " k=" << budget << " K=" << slots() << " T=" << type_name(kv_type) << (fp8 ? " fp8" : "")
       << (host_store ? " host" : " device") << " ctas=" << ctas
-      << (pattern == misses::all ? " all" : (pattern == misses::none ? " none" : " ragged"))
-      << (one_in_place ? " in_place(0)" : "");
+      << (pattern == misses::all ? " all" : (pattern == misses::none ? " none" : " ragged"));
     return s.str();
   }
 };
@@ -162,7 +160,6 @@ void run_case(const fetch_case& c) {
   std::iota(batch_slots.begin(), batch_slots.end(), 0);
   std::shuffle(batch_slots.begin(), batch_slots.end(), rng);
   batch_slots.resize(c.batch);
-  if (c.one_in_place) views[static_cast<std::size_t>(batch_slots[0]) * layers + layer].values_in_place = 1;
   std::vector<int> miss_slots(static_cast<std::size_t>(c.batch) * c.kv_heads * c.budget, -7);
   std::vector<int> miss_counts(static_cast<std::size_t>(c.batch) * c.kv_heads, 0);
   unsigned long long expected_bytes = 0;
@@ -214,7 +211,6 @@ void run_case(const fetch_case& c) {
   std::vector<std::vector<unsigned char>> expected(sequences, sentinel);
   for (int b = 0; b < c.batch; ++b) {
     const int s = batch_slots[b];
-    if (c.one_in_place && b == 0) continue;
     for (int h = 0; h < c.kv_heads; ++h) {
       const std::size_t pair = static_cast<std::size_t>(b) * c.kv_heads + h;
       for (int m = 0; m < miss_counts[pair]; ++m) {
@@ -277,13 +273,13 @@ TEST(ValueFetch, CopiesEveryMissedRunAndNothingElse) {
   }
   add({.batch = 4, .kv_heads = 8, .chunk = 16, .budget = 32, .cache_slots = 70, .host_store = true, .ctas = 8,
        .pattern = misses::all});
-  add({.batch = 4, .kv_heads = 8, .budget = 32, .fp8 = true, .ctas = 8, .pattern = misses::all, .one_in_place = true});
+  add({.batch = 4, .kv_heads = 8, .budget = 32, .fp8 = true, .ctas = 8, .pattern = misses::all});
   add({.batch = 3, .kv_heads = 2, .budget = 32, .ctas = 5, .pattern = misses::none});
   add({.batch = 1, .kv_heads = 2, .budget = 8, .kv_type = element_f32, .ctas = 33});
   // Runs that are not whole 16-byte vectors (the kernel's element-wise path).
   add({.batch = 2, .kv_heads = 3, .head_dim = 4, .chunk = 3, .budget = 11, .ctas = 2});
   add({.batch = 2, .kv_heads = 3, .head_dim = 4, .chunk = 3, .budget = 11, .fp8 = true, .host_store = true, .ctas = 2});
-  add({.batch = 6, .kv_heads = 2, .budget = 40, .fp8 = true, .host_store = true, .ctas = 2, .one_in_place = true});
+  add({.batch = 6, .kv_heads = 2, .budget = 40, .fp8 = true, .host_store = true, .ctas = 2});
   for (const fetch_case& c : cases) run_case(c);
 }
 

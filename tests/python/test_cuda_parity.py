@@ -8,9 +8,6 @@ The whole rest of the suite also runs on the GPU with SHADOWKV_TEST_DEVICES=cpu,
 
 from __future__ import annotations
 
-import contextlib
-import os
-
 import pytest
 import torch
 
@@ -34,8 +31,8 @@ CASES = [
     (3, 8, 1, 128, 20, 16, [517, 900, 260], "float32", "half", 64),
     (4, 16, 2, 64, 128, 300, [640, 400], "float32", "half", None),  # budget covers everything
     (5, 4, 1, 256, 80, 8, [450], "bfloat16", "half", None),
-    # One sequence with bf16 values in device memory, its steps fused (SHADOWKV_FUSED_MISSES=on, FUSED below: the key
-    # rebuild attends over the missed rows, the attention over the others; dims::fused_misses).
+    # One sequence with bf16 values in device memory: the backend fuses its steps (fuse_step: the key rebuild attends
+    # over the missed rows, the attention over the others; dims::fused_misses).
     (6, 8, 2, 128, 96, 24, [1500], "bfloat16", "half", None),
     # Fused steps at the other head dims: D = 64 with interleaved RoPE (the rebuild's RoPE in its accumulators, the
     # values in the coefficients' place) and D = 96 with a partial rotary_dim (RoPE over shared memory, the values in
@@ -55,8 +52,6 @@ VALUE_DTYPE = {1: "float8_e4m3", 2: "float8_e4m3", 3: None, 4: None, 5: "float8_
 FACTOR_DTYPE = {1: None, 2: "float32", 3: "bfloat16", 4: None, 5: None, 6: None, 7: None, 8: None}
 # How a chunk's score combines the group's heads: the mean in the GQA cases 1 (G=4) and 3 (G=8), the max elsewhere.
 GROUP_SCORE = {1: "mean", 2: "max", 3: "mean", 4: "max", 5: "max", 6: "mean", 7: "max", 8: "mean"}
-# SHADOWKV_FUSED_MISSES per case (read when the CUDA store is built; None: the default).
-FUSED = {6: "on", 7: "on", 8: "on"}
 
 
 def _sequence_value_bytes(hkv, d, dtype, value_dtype, layers=2, max_len=2048, chunk=8):
@@ -66,23 +61,6 @@ def _sequence_value_bytes(hkv, d, dtype, value_dtype, layers=2, max_len=2048, ch
 
 def _make(kw, device):
     return KVStore(**{**kw, "device": device})
-
-
-@contextlib.contextmanager
-def _environment(name, value):
-    """The environment variable `name` set to `value` (None: unset) inside the block, as it was after."""
-    before = os.environ.get(name)
-    if value is None:
-        os.environ.pop(name, None)
-    else:
-        os.environ[name] = value
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = before
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"seed{c[0]}-{c[1]}x{c[2]}-d{c[3]}-{c[7]}")
@@ -114,8 +92,7 @@ def _check_parity(case, cache_multiple):
         kw["cache_tokens"] = cache_multiple * budget * 8
     if PLACEMENT[seed] == "auto":
         kw["device_value_budget"] = _sequence_value_bytes(hkv, d, dtype, VALUE_DTYPE[seed])
-    with _environment("SHADOWKV_FUSED_MISSES", FUSED.get(seed)):
-        stores = {dev: _make(kw, dev) for dev in ("cpu", "cuda:0")}
+    stores = {dev: _make(kw, dev) for dev in ("cpu", "cuda:0")}
     slots = {dev: s.add_sequences(len(lengths)) for dev, s in stores.items()}
     places = {dev: [s.sequence_info(0, slot)["values_on"] for slot in slots[dev]] for dev, s in stores.items()}
     assert places["cpu"] == places["cuda:0"], places
@@ -321,34 +298,35 @@ def test_cuda_graph_replay_matches_eager(cache_tokens):
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["host-values", "device-values-fused"])
-def test_cuda_graph_of_several_steps_matches_eager(fused, monkeypatch):
+def test_cuda_graph_of_several_steps_matches_eager(fused):
     """Several decode steps captured in one CUDA graph (as a model captures its whole decode) equal the same steps
     decoded eagerly, folds included: the append (beside the selection) and the fold (at the end of the step that fills
-    the ring) of each step are ordered before the next step's, inside one graph. Also with fused steps (values in
-    device memory, SHADOWKV_FUSED_MISSES=on: the key rebuild attends over the missed rows beside the attention)."""
+    the ring) of each step are ordered before the next step's, inside one graph. Also with fused steps (one sequence
+    with values in device memory, which the backend fuses: the key rebuild attends over the missed rows beside the
+    attention)."""
     seed, hq, hkv, d, n, per_graph, replays = 22, 8, 2, 64, 600, 4, 10
+    batch = 1 if fused else 2
     g = H.generator(seed)
     kw = dict(num_layers=1, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, max_batch=2, max_seq_len=1024, rank=64,
               chunk_size=8, budget=128, outlier_chunks=2, local_chunks=2, generation_window=16, dtype="bfloat16",
               device="cuda:0", value_store="device" if fused else "host")
-    if fused:
-        monkeypatch.setenv("SHADOWKV_FUSED_MISSES", "on")
     eager, graphed = KVStore(**kw), KVStore(**kw)
-    keys = torch.stack([H.structured_keys(g, n, hkv, d) for _ in range(2)]).cuda()
-    values = H.randn(g, 2, n, hkv, d).cuda()
+    keys = torch.stack([H.structured_keys(g, n, hkv, d) for _ in range(batch)]).cuda()
+    values = H.randn(g, batch, n, hkv, d).cuda()
     slots = {}
     for name, store in (("eager", eager), ("graphed", graphed)):
-        slots[name] = store.add_sequences(2)
+        slots[name] = store.add_sequences(batch)
         store.prefill(0, slots[name], keys, values)
-    first = [t.cuda() for t in (H.randn(g, 2, hq, d, scale=2.0), H.randn(g, 2, hkv, d), H.randn(g, 2, hkv, d))]
+    first = [t.cuda() for t in (H.randn(g, batch, hq, d, scale=2.0), H.randn(g, batch, hkv, d),
+                                H.randn(g, batch, hkv, d))]
     assert torch.equal(eager.decode(0, slots["eager"], *first), graphed.decode(0, slots["graphed"], *first))
     banks = [torch.zeros(per_graph, *t.shape, dtype=t.dtype, device="cuda") for t in first]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         outs = [graphed.decode(0, slots["graphed"], banks[0][i], banks[1][i], banks[2][i]) for i in range(per_graph)]
     for replay in range(replays):
-        step_inputs = [[t.cuda() for t in (H.randn(g, 2, hq, d, scale=2.0), H.randn(g, 2, hkv, d),
-                                           H.randn(g, 2, hkv, d))] for _ in range(per_graph)]
+        step_inputs = [[t.cuda() for t in (H.randn(g, batch, hq, d, scale=2.0), H.randn(g, batch, hkv, d),
+                                           H.randn(g, batch, hkv, d))] for _ in range(per_graph)]
         for i, inputs in enumerate(step_inputs):
             for bank, t in zip(banks, inputs):
                 bank[i].copy_(t)
@@ -427,12 +405,12 @@ def _twin_kw(value_dtype, **extra):
                    value_dtype=value_dtype), **extra}
 
 
-def _run_twins(stores, g, steps, compare_outputs, what):
-    """Prefills the same ragged batch into every store of `stores` (name -> KVStore), runs `steps` decode steps with
-    the same inputs through each, and checks after every step that selections are identical and that
+def _run_twins(stores, g, steps, compare_outputs, what, lengths=TWIN_LENGTHS):
+    """Prefills the same ragged batch (`lengths`) into every store of `stores` (name -> KVStore), runs `steps` decode
+    steps with the same inputs through each, and checks after every step that selections are identical and that
     compare_outputs(first, other) holds for the outputs; then that the statistics are identical and non-trivial.
     Returns the last outputs."""
-    lengths, hkv, d, hq = TWIN_LENGTHS, 2, 128, 8
+    hkv, d, hq = 2, 128, 8
     keys = torch.zeros(len(lengths), max(lengths), hkv, d)
     values = torch.zeros_like(keys)
     for b, n in enumerate(lengths):
@@ -458,13 +436,12 @@ def _run_twins(stores, g, steps, compare_outputs, what):
     return outs
 
 
-def test_cuda_pipelined_decode_equals_unpipelined(monkeypatch):
-    """Cutting the batch into parts (decode_pipeline_parts, cuda_backend.hpp) changes the order of the work and, as
-    attention runs part by part, its split count (the split combine's rounding): selections and statistics are
-    bit-identical to one part and the outputs equal to a few float32 ulps before the output rounding, with host
-    (pinned) and fp8 values, and with a cache of 4 x the budget; so are tapered parts (the default) and even parts
-    (SHADOWKV_PIPELINE_SPLIT=even, read when the store is built): 1/4/2 and 2/2/3 of the 7 sequences in three parts,
-    1/2/2/2 and 1/2/2/2 in four; a split that is neither is refused."""
+def test_cuda_pipelined_decode_equals_unpipelined():
+    """Cutting the batch into parts (decode_pipeline_parts, cuda_backend.hpp; tapered, pipeline_plan.cpp's part_start:
+    1/4/2 of the 7 sequences in three parts, 1/2/2/2 in four) changes the order of the work and, as attention runs part
+    by part, its split count (the split combine's rounding): selections and statistics are bit-identical to one part
+    and the outputs equal to a few float32 ulps before the output rounding, with host (pinned) and fp8 values, and with
+    a cache of 4 x the budget."""
     g = H.generator(31)
 
     def close(a, b, where):
@@ -472,68 +449,28 @@ def test_cuda_pipelined_decode_equals_unpipelined(monkeypatch):
         assert err < 2e-3, f"{where}: pipelined output differs by {err:.2e}"
 
     for value_dtype, cache_tokens in ((None, 0), ("float8_e4m3", 0), ("float8_e4m3", 512)):
-        monkeypatch.delenv("SHADOWKV_PIPELINE_SPLIT", raising=False)
-        stores = {"1 part" if parts == 1 else f"{parts} tapered parts":
+        stores = {"1 part" if parts == 1 else f"{parts} parts":
                   KVStore(**_twin_kw(value_dtype, decode_pipeline_parts=parts, cache_tokens=cache_tokens))
                   for parts in (1, 3, 4)}
-        monkeypatch.setenv("SHADOWKV_PIPELINE_SPLIT", "even")
-        for parts in (3, 4):
-            stores[f"{parts} even parts"] = KVStore(**_twin_kw(value_dtype, decode_pipeline_parts=parts,
-                                                               cache_tokens=cache_tokens))
-        monkeypatch.delenv("SHADOWKV_PIPELINE_SPLIT")
         _run_twins(stores, g, 12, close, f"values {value_dtype}, cache_tokens {cache_tokens}")
-    monkeypatch.setenv("SHADOWKV_PIPELINE_SPLIT", "zigzag")
-    with pytest.raises(ValueError, match="SHADOWKV_PIPELINE_SPLIT"):
-        KVStore(**_twin_kw(None, decode_pipeline_parts=3))
 
 
-def test_cuda_attention_kernels_agree(monkeypatch):
-    """Sparse attention runs on tensor cores for bf16 keys and values with head_dim <= 128 (three bf16 terms of each
-    float32 operand: every product exact) and on the CUDA-core kernel with SHADOWKV_ATTENTION=fma, read when the
-    store is built: selections and statistics are identical, the outputs equal to a few float32 ulps before the output
-    rounding, with bf16 and fp8 host values and the batch in three parts; a value that is neither is refused."""
-    g = H.generator(41)
-
-    def close(a, b, where):
-        err = H.rel_err(b.float(), a.float())
-        assert err < 2e-3, f"{where}: the two attention kernels differ by {err:.2e}"
-
-    for value_dtype, parts in ((None, 1), ("float8_e4m3", 1), (None, 3)):
-        kw = _twin_kw(value_dtype, decode_pipeline_parts=parts)
-        monkeypatch.delenv("SHADOWKV_ATTENTION", raising=False)
-        stores = {"tensor cores": KVStore(**kw)}
-        monkeypatch.setenv("SHADOWKV_ATTENTION", "fma")
-        stores["CUDA cores"] = KVStore(**kw)
-        monkeypatch.delenv("SHADOWKV_ATTENTION")
-        _run_twins(stores, g, 10, close, f"values {value_dtype}, {parts} parts")
-    monkeypatch.setenv("SHADOWKV_ATTENTION", "wmma")
-    with pytest.raises(ValueError, match="SHADOWKV_ATTENTION"):
-        KVStore(**_twin_kw(None))
-
-
-def test_cuda_fused_misses_change_only_rounding(monkeypatch):
+def test_cuda_fused_misses_change_only_rounding():
     """A fused step (dims::fused_misses: the key rebuild attends over the rows it rebuilds, the attention over the
-    others, and the combine merges both kinds of partials) equals the unfused one up to the combine's rounding:
-    selections and statistics identical, outputs to a few float32 ulps before the output rounding, with the 7
-    sequences' values in device memory, gathered or read in place, and with a cache of 4 x the budget.
-    SHADOWKV_FUSED_MISSES=on fuses every step the shapes allow (the default, auto, steps of one sequence), off none;
-    a value that is neither is refused."""
+    others, and the combine merges both kinds of partials; the backend fuses the steps of one sequence whose values are
+    in device memory, pipeline_plan.cpp's fuse_step) equals the unfused step of the same sequence with its values in
+    pinned host memory up to the combine's rounding: selections and statistics identical, outputs to a few float32
+    ulps before the output rounding, with the default cache and one of 4 x the budget."""
     g = H.generator(53)
 
     def close(a, b, where):
         err = H.rel_err(b.float(), a.float())
         assert err < 2e-3, f"{where}: fused and unfused steps differ by {err:.2e}"
 
-    for in_place, cache_tokens in ((False, 0), (True, 0), (False, 512)):
-        if in_place:
-            monkeypatch.setenv("SHADOWKV_DEVICE_VALUES", "in_place")
-        kw = _twin_kw(None, value_store="device", cache_tokens=cache_tokens)
-        stores = _stores_by_knob(monkeypatch, "SHADOWKV_FUSED_MISSES", ("off", "on"), kw)
-        monkeypatch.delenv("SHADOWKV_DEVICE_VALUES", raising=False)
-        _run_twins(stores, g, 10, close, f"in place {in_place}, cache_tokens {cache_tokens}")
-    monkeypatch.setenv("SHADOWKV_FUSED_MISSES", "sometimes")
-    with pytest.raises(ValueError, match="SHADOWKV_FUSED_MISSES"):
-        KVStore(**_twin_kw(None, value_store="device"))
+    for cache_tokens in (0, 512):
+        stores = {place: KVStore(**_twin_kw(None, value_store=place, cache_tokens=cache_tokens))
+                  for place in ("host", "device")}
+        _run_twins(stores, g, 10, close, f"cache_tokens {cache_tokens}", lengths=TWIN_LENGTHS[:1])
 
 
 def _stores_by_knob(monkeypatch, knob, settings, kw):
@@ -569,163 +506,11 @@ def _knob_changes_nothing(monkeypatch, knob, settings, refused, seed):
 
 
 def test_cuda_fetch_grid_changes_nothing_but_speed(monkeypatch):
-    """The value fetch is a persistent grid whose size the backend picks (cuda_backend.cpp, fetch_ctas_for_host_values;
+    """The value fetch is a persistent grid whose size the backend picks (pipeline_plan.cpp, fetch_ctas_for_host_values;
     SHADOWKV_FETCH_CTAS overrides it when the store is constructed). One CTA (8 warps for 7 x 2 x 16 items, so every
     warp takes many items and skips past the pairs' hits) gives bit-identical outputs, selections and statistics to
     the default, with bf16 and fp8 host values and with the batch cut in parts; a value that is not a count is refused."""
     _knob_changes_nothing(monkeypatch, "SHADOWKV_FETCH_CTAS", (None, "1"), "0", 37)
-
-
-def test_cuda_fetch_priority_changes_nothing_but_speed(monkeypatch):
-    """A fetch across PCIe is launched at the device's greatest priority (cuda_backend.cpp,
-    fetch_priority_for_host_values), or at the stream's own with SHADOWKV_FETCH_PRIORITY=normal, read when the store
-    is built: outputs, selections and statistics are bit-identical either way, with bf16 and fp8 host values, the
-    batch in parts and a CUDA graph's replay; a value that is neither is refused."""
-    _knob_changes_nothing(monkeypatch, "SHADOWKV_FETCH_PRIORITY", (None, "normal", "high"), "urgent", 43)
-
-
-def test_cuda_rope_table_changes_nothing_but_speed(monkeypatch):
-    """The key rebuild reads RoPE coefficients from a table the store computes once (rope_table.cuh; read when the
-    store is built: SHADOWKV_ROPE_TABLE=off computes every row's instead): outputs, selections and statistics are
-    bit-identical either way, with bf16 and fp8 host values and the batch in parts; a value that is neither is
-    refused."""
-    _knob_changes_nothing(monkeypatch, "SHADOWKV_ROPE_TABLE", (None, "off"), "sometimes", 47)
-
-
-def test_cuda_select_clusters_change_nothing_but_speed(monkeypatch):
-    """The select kernel ranks each (sequence, KV head) on one CTA or on a cluster of 2, 4 or 8 that split its chunks
-    (select_kernel.cu; the planner's choice, or SHADOWKV_SELECT_CLUSTER when the store is built): the same scores, so
-    bit-identical selections, outputs and statistics, with the default cache and with a cache of 4 x the budget (the
-    LRU rule, run by the cluster's first CTA), the batch whole and in three parts; a size that is none of these is
-    refused."""
-    g = H.generator(43)
-    for cache_tokens, parts in ((0, 1), (512, 1), (0, 3)):
-        kw = _twin_kw(None, decode_pipeline_parts=parts, cache_tokens=cache_tokens)
-        stores = _stores_by_knob(monkeypatch, "SHADOWKV_SELECT_CLUSTER", ("1", "2", "4", "8", None), kw)
-        _run_twins(stores, g, 10, _equal, f"cache_tokens {cache_tokens}, {parts} parts")
-    monkeypatch.setenv("SHADOWKV_SELECT_CLUSTER", "3")
-    with pytest.raises(ValueError, match="SHADOWKV_SELECT_CLUSTER"):
-        KVStore(**_twin_kw(None))
-
-
-def test_cuda_programmatic_launch_changes_nothing_but_speed(monkeypatch):
-    """The decode step's kernels after the first are launched programmatically dependent on the one before (each waits
-    for it at its first line; common/dependent_launch.cuh), or plainly with SHADOWKV_PROGRAMMATIC_LAUNCH=off:
-    bit-identical selections, outputs and statistics, with bf16 and fp8 host values and the batch in three parts (the
-    graph-replay tests above run with it on); a setting that is neither is refused."""
-    g = H.generator(47)
-    for value_dtype, parts in ((None, 1), ("float8_e4m3", 1), (None, 3)):
-        kw = _twin_kw(value_dtype, decode_pipeline_parts=parts)
-        stores = _stores_by_knob(monkeypatch, "SHADOWKV_PROGRAMMATIC_LAUNCH", (None, "off"), kw)
-        _run_twins(stores, g, 10, _equal, f"values {value_dtype}, {parts} parts")
-    monkeypatch.setenv("SHADOWKV_PROGRAMMATIC_LAUNCH", "maybe")
-    with pytest.raises(ValueError, match="SHADOWKV_PROGRAMMATIC_LAUNCH"):
-        KVStore(**_twin_kw(None))
-
-
-def test_cuda_select_merge_changes_nothing_but_speed(monkeypatch):
-    """A select cluster merges its CTAs' radix histograms by reduce-scatter then gather (select_kernel.cu), or with
-    every CTA summing every bin with SHADOWKV_SELECT_MERGE=all, read when the store is built: the same counts either
-    way, so bit-identical selections, outputs and statistics, on clusters of 2, 4 and 8 and the planner's choice, with
-    the default cache and one of 4 x the budget, the batch whole and in three parts; a setting that is neither is
-    refused."""
-    g = H.generator(53)
-    for cluster in ("2", "4", "8", None):
-        if cluster is None:
-            monkeypatch.delenv("SHADOWKV_SELECT_CLUSTER", raising=False)
-        else:
-            monkeypatch.setenv("SHADOWKV_SELECT_CLUSTER", cluster)
-        for cache_tokens, parts in ((0, 1), (512, 1), (0, 3)):
-            kw = _twin_kw(None, decode_pipeline_parts=parts, cache_tokens=cache_tokens)
-            stores = _stores_by_knob(monkeypatch, "SHADOWKV_SELECT_MERGE", (None, "all", "scatter"), kw)
-            _run_twins(stores, g, 6, _equal, f"cluster {cluster}, cache_tokens {cache_tokens}, {parts} parts")
-    monkeypatch.delenv("SHADOWKV_SELECT_CLUSTER", raising=False)
-    monkeypatch.setenv("SHADOWKV_SELECT_MERGE", "some")
-    with pytest.raises(ValueError, match="SHADOWKV_SELECT_MERGE"):
-        KVStore(**_twin_kw(None))
-
-
-def test_cuda_rebuild_mma_changes_keys_only_in_their_last_bits(monkeypatch):
-    """The key rebuild multiplies bf16 factors on bf16 MMAs (chunk_rebuild.cu, the default), or widened to tf32 on TF32
-    MMAs with SHADOWKV_REBUILD_MMA=tf32, read when the store is built. Both form every product exactly and add in
-    float32, in a different order inside a K tile: selections and statistics identical (they do not depend on the
-    rebuilt keys), outputs equal to the keys' last bits, with bf16 and fp8 host values and the batch in three parts;
-    float32 factors (3xTF32 either way) bit-identical; a setting that is neither is refused."""
-    g = H.generator(59)
-
-    def close(a, b, where):
-        err = H.rel_err(b.float(), a.float())
-        assert err < 2e-3, f"{where}: the two rebuild MMAs differ by {err:.2e}"
-
-    for value_dtype, parts in ((None, 1), ("float8_e4m3", 1), (None, 3)):
-        kw = _twin_kw(value_dtype, decode_pipeline_parts=parts)
-        stores = _stores_by_knob(monkeypatch, "SHADOWKV_REBUILD_MMA", (None, "tf32", "bf16"), kw)
-        assert all(store.config["factor_dtype"] == "bfloat16" for store in stores.values())
-        _run_twins(stores, g, 8, close, f"values {value_dtype}, {parts} parts")
-    kw = _twin_kw(None, factor_dtype="float32")
-    _run_twins(_stores_by_knob(monkeypatch, "SHADOWKV_REBUILD_MMA", (None, "tf32"), kw), g, 4, _equal,
-               "float32 factors")
-    monkeypatch.setenv("SHADOWKV_REBUILD_MMA", "fp16")
-    with pytest.raises(ValueError, match="SHADOWKV_REBUILD_MMA"):
-        KVStore(**_twin_kw(None))
-
-
-def test_cuda_logits_arithmetic_changes_nothing_but_speed(monkeypatch):
-    """The decode landmark logits run on bf16 MMAs with q in three bf16 terms (landmark_logits.cu; SHADOWKV_LOGITS=mma,
-    or the default for bf16 rows of 64 or 128 elements in batches with many tiles), or on the lanes' FMAs
-    (SHADOWKV_LOGITS=fma, and the default for this small batch), read when the store is built. Both
-    form every product exactly and add in float32 in different orders, so a logit may differ in its last bit; the
-    selections (and with them outputs and statistics) are identical unless two chunks tie to that bit, which the
-    structured keys of this seed never do. With bf16 and fp8 host values and the batch in parts; a setting that is
-    neither is refused."""
-    _knob_changes_nothing(monkeypatch, "SHADOWKV_LOGITS", (None, "fma", "mma", "auto"), "tf32", 61)
-
-
-def test_cuda_logits_epilogue_changes_nothing_but_speed(monkeypatch):
-    """The tensor-core decode logits' warps store their rows' logits and each head's max as they compute them, and a
-    tile's epilogue only sums the exponentials (landmark_logits.cu, dims::logits_lean_epilogue), or the epilogue does
-    all of it with SHADOWKV_LOGITS_EPILOGUE=full, read when the store is built: the same logits and the max of the same
-    values, so outputs, selections and statistics are bit-identical, with bf16 and fp8 host values and the batch in
-    parts; the tensor-core logits forced (SHADOWKV_LOGITS=mma: this small batch would take the lanes' FMAs); a setting
-    that is neither is refused."""
-    monkeypatch.setenv("SHADOWKV_LOGITS", "mma")
-    _knob_changes_nothing(monkeypatch, "SHADOWKV_LOGITS_EPILOGUE", (None, "full", "lean"), "some", 89)
-
-
-def test_cuda_logits_pool_changes_nothing_but_speed(monkeypatch):
-    """A decode landmark-logits launch beside the value fetch (a pipeline part after the first) takes half of its tiles
-    in fixed shares and claims the rest from a pool (landmark_logits.cu; SHADOWKV_LOGITS_POOL=off keeps every tile in
-    fixed shares), read when the store is built. A tile's logits are the same whichever CTA computes them, so outputs,
-    selections and statistics are bit-identical, with bf16 and fp8 host values and the batch in parts (where the pool
-    is used); a setting that is neither is refused."""
-    _knob_changes_nothing(monkeypatch, "SHADOWKV_LOGITS_POOL", (None, "off", "on"), "sometimes", 67)
-
-
-def test_cuda_select_hint_changes_nothing_but_speed(monkeypatch):
-    """A select cluster starts from the hint its previous selection of the same (sequence, layer, KV head) left
-    (select_kernel.cu; SHADOWKV_SELECT_HINT=off always runs the full radix select), read when the store is built: when
-    more than k and at most 2048 chunks score at or above the hint it ranks only those, which finds the same threshold,
-    so outputs, selections and statistics are bit-identical, with bf16 and fp8 host values and the batch in parts;
-    clusters of 8 forced (SHADOWKV_SELECT_CLUSTER), since these contexts are below the planner's 2048 chunks; a setting
-    that is neither is refused."""
-    monkeypatch.setenv("SHADOWKV_SELECT_CLUSTER", "8")
-    _knob_changes_nothing(monkeypatch, "SHADOWKV_SELECT_HINT", (None, "off", "on"), "sometimes", 71)
-
-
-def test_cuda_landmark_l2_policy_changes_nothing_but_speed(monkeypatch):
-    """The decode landmark logits read the landmarks under an L2 evict-first policy (landmark_logits.cu,
-    read_once_policy), or as plain loads with SHADOWKV_LANDMARK_L2=normal, read when the store is built: the same
-    bytes land, so outputs, selections and statistics are bit-identical, with bf16 and fp8 host values and the batch
-    in parts; a setting that is neither is refused."""
-    _knob_changes_nothing(monkeypatch, "SHADOWKV_LANDMARK_L2", (None, "normal", "evict_first"), "last", 73)
-
-
-def test_cuda_rebuild_rope_place_changes_nothing_but_speed(monkeypatch):
-    """The key rebuild rotates its keys in the MMA accumulators where every thread holds both dims of its pairs
-    (chunk_rebuild.cu, rope_in_registers), or over its results in shared memory with SHADOWKV_REBUILD_ROPE=shared, read
-    when the store is built: the same coefficients and float64 rotation, so bit-identical outputs, selections and
-    statistics, with bf16 and fp8 host values and the batch in parts; a setting that is neither is refused."""
-    _knob_changes_nothing(monkeypatch, "SHADOWKV_REBUILD_ROPE", (None, "shared", "registers"), "global", 61)
 
 
 def test_cuda_decode_is_ordered_on_the_callers_current_stream():

@@ -60,14 +60,10 @@ __device__ __forceinline__ void copy_async_or_zero(void* shared, const void* glo
 
 /// An L2 cache policy for bytes a kernel reads once (the landmarks, every one of them every step): evict-first, so
 /// that streaming them does not push out of L2 what the step's next kernels read back (the logits the select scores,
-/// the tables and the selection cache), or evict-normal, as a plain load. For the .L2::cache_hint forms below.
-__device__ __forceinline__ unsigned long long read_once_policy(bool evict_first) {
+/// the tables and the selection cache). For the .L2::cache_hint forms below.
+__device__ __forceinline__ unsigned long long read_once_policy() {
   unsigned long long policy = 0;
-  if (evict_first) {
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
-  } else {
-    asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;\n" : "=l"(policy));
-  }
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
   return policy;
 }
 

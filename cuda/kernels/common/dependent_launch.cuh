@@ -4,8 +4,8 @@
 // before it still runs; every such kernel starts with wait_for_prior_grids(), which returns once the grids it depends
 // on have finished and their writes are visible. So no kernel reads or writes anything before its predecessor is done
 // (the order is the stream's, as without the attribute); only the launch and the CTAs' start-up overlap the
-// predecessor's tail. dims::programmatic_launch turns it off (SHADOWKV_PROGRAMMATIC_LAUNCH=off): plain launches, and the
-// wait returns at once.
+// predecessor's tail. A kernel launched plainly (programmatic = false: the value fetch on the copy stream) finds the
+// wait returning at once.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -368,7 +368,7 @@ void launch_logits(const dims& d, const layer_view* views, const int* batch_slot
                   static_cast<unsigned>(batch));
   auto launch = [&](logit_mode mode, int token) {
     launch_after_prior_grid(kernel, grid, dim3(kLogitThreads), static_cast<std::size_t>(shared), stream,
-                            d.programmatic_launch != 0, d, views, batch_slots, layer, queries, geo, mode, token,
+                            true, d, views, batch_slots, layer, queries, geo, mode, token,
                             ws.logits, ws.selection_partials);
   };
   if (tokens == 1) {

@@ -309,7 +309,7 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_cluster_kernel(const
 
   // The hint: where the previous selection of this (sequence, layer, head) says the take-th largest key may lie
   // (0: none). Read by every CTA before the first cluster barrier; the first CTA writes the next one after the last.
-  unsigned* const hint_row = d.select_hint != 0 ? row.view->selection_hint : nullptr;
+  unsigned* const hint_row = row.view->selection_hint;
   const bool hints = hint_row != nullptr;
   const unsigned hint = hints ? hint_row[h] : 0U;
 
@@ -485,34 +485,25 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_cluster_kernel(const
           cluster.sync();
           phase_stamp(stamped_kernel::select, 25 + pass);
         }
-        if (d.select_merge_all != 0) {
-          // Every CTA sums every bin over every rank: ctas x bins loads of distributed shared memory a CTA.
-          for (int i = tid; i < digit.bins(); i += kSelectThreads) {
-            unsigned sum = 0;
-            for (int r = 0; r < ctas; ++r) sum += cluster.map_shared_rank(own, r)[i];
-            merged[i] = sum;
-          }
-        } else {
-          // Reduce-scatter, then gather: CTA r sums its own slice of the bins over the ranks into its merged (bins
-          // loads a CTA), and after a cluster barrier every CTA copies the other slices from their owners' merged
-          // (bins x (ctas - 1) / ctas loads). The merge is bound by the distributed shared memory's throughput, not
-          // by each load's latency (bench/NOTES.md, session 14), so fewer loads is what shortens it. A CTA writes
-          // only its own slice of its merged and reads only the others' slices of theirs; the next pass writes its
-          // slice again only after the cluster barrier that follows its counting, which every CTA reaches after this
-          // gather.
-          const int slice_bins = (digit.bins() + ctas - 1) / ctas;
-          const int own_first = rank * slice_bins;
-          const int own_end = min(digit.bins(), own_first + slice_bins);
-          for (int i = own_first + tid; i < own_end; i += kSelectThreads) {
-            unsigned sum = 0;
-            for (int r = 0; r < ctas; ++r) sum += cluster.map_shared_rank(own, r)[i];
-            merged[i] = sum;
-          }
-          cluster.sync();
-          for (int i = tid; i < digit.bins(); i += kSelectThreads) {
-            const int owner = i / slice_bins;
-            if (owner != rank) merged[i] = cluster.map_shared_rank(merged, owner)[i];
-          }
+        // Reduce-scatter, then gather: CTA r sums its own slice of the bins over the ranks into its merged (bins
+        // loads a CTA), and after a cluster barrier every CTA copies the other slices from their owners' merged
+        // (bins x (ctas - 1) / ctas loads). The merge is bound by the distributed shared memory's throughput, not
+        // by each load's latency (bench/NOTES.md, session 14), so fewer loads is what shortens it. A CTA writes
+        // only its own slice of its merged and reads only the others' slices of theirs; the next pass writes its
+        // slice again only after the cluster barrier that follows its counting, which every CTA reaches after this
+        // gather.
+        const int slice_bins = (digit.bins() + ctas - 1) / ctas;
+        const int own_first = rank * slice_bins;
+        const int own_end = min(digit.bins(), own_first + slice_bins);
+        for (int i = own_first + tid; i < own_end; i += kSelectThreads) {
+          unsigned sum = 0;
+          for (int r = 0; r < ctas; ++r) sum += cluster.map_shared_rank(own, r)[i];
+          merged[i] = sum;
+        }
+        cluster.sync();
+        for (int i = tid; i < digit.bins(); i += kSelectThreads) {
+          const int owner = i / slice_bins;
+          if (owner != rank) merged[i] = cluster.map_shared_rank(merged, owner)[i];
         }
         __syncthreads();
         phase_stamp(stamped_kernel::select, 10 + pass);
@@ -645,7 +636,7 @@ void launch_select_kernel(const dims& d, const layer_view* views, const int* bat
     cudaLaunchAttribute in_clusters = cluster_attribute(cluster);
     launch_after_prior_grid_with(&in_clusters, 1, kernel,
                                  dim3(static_cast<unsigned>(d.kv_heads * cluster), static_cast<unsigned>(batch)),
-                                 dim3(kSelectThreads), shared_bytes, stream, d.programmatic_launch != 0, d, views,
+                                 dim3(kSelectThreads), shared_bytes, stream, true, d, views,
                                  batch_slots, layer, ws, input, logit_geo.tile_rows, logit_geo.tiles);
     return;
   }
@@ -653,7 +644,7 @@ void launch_select_kernel(const dims& d, const layer_view* views, const int* bat
   allow_shared(kernel, geo.shared_bytes);
   const dim3 grid(static_cast<unsigned>(d.kv_heads), static_cast<unsigned>(batch));
   launch_after_prior_grid(kernel, grid, dim3(kSelectThreads), static_cast<std::size_t>(geo.shared_bytes), stream,
-                          d.programmatic_launch != 0, d, views, batch_slots, layer, ws, geo, input,
+                          true, d, views, batch_slots, layer, ws, geo, input,
                           logit_geo.tile_rows, logit_geo.tiles);
 }
 

@@ -128,8 +128,7 @@ __host__ __device__ inline cluster_shared_layout cluster_shared_layout_for(const
   return layout;
 }
 
-/// CTAs per (sequence, KV head) for a launch of `batch` sequences: dims::select_cluster where clusters may run at
-/// all, else the planner's choice: a cluster of 8 when every row's cluster fits on the device at once (one CTA an SM,
+/// CTAs per (sequence, KV head) for a launch of `batch` sequences, the planner's choice: a cluster of 8 when every row's cluster fits on the device at once (one CTA an SM,
 /// and no more clusters than clusters_at_once says the GPCs hold); where rows x 8 CTAs would fit on the SMs but not
 /// that many clusters of 8 in the GPCs (the rest would wait for a second wave), a cluster of 4 when those fit; else 1.
 /// Measured on the H200 (bench/NOTES.md, session 11; S = 122880, Hkv 8): B = 1, 8 CTAs a head, 26.8 µs against 28.9
@@ -144,7 +143,6 @@ inline int plan_select_cluster(const dims& d, int batch, const device_limits& li
   auto fits = [&](int cluster) {
     return cluster_shared_layout_for(d, cluster).bytes <= limits.optin_shared - kClusterStaticShared;
   };
-  if (d.select_cluster > 0) return d.select_cluster > 1 && fits(d.select_cluster) ? d.select_cluster : 1;
   if (d.max_chunks < kSelectClusterFromChunks) return 1;
   if (rows * kMaxSelectCluster > limits.multiprocessors || !fits(kMaxSelectCluster)) return 1;
   if (rows <= resident_clusters(limits, kMaxSelectCluster)) return kMaxSelectCluster;
