@@ -51,6 +51,9 @@ struct dims {
                      ///< chunk_rebuild.cuh's miss_attention) and the attention walks only the other rows, without
                      ///< waiting for the rebuild (sparse_attention.cu); the backend's choice per step
                      ///< (pipeline_plan.hpp), 0: the rebuild writes keys, the attention reads every row
+  int journal_chunks;  ///< folded chunks whose exact rows the fold journal keeps (config::journal_chunks() + 1: one
+                       ///< more for a ring the device folds at the end of the step that filled it, which the host
+                       ///< still counts as unfolded); 0: no journal
 };
 
 /// Everything of one (slot, layer) on the device. Row-major, head-major where a kernel reads one head at a time.
@@ -100,6 +103,13 @@ struct layer_view {
   // [Hkv] radix key where the last selection's scores put the count from the top at 2k (select_kernel.cu's hint
   // path; 0: none). Only a place to start from: any value gives the same selection. Null: no hints.
   unsigned* selection_hint;
+  // The fold journal (docs/semantics.md, "Truncate"): the exact rows of the newest dims::journal_chunks folded chunks,
+  // a ring of chunks written by the fold, read back by truncate.
+  void* journal_keys;             ///< T [Hkv, journal_chunks * C, D] post-RoPE
+  void* journal_values;           ///< T [Hkv, journal_chunks * C, D]
+  long long* journal_positions;   ///< [journal_chunks * C]
+  int journal_head;               ///< journal chunk of the oldest fold kept
+  int journal_count;              ///< folds kept (<= journal_chunks)
 };
 
 /// Ring row of the i-th oldest generated token (0 <= i < generated_exact_len) in the exact region.

@@ -343,6 +343,7 @@ void kv_store::fold_entries(int layer, std::span<const batch_entry> entries) {
         static_cast<std::int64_t>(config_.chunk_size), static_cast<std::int64_t>(config_.generation_window));
     state.context_chunks = folded.context_chunks;
     state.generated_exact_len = folded.exact_len;
+    state.journal_chunks = std::min(state.journal_chunks + 1, config_.journal_chunks());
   }
   folds_ += static_cast<std::int64_t>(entries.size());
 }
@@ -491,6 +492,7 @@ void kv_store::extend(int layer, std::span<const int> slots, const tensor_view& 
           state.generated_total += size;
           state.generated_exact_len = advance.generated_exact_len;
           state.context_chunks += advance.folds;
+          state.journal_chunks = std::min(state.journal_chunks + advance.folds, config_.journal_chunks());
           folds_ += advance.folds;
         }
       }
@@ -551,28 +553,24 @@ void kv_store::truncate(std::span<const int> slots, std::span<const std::int64_t
   }
   SHADOWKV_EXPECTS(backend_->supports_truncate(), "truncate is not implemented on the ", to_string(backend_->where()),
                    " backend yet");
-  // The fold journal keeps the exact rows of the last journal_chunks() folded chunks: a truncate may undo that many.
+  // The fold journal holds the exact rows of the newest state.journal_chunks folded chunks: a truncate may undo that many.
   for (std::size_t i = 0; i < slots.size(); ++i) {
     if (tokens[i] == 0) continue;
     for (int layer = 0; layer < config_.num_layers; ++layer) {
       const layer_state& state =
           sequences_[static_cast<std::size_t>(slots[i])].layers[static_cast<std::size_t>(layer)];
       const std::int64_t folds_now = state.context_chunks - state.prompt_context_chunks;
-      const auto folds_at = [&](std::int64_t generated) {
-        return detail::advance_generated(0, generated, window, chunk).folds;
+      const auto undone = [&](std::int64_t removed) {
+        return folds_now - detail::advance_generated(0, state.generated_total - removed, window, chunk).folds;
       };
-      if (folds_now - folds_at(state.generated_total - tokens[i]) <= config_.journal_chunks()) continue;
+      if (undone(tokens[i]) <= state.journal_chunks) continue;
       std::int64_t most = 0;  // the most tokens that can be removed now
-      while (most < state.generated_total &&
-             folds_now - folds_at(state.generated_total - most - 1) <= config_.journal_chunks()) {
-        ++most;
-      }
+      while (most < state.generated_total && undone(most + 1) <= state.journal_chunks) ++most;
       throw invalid_argument(detail::format_message(
           "truncate: cannot remove ", tokens[i], " tokens from slot ", slots[i], ": that would undo ",
-          folds_now - folds_at(state.generated_total - tokens[i]), " folds of layer ", layer,
-          ", and the store keeps the exact tokens of the last ", config_.journal_chunks(),
-          " folded chunks only (generation_window = ", config_.generation_window, " tokens); at most ", most,
-          " tokens can be removed now"));
+          undone(tokens[i]), " folds of layer ", layer, ", and its fold journal holds the exact tokens of the last ",
+          state.journal_chunks, " folded chunks (at most generation_window / chunk_size = ", config_.journal_chunks(),
+          "); at most ", most, " tokens can be removed now"));
     }
   }
   // Every layer's targets first, then the backend's allocations for all of them, then the writes: running out of
@@ -591,10 +589,12 @@ void kv_store::truncate(std::span<const int> slots, std::span<const std::int64_t
           detail::advance_generated(0, target.generated_total, window, chunk);
       target.generated_exact_len = from_prompt.generated_exact_len;
       target.context_chunks = state.prompt_context_chunks + from_prompt.folds;
+      target.journal_chunks = state.journal_chunks - (state.context_chunks - target.context_chunks);
       entries[static_cast<std::size_t>(layer)].push_back({slots[i], static_cast<std::int64_t>(i), &state});
       targets[static_cast<std::size_t>(layer)].push_back(target);
     }
   }
+  backend_->use_stream(std::nullopt);  // no caller stream: the backend's own, and the call completes before it returns
   for (int layer = 0; layer < config_.num_layers; ++layer) {
     const auto l = static_cast<std::size_t>(layer);
     if (!entries[l].empty()) backend_->reserve_truncate(layer, entries[l], targets[l]);
@@ -632,6 +632,7 @@ void kv_store::account_replayed_steps(int layer, std::span<const int> slots, std
     const detail::generated_advance advance =
         detail::advance_generated(state.generated_exact_len, steps, config_.generation_window, config_.chunk_size);
     state.context_chunks += advance.folds;
+    state.journal_chunks = std::min(state.journal_chunks + advance.folds, config_.journal_chunks());
     state.generated_exact_len = advance.generated_exact_len;
     state.generated_total += steps;
     folds_ += advance.folds;

@@ -37,7 +37,7 @@ long long rope_table_positions(const dims& d) {
 struct cuda_backend::layer_sizes {
   std::size_t basis, coefficients, context_positions, landmarks, centroid_codes, centroid_scales, first_counts,
       is_outlier, outlier, exact, exact_positions, cache_chunks, slot_of_chunk, cache, cache_last_used,
-      selection_clock, selected_slots, selection_hint, value_store, value_codes;
+      selection_clock, selected_slots, selection_hint, value_store, value_codes, journal, journal_positions;
 
   explicit layer_sizes(const dims& d, std::size_t element) {
     const std::size_t width = static_cast<std::size_t>(d.kv_heads) * d.head_dim;
@@ -67,6 +67,10 @@ struct cuda_backend::layer_sizes {
     selection_clock = lru ? align_up(static_cast<std::size_t>(d.kv_heads) * sizeof(long long)) : 0;
     selected_slots = lru ? align_up(static_cast<std::size_t>(d.kv_heads) * d.budget * sizeof(int)) : 0;
     selection_hint = align_up(static_cast<std::size_t>(d.kv_heads) * sizeof(unsigned));
+    // The fold journal: keys or values of journal_chunks chunks, and their positions.
+    const std::size_t journal_rows = static_cast<std::size_t>(d.journal_chunks) * d.chunk;
+    journal = align_up(journal_rows * width * element);
+    journal_positions = align_up(journal_rows * sizeof(long long));
     // The value store: T [max_chunks, Hkv, C, D], or fp8 codes of the same shape then float scales [max_chunks, Hkv].
     value_codes = align_up(context_tokens * width * (d.value_fp8 != 0 ? 1 : element));
     value_store = value_codes +
@@ -76,7 +80,7 @@ struct cuda_backend::layer_sizes {
     return basis + coefficients + context_positions + landmarks + centroid_codes + centroid_scales + first_counts +
            is_outlier + 2 * outlier + 2 * exact +
            exact_positions + cache_chunks + slot_of_chunk + 2 * cache + cache_last_used + selection_clock +
-           selected_slots + selection_hint;
+           selected_slots + selection_hint + 2 * journal + journal_positions;
   }
 };
 
@@ -127,6 +131,9 @@ void cuda_backend::reserve_memory() {
       v.selected_slots = static_cast<int*>(take(sizes.selected_slots));
     }
     v.selection_hint = static_cast<unsigned*>(take(sizes.selection_hint));
+    v.journal_keys = take(sizes.journal);
+    v.journal_values = take(sizes.journal);
+    v.journal_positions = static_cast<long long*>(take(sizes.journal_positions));
     v.value_store = nullptr;  // set when a sequence joins the slot
   }
   SHADOWKV_CUDA_TRY(cudaMemcpyAsync(views_.data(), host_views_.data(), sizeof(layer_view) * layers,
@@ -283,6 +290,7 @@ memory_report cuda_backend::memory(std::span<const layer_state* const> states) c
     report.value_store += values;
     (state->values_on == value_place::device ? report.value_store_device : report.value_store_host) += values;
     report.selection_cache += config_.cache_slots() * chunk * width * 2 * e;
+    report.fold_journal += state->journal_chunks * chunk * width * 2 * e;
     report.full_attention_equivalent += state->total_len() * width * 2 * e;
   }
   report.device_reserved = static_cast<std::int64_t>(arena_.size() + views_.size() + workspace_memory_.size());

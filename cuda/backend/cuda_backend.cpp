@@ -39,6 +39,7 @@ cuda_backend::cuda_backend(const config& cfg, int device_index)
   dims_.max_outliers = cfg.outlier_chunks;
   dims_.rank = cfg.rank;
   dims_.window = cfg.generation_window;
+  dims_.journal_chunks = static_cast<int>(cfg.journal_chunks()) + 1;
   dims_.local_capacity = (cfg.local_chunks + 1) * cfg.chunk_size - 1;
   dims_.max_chunks = static_cast<int>(cfg.max_seq_len / cfg.chunk_size);
   dims_.rotary_dim = cfg.effective_rotary_dim();

@@ -78,6 +78,21 @@ class cuda_backend final : public backend {
   [[nodiscard]] store_stats selection_stats() const override;
   void reset_selection_stats() noexcept override;
   [[nodiscard]] bool supports_replay() const override { return true; }
+  // extend and truncate (extend.cpp; docs/semantics.md, "Extend" and "Truncate").
+  [[nodiscard]] bool supports_extend() const override { return true; }
+  /// Reserves the block attention's workspace for this batch and block size (kept for later calls; grown when a
+  /// later call needs more). Throws out_of_memory, changing nothing.
+  void reserve_extend(int layer, std::span<const batch_entry> entries, std::span<const std::int64_t> tokens) override;
+  /// The block's fold of a full ring, selection, fetch and rebuild as a decode step's, the block attention (gather,
+  /// two batched GEMMs of cuBLAS, softmax, scatter), then the block's tokens appended (launch_append_block).
+  void extend_block(int layer, std::span<const batch_entry> entries, const block_inputs& inputs,
+                    const mutable_tensor_view& out) override;
+  [[nodiscard]] bool supports_truncate() const override { return true; }
+  /// Waits for the device (the call has no stream: earlier work on any stream must be done), then one kernel per
+  /// (slot, layer) (launch_truncate_generated). Throws invalid_argument when the journal cannot hold the undone folds
+  /// (the store checks it first; an extend's rollback may ask for more).
+  void truncate_generated(int layer, std::span<const batch_entry> entries,
+                          std::span<const layer_state> targets) override;
   [[nodiscard]] bool all_finite(const tensor_view& view) override;
   /// One kernel over all views, a copy of their flags to pinned memory and a wait on the call's stream.
   [[nodiscard]] std::optional<std::size_t> find_non_finite(std::span<const tensor_view> views) override;
@@ -195,7 +210,11 @@ class cuda_backend final : public backend {
   int fetch_ctas_device_ = 1;           ///< value fetch CTAs when every value of the part is in device memory
   int fetch_priority_host_ = 0;         ///< launch priority of a fetch across PCIe (fetch_priority_for_host_values)
   bool fused_step_ = false;  ///< this call is a fused step (fetch_values decides; rebuild_keys and attend follow)
-  bool prefilling_ = false;             ///< this call is a prefill (its selection is not followed by an attention)
+  bool prefilling_ = false;
+  bool extending_ = false;  ///< this call is an extend block (its selection is followed by the block attention)
+  device_buffer extend_memory_;  ///< the block attention's workspace (reserve_extend)
+  int extend_batch_ = 0;         ///< entries it holds room for
+  int extend_block_ = 0;         ///< tokens a block it holds room for             ///< this call is a prefill (its selection is not followed by an attention)
   strided_tensor selection_queries_{};  ///< this call's queries as [B, Hq, D] (select_chunks; miss_attention)
   cudaStream_t stream_ = nullptr;       ///< the current call's compute stream (caller's or own_stream_)
   bool caller_stream_ = false;

@@ -96,7 +96,7 @@ dims cuda_backend::step_dims(int batch) const {
 }
 
 bool cuda_backend::fuse_step(std::span<const batch_entry> entries) const {
-  if (prefilling_ || parts_.size() != 1 || any_host_values(entries)) return false;
+  if (prefilling_ || extending_ || parts_.size() != 1 || any_host_values(entries)) return false;
   if (static_cast<int>(entries.size()) > kFusedMissesMaxBatch) return false;
   dims d = dims_;
   d.fused_misses = 1;

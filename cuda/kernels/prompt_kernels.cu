@@ -567,6 +567,8 @@ __global__ void set_prefill_counters_kernel(layer_view* view, int prompt_len, in
   view->generated_exact_len = 0;
   view->ring_head = 0;
   view->last_position = positions[len - 1];
+  view->journal_head = 0;
+  view->journal_count = 0;
 }
 
 unsigned blocks_for(long long count, int threads) { return static_cast<unsigned>((count + threads - 1) / threads); }

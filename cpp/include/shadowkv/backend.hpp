@@ -30,6 +30,7 @@ struct layer_state {
   std::int64_t local_len = 0;              ///< S - n*C
   std::int64_t generated_total = 0;        ///< generated tokens so far
   std::int64_t generated_exact_len = 0;    ///< generated tokens not folded
+  std::int64_t journal_chunks = 0;         ///< folded chunks the fold journal holds (<= config::journal_chunks())
   value_place values_on = value_place::host;  ///< where the sequence's value store is (same for all layers)
 
   [[nodiscard]] std::int64_t total_len() const noexcept { return prompt_len + generated_total; }
