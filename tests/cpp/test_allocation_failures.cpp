@@ -3,7 +3,7 @@
 // the global operator new with one that can be told to fail. For every call and path — decode (two sequences, a fold,
 // the first step of a layer, pre-RoPE k_new with positions), prefill (with and without the warm-up selection, ragged
 // lengths, positions, several query tokens), add_sequences and release — on the default configuration and on each
-// variant that takes other code (fp8 value store, values on the "device" and "auto"-placed, two-centroid chunk
+// variant that takes other code (fp8 value store, "auto"-placed values (device and host), two-centroid chunk
 // scores, a selection cache larger than the budget, float32 factors), it counts the allocations of a clean call, then
 // for every k makes the k-th one fail (alone, and together with every later one) and checks that the call threw
 // std::bad_alloc (or completed) and that the store still equals a twin that never saw the call: memory report, stats,
@@ -249,9 +249,6 @@ std::vector<variant> variants() {
   shadowkv::config fp8 = base;
   fp8.values_as = shadowkv::value_format::fp8_e4m3;
   result.push_back({"fp8 values", fp8});
-  shadowkv::config device = base;
-  device.value_store = shadowkv::value_store_policy::device;
-  result.push_back({"device values", device});
   shadowkv::config automatic = base;  // slot 0's values on the "device", the others on the host
   automatic.value_store = shadowkv::value_store_policy::auto_place;
   automatic.device_value_budget = kv_store(base).value_bytes_per_sequence();
