@@ -392,7 +392,13 @@ class KVStore:
         inv_freq = None if inv_freq is None else _inv_freq(inv_freq)
         rotary_dim = None if rotary_dim is None else _integer("rotary_dim", rotary_dim)
         softmax_scale = None if softmax_scale is None else _real("softmax_scale", softmax_scale)
-        rank = 0 if rank is None else _integer("rank", rank)  # 0: the native default, min(160, Hkv*D)
+        if rank is None:
+            rank = 0  # the native default: min(160, num_kv_heads*head_dim)
+        else:
+            rank = _integer("rank", rank)
+            if rank == 0:  # 0 is the C++ config's spelling of the default; here the default is None
+                raise ValueError(f"rank must be in [1, num_kv_heads*head_dim = {num_kv_heads * head_dim}] "
+                                 f"(None: min(160, num_kv_heads*head_dim)), got 0")
         chunk_size = _integer("chunk_size", chunk_size)
         budget = _integer("budget", budget, _INT64)
         cache_tokens = _integer("cache_tokens", cache_tokens, _INT64)
@@ -454,7 +460,9 @@ class KVStore:
             cfg.factor_format = factor_name
         cfg.check_finite = check_finite
         self._store = _core.Store(cfg, str(device))
-        self._config = self._store.config  # as the store runs it: rank resolved, budget clamped
+        if cfg.rank == 0:
+            cfg.rank = self._store.config.rank  # the default, as resolved
+        self._config = cfg
         _live_stores.add(self)
         report = self._store.layer_memory_after_prefill(self._config.max_seq_len)
         if report["total"] > report["full_attention_equivalent"]:
@@ -467,8 +475,8 @@ class KVStore:
 
     @property
     def config(self) -> dict:
-        """The store's configuration as a dict, as the store runs it (a default rank resolved, a budget beyond
-        max_seq_len clamped, cache_tokens 0 resolved to the budget)."""
+        """The store's configuration as a dict, as given (after argument conversion; a budget beyond max_seq_len is
+        shown as given, not clamped), with a default rank (None) resolved to min(160, num_kv_heads*head_dim)."""
         names = [n for n in dir(self._config) if not n.startswith("_") and n != "validate"]
         return {n: getattr(self._config, n) for n in names}
 

@@ -72,6 +72,8 @@ def test_default_rank_fits_every_shape(hkv, d, expected):
 def test_explicit_rank_above_kv_width_is_still_an_error():
     with pytest.raises(ValueError, match="rank"):
         KVStore(num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=64, rank=129)
+    with pytest.raises(ValueError, match="rank"):  # the default is spelled None in Python
+        KVStore(num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=64, rank=0)
     with pytest.raises(TypeError, match="rank"):
         KVStore(num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=64, rank="64")
 
