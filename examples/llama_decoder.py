@@ -365,7 +365,7 @@ class ShadowKVCache(AttentionCache):
             self.store.release([slot])
 
     def store_prompt(self, layer, slot, k_pre, k, v, q_last):
-        self.store.prefill(layer, [slot], k_pre[None], v[None], q_last=q_last[None])
+        self.store.prefill(layer, [slot], k_pre[None], v[None], q_last=q_last[None], keys_post_rope=False)
 
     def decode(self, layer, slots, q, k, v):
         return self.store.decode(layer, slots, q, k, v)

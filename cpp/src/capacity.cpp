@@ -44,6 +44,7 @@ std::int64_t physical_host_bytes() noexcept {
 std::int64_t max_chunks_per_sequence(const config& cfg) noexcept { return cfg.max_seq_len / cfg.chunk_size; }
 
 config effective_config(config cfg) {
+  cfg.rank = cfg.effective_rank();  // 0: the default rank, min(160, Hkv*D)
   const std::int64_t most = std::max<std::int64_t>(1, max_chunks_per_sequence(cfg));
   if (cfg.budget_chunks() > most) cfg.budget = most * cfg.chunk_size;
   // The cache holds at most every chunk a sequence can have; an LRU cache that never needs to evict behaves alike

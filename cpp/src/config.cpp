@@ -34,8 +34,8 @@ void config::validate() const {
   SHADOWKV_EXPECTS(std::isfinite(softmax_scale) && softmax_scale >= 0.0F,
                    "softmax_scale must be >= 0 (0 means 1/sqrt(head_dim)), got ", softmax_scale);
 
-  SHADOWKV_EXPECTS(rank >= 1 && rank <= kv_width(), "rank must be in [1, num_kv_heads*head_dim = ", kv_width(),
-                   "], got ", rank);
+  SHADOWKV_EXPECTS(rank == 0 || (rank >= 1 && rank <= kv_width()), "rank must be in [1, num_kv_heads*head_dim = ",
+                   kv_width(), "] (or 0: min(", default_rank, ", num_kv_heads*head_dim)), got ", rank);
   SHADOWKV_EXPECTS(chunk_size >= 1, "chunk_size must be >= 1, got ", chunk_size);
   SHADOWKV_EXPECTS(chunk_score != chunk_score_rule::two_centroids || chunk_size <= rules::kMaxCentroidChunk,
                    "chunk_score='two_centroids' takes chunk_size up to ", rules::kMaxCentroidChunk, ", got ",

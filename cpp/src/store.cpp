@@ -2,6 +2,7 @@
 #include "shadowkv/store.hpp"
 
 #include <algorithm>
+#include <array>
 #include <cstddef>
 #include <initializer_list>
 #include <optional>
@@ -73,6 +74,30 @@ void expect_all_finite(backend& checker, std::initializer_list<finite_input> inp
   throw invalid_argument(detail::format_message(input.name, " (slot ", slots[static_cast<std::size_t>(row)], ", row ",
                                                 row, "): NaN or infinite values found; the store accepts only finite "
                                                 "inputs"));
+}
+
+// True when two index tuples of `view` can address the same element: a dimension of extent > 1 with a stride no
+// larger than the reach of the smaller-strided dimensions (a zero stride, as torch's expand() makes, or strides that
+// interleave). A sufficient test for distinct elements: rare exotic layouts of distinct elements are refused too.
+bool elements_may_overlap(const tensor_view& view) {
+  std::array<std::pair<std::int64_t, std::int64_t>, max_tensor_rank> dims{};  // (|stride|, extent)
+  std::size_t count = 0;
+  for (int dim = 0; dim < view.rank; ++dim) {
+    const std::int64_t extent = view.shape[static_cast<std::size_t>(dim)];
+    if (extent == 0) return false;  // no elements
+    if (extent == 1) continue;
+    const std::int64_t stride = view.strides[static_cast<std::size_t>(dim)];
+    dims[count++] = {stride < 0 ? -stride : stride, extent};
+  }
+  for (std::size_t i = 1; i < count; ++i) {  // by stride (insertion sort: at most four dimensions)
+    for (std::size_t j = i; j > 0 && dims[j] < dims[j - 1]; --j) std::swap(dims[j], dims[j - 1]);
+  }
+  std::int64_t reach = 0;  // the largest offset the dimensions so far address
+  for (std::size_t i = 0; i < count; ++i) {
+    if (dims[i].first <= reach) return true;
+    reach += dims[i].first * (dims[i].second - 1);
+  }
+  return false;
 }
 
 }  // namespace
@@ -148,6 +173,7 @@ std::vector<int> kv_store::add_sequences(int count) {
   // host when the device has no room after all); a sequence's values are never split between the two.
   const std::int64_t value_bytes = backend_->value_bytes_per_sequence();
   std::vector<value_place> places;
+  places.reserve(free_slots.size());  // so that no push_back below can fail after a sequence was opened
   std::int64_t device_bytes = device_value_bytes_;
   std::size_t opened = 0;
   try {
@@ -319,6 +345,9 @@ void kv_store::decode(int layer, std::span<const int> slots, const tensor_view& 
   detail::expect_float_tensor(k_new, "k_new", where, {batch, config_.num_kv_heads, config_.head_dim});
   detail::expect_float_tensor(v_new, "v_new", where, {batch, config_.num_kv_heads, config_.head_dim});
   detail::expect_float_tensor(out, "out", where, {batch, config_.num_q_heads, config_.head_dim});
+  SHADOWKV_EXPECTS(!elements_may_overlap(out), "out ", out.describe(), " has elements that overlap (strides [",
+                   out.strides[0], ", ", out.strides[1], ", ", out.strides[2], "], e.g. from expand()): each output "
+                   "element needs its own memory; pass a tensor of distinct elements (e.g. torch.empty)");
   if (!options.positions.empty()) detail::expect_index_tensor(options.positions, "positions", where, {batch});
   for (const int slot : slots) {
     const layer_state& state = sequences_[static_cast<std::size_t>(slot)].layers[static_cast<std::size_t>(layer)];
@@ -409,6 +438,9 @@ void kv_store::extend(int layer, std::span<const int> slots, const tensor_view& 
   detail::expect_float_tensor(k, "k", where, {batch, tokens, config_.num_kv_heads, config_.head_dim});
   detail::expect_float_tensor(v, "v", where, {batch, tokens, config_.num_kv_heads, config_.head_dim});
   detail::expect_float_tensor(out, "out", where, {batch, tokens, config_.num_q_heads, config_.head_dim});
+  SHADOWKV_EXPECTS(!elements_may_overlap(out), "out ", out.describe(), " has elements that overlap (strides [",
+                   out.strides[0], ", ", out.strides[1], ", ", out.strides[2], ", ", out.strides[3],
+                   "]): every output element needs its own memory; pass a tensor of distinct elements (e.g. torch.empty)");
   if (!options.positions.empty()) {
     detail::expect_index_tensor(options.positions, "positions", where, {batch, tokens});
   }
@@ -701,6 +733,32 @@ memory_report kv_store::memory() const {
     }
   }
   return backend_->memory(prefilled);
+}
+
+memory_report kv_store::layer_memory_after_prefill(std::int64_t prompt_tokens) const {
+  SHADOWKV_EXPECTS(prompt_tokens >= 1 && prompt_tokens <= config_.max_seq_len, "prompt_tokens must be in [1, "
+                   "max_seq_len = ", config_.max_seq_len, "], got ", prompt_tokens);
+  const config& c = config_;
+  const std::int64_t chunk = c.chunk_size;
+  const std::int64_t width = c.kv_width();
+  const std::int64_t heads = c.num_kv_heads;
+  const auto e = static_cast<std::int64_t>(dtype_size(c.kv_dtype));
+  const auto f = static_cast<std::int64_t>(dtype_size(c.factor_dtype()));
+  // The prefill's counters (as prefill() sets them) and the byte counts of docs/semantics.md, "Memory report".
+  const std::int64_t context_chunks = std::max<std::int64_t>(0, prompt_tokens / chunk - c.local_chunks);
+  const std::int64_t outliers = std::min<std::int64_t>(c.outlier_chunks, context_chunks);
+  const std::int64_t local_len = prompt_tokens - context_chunks * chunk;
+  memory_report report;
+  report.low_rank_factors = (context_chunks * chunk * c.rank + static_cast<std::int64_t>(c.rank) * width) * f;
+  report.landmarks = c.chunk_score == chunk_score_rule::two_centroids ? context_chunks * heads * (2 * c.head_dim + 9)
+                                                                      : context_chunks * width * e;
+  report.outliers = outliers * chunk * width * 2 * e;
+  report.exact_tokens = local_len * width * 2 * e;
+  report.value_store = context_chunks * heads * c.value_run_bytes();
+  report.value_store_host = report.value_store;
+  report.selection_cache = c.cache_slots() * chunk * width * 2 * e;
+  report.full_attention_equivalent = prompt_tokens * width * 2 * e;
+  return report;
 }
 
 store_stats kv_store::stats() const {

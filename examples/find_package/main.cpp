@@ -57,7 +57,12 @@ int run() {
   std::mt19937 rng(2024);
   const std::vector<float> keys = random_normals(rng, static_cast<std::size_t>(prompt * heads * dim));
   const std::vector<float> values = random_normals(rng, static_cast<std::size_t>(prompt * heads * dim));
-  store.prefill(0, slots, view(keys, {1, prompt, heads, dim}), view(values, {1, prompt, heads, dim}));
+  // Keys are post-RoPE in both calls (what an attention function of transformers receives): prefill's keys and
+  // decode's k_new carry RoPE at their positions (0..prompt-1, then prompt, prompt+1, ...). Pre-RoPE keys are taken
+  // too: prefill_options::keys_post_rope = false and decode_options::keys_post_rope = false.
+  shadowkv::prefill_options options;
+  options.keys_post_rope = true;
+  store.prefill(0, slots, view(keys, {1, prompt, heads, dim}), view(values, {1, prompt, heads, dim}), options);
 
   // decode writes the attention output [B, Hq, D] into the caller's memory through a mutable view.
   std::vector<float> out(static_cast<std::size_t>(q_heads * dim));

@@ -4,8 +4,8 @@ over the few chunks that matter (ShadowKV). See README.md and docs/semantics.md.
     from shadowkv_core import KVStore
     store = KVStore(num_layers=32, num_q_heads=32, num_kv_heads=8, head_dim=128, max_batch=4, max_seq_len=65536)
     slots = store.add_sequences(2)
-    store.prefill(layer, slots, keys_pre_rope, values)      # [B, S, Hkv, D] each
-    out = store.decode(layer, slots, q, k_new, v_new)       # [B, Hq, D] -> [B, Hq, D]
+    store.prefill(layer, slots, keys, values)               # [B, S, Hkv, D] each, keys post-RoPE
+    out = store.decode(layer, slots, q, k_new, v_new)       # [B, Hq, D] -> [B, Hq, D], q and k_new post-RoPE
 """
 
 import importlib.util as _importlib_util
@@ -18,7 +18,7 @@ import importlib.util as _importlib_util
 if _importlib_util.find_spec("torch") is not None:
     import torch as _torch  # noqa: F401
 
-from ._store import KVStore, build_info
+from ._store import KVStore, MemoryFootprintWarning, build_info
 
-__all__ = ["KVStore", "build_info"]
+__all__ = ["KVStore", "MemoryFootprintWarning", "build_info"]
 __version__ = "0.1.0"

@@ -4,8 +4,11 @@ framework with __dlpack__)."""
 
 from __future__ import annotations
 
+import atexit
 import operator
 import sys
+import warnings
+import weakref
 from typing import Any, Iterable, Optional, Sequence, Union
 
 from . import _core
@@ -236,6 +239,58 @@ def _zeros_like(reference: Any, shape: Sequence[int]) -> Any:
     raise ValueError(f"cannot allocate an output like {type(reference).__name__}; pass torch tensors or numpy arrays")
 
 
+class MemoryFootprintWarning(ResourceWarning):
+    """Warned once when a KVStore is built whose configuration holds more bytes per token than full attention (a plain
+    KV cache of the same tokens in the same dtype) would. The rule: the bytes one (sequence, layer) holds right after
+    a prefill of `max_seq_len` tokens (low-rank factors, landmarks or centroids, outliers, the local window, the value
+    store and the selection cache: `KVStore.layer_memory_after_prefill(max_seq_len)`, equal to what `memory_report()`
+    then shows) against `max_seq_len * 2 * num_kv_heads * head_dim * dtype bytes`. It happens with small models and
+    short contexts (e.g. SmolLM2's 3 KV heads of 64 at 4K tokens with the defaults: the selection cache of `budget`
+    tokens and rank 160 cost more than the keys they replace). Shown by default (unless -W options are given); silence
+    it with ``warnings.filterwarnings("ignore", category=shadowkv_core.MemoryFootprintWarning)``."""
+
+
+# Warnings of this class are shown by default (ResourceWarning itself is ignored by Python's default filters), unless
+# the interpreter was given -W options, which then decide.
+if not sys.warnoptions:
+    warnings.filterwarnings("default", category=MemoryFootprintWarning)
+
+
+def _footprint_message(store: "KVStore", report: dict) -> str:
+    c = store._config
+    full = report["full_attention_equivalent"]
+    parts = ", ".join(f"{kind} {report[kind]}" for kind in (
+        "low_rank_factors", "landmarks", "outliers", "exact_tokens", "value_store", "selection_cache"))
+    return (
+        f"this KVStore holds {report['total'] / full:.2f}x the bytes of full attention: one (sequence, layer) at "
+        f"max_seq_len={c.max_seq_len} tokens takes {report['total']} bytes ({parts}) against {full} bytes as a plain KV "
+        f"cache ({report['total'] / c.max_seq_len:.1f} against {full / c.max_seq_len:.1f} bytes per token) with "
+        f"num_kv_heads={c.num_kv_heads}, head_dim={c.head_dim}, rank={c.rank}, budget={c.budget}, "
+        f"cache_tokens={c.cache_tokens}, outlier_chunks={c.outlier_chunks}, dtype={c.dtype}. Lower rank, budget or "
+        f"cache_tokens: the store saves memory on long contexts (MemoryFootprintWarning, docs/api.md)")
+
+
+# Live stores, so that their native objects are freed at interpreter exit (see _close_at_exit).
+_live_stores: "weakref.WeakSet" = weakref.WeakSet()
+
+
+class _Closed:
+    """Stands in for a store's native objects after interpreter exit began: any use says so."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError("this KVStore was closed at interpreter exit (its memory is freed)")
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Frees the native store and configuration of every KVStore still alive when the interpreter exits (atexit runs
+    before modules are torn down). Python does not promise to destroy every object at exit — one held by a daemon
+    thread, for instance — and nanobind would then report its instances as leaked ("nanobind: leaked 2 instances");
+    freeing them here also runs the store's destructor while the CUDA runtime is still loaded."""
+    for store in list(_live_stores):
+        store._store = store._config = _Closed()
+
+
 class KVStore:
     """A ShadowKV key/value store for all layers of a model and up to `max_batch` sequences.
 
@@ -252,7 +307,8 @@ class KVStore:
         rotary_dim: rotated dims per head (default head_dim). rope_style: "half" (rotate_half) or "interleaved".
         attention_scaling: multiplies cos/sin (transformers' attention_scaling).
         softmax_scale: scale of q·k (default 1/sqrt(head_dim)); also used for landmark scores.
-        rank: rank of the key factorisation. chunk_size: tokens per chunk.
+        rank: rank of the key factorisation, 1 to num_kv_heads*head_dim; None (default) means
+            min(160, num_kv_heads*head_dim). chunk_size: tokens per chunk.
         budget: selected tokens per KV head per step (a positive multiple of chunk_size; more than max_seq_len is
             clamped, docs/semantics.md "Capacity and errors").
         cache_tokens: capacity of the selection cache per (sequence, layer, KV head) in tokens: 0 (default) means
@@ -297,6 +353,12 @@ class KVStore:
             the check waits for the GPU on every call), "prefill" (prefill inputs only) or "always" (decode inputs too;
             on CUDA one stream synchronisation per decode call). An unchecked NaN/Inf at decode is stored as given
             and makes that sequence's outputs non-finite; other sequences are not affected.
+
+    Keys are post-RoPE in both prefill and decode by default (what transformers hands an attention function);
+    `prefill(..., keys_post_rope=False)` and `decode(..., k_new_post_rope=False)` take pre-RoPE keys.
+
+    Warns MemoryFootprintWarning once, when it is built, if the configuration holds more bytes per token than full
+    attention would at max_seq_len (see that class).
     """
 
     def __init__(
@@ -314,7 +376,7 @@ class KVStore:
         rope_style: str = "half",
         attention_scaling: float = 1.0,
         softmax_scale: Optional[float] = None,
-        rank: int = 160,
+        rank: Optional[int] = None,
         chunk_size: int = 8,
         budget: int = 2048,
         cache_tokens: int = 0,
@@ -343,7 +405,14 @@ class KVStore:
         inv_freq = None if inv_freq is None else _inv_freq(inv_freq)
         rotary_dim = None if rotary_dim is None else _integer("rotary_dim", rotary_dim)
         softmax_scale = None if softmax_scale is None else _real("softmax_scale", softmax_scale)
-        rank, chunk_size = _integer("rank", rank), _integer("chunk_size", chunk_size)
+        if rank is None:
+            rank = 0  # the native default: min(160, num_kv_heads*head_dim)
+        else:
+            rank = _integer("rank", rank)
+            if rank == 0:  # 0 is the C++ config's spelling of the default; here the default is None
+                raise ValueError(f"rank must be in [1, num_kv_heads*head_dim = {num_kv_heads * head_dim}] "
+                                 f"(None: min(160, num_kv_heads*head_dim)), got 0")
+        chunk_size = _integer("chunk_size", chunk_size)
         budget = _integer("budget", budget, _INT64)
         cache_tokens = _integer("cache_tokens", cache_tokens, _INT64)
         outlier_chunks = _integer("outlier_chunks", outlier_chunks)
@@ -405,8 +474,14 @@ class KVStore:
                 raise ValueError(f"factor_dtype must be None, 'auto', 'float32' or 'bfloat16', got {factor_dtype!r}")
             cfg.factor_format = factor_name
         cfg.check_finite = check_finite
-        self._config = cfg
         self._store = _core.Store(cfg, str(device))
+        if cfg.rank == 0:
+            cfg.rank = self._store.config.rank  # the default, as resolved
+        self._config = cfg
+        _live_stores.add(self)
+        report = self._store.layer_memory_after_prefill(self._config.max_seq_len)
+        if report["total"] > report["full_attention_equivalent"]:
+            warnings.warn(_footprint_message(self, report), MemoryFootprintWarning, stacklevel=2)
 
     # --- sequences -------------------------------------------------------------------------------------------------
     @property
@@ -415,7 +490,8 @@ class KVStore:
 
     @property
     def config(self) -> dict:
-        """The store's configuration as a dict."""
+        """The store's configuration as a dict, as given (after argument conversion; a budget beyond max_seq_len is
+        shown as given, not clamped), with a default rank (None) resolved to min(160, num_kv_heads*head_dim)."""
         names = [n for n in dir(self._config) if not n.startswith("_") and n != "validate"]
         return {n: getattr(self._config, n) for n in names}
 
@@ -452,12 +528,13 @@ class KVStore:
         lengths: Optional[Any] = None,
         positions: Optional[Any] = None,
         q_last: Optional[Any] = None,
-        keys_post_rope: bool = False,
+        keys_post_rope: bool = True,
     ) -> None:
         """Stores one layer of the prompts of `slots`.
 
         keys, values: [B, S, Hkv, D] (any strides; e.g. transformers' [B, Hkv, S, D] tensor `.transpose(1, 2)`).
-        Keys are pre-RoPE unless keys_post_rope=True (the store then removes RoPE itself).
+        Keys are post-RoPE (at `positions`), as decode's k_new and as transformers hands them to an attention
+        function; the store removes RoPE for the factorisation. keys_post_rope=False: pre-RoPE keys.
         lengths: tokens per row for right-padded batches (default S). positions: int [B, S] (default 0..S-1).
         q_last: post-RoPE queries [B, Hq, D] or [B, Tq, Hq, D] of the prompt's end, to warm the selection.
         """
@@ -485,9 +562,10 @@ class KVStore:
         k_new_post_rope: bool = True,
         out: Optional[Any] = None,
     ) -> Any:
-        """One decode step of one layer: stores the new token (k_new, v_new [B, Hkv, D]) and returns the
-        attention output [B, Hq, D] of the post-RoPE query q [B, Hq, D], in q's dtype and on q's device.
-        positions: int [B] (default: each sequence's last position + 1). out: optional preallocated output."""
+        """One decode step of one layer: stores the new token (k_new, v_new [B, Hkv, D]; k_new post-RoPE unless
+        k_new_post_rope=False) and returns the attention output [B, Hq, D] of the post-RoPE query q [B, Hq, D], in q's
+        dtype and on q's device. positions: int [B] (default: each sequence's last position + 1). out: optional
+        preallocated output [B, Hq, D] of distinct elements (any strides; an expand()ed tensor is a ValueError)."""
         layer, slot_list = _integer("layer", layer), _slot_list(slots)
         k_new_post_rope = _flag("k_new_post_rope", k_new_post_rope)
         q = _required("q", q)
@@ -597,6 +675,12 @@ class KVStore:
         kept for truncate), total (the seven kinds), full_attention_equivalent
         (a plain KV cache of the same tokens), device_reserved and host_reserved (CUDA reservations; 0 on the CPU)."""
         return self._store.memory_report()
+
+    def layer_memory_after_prefill(self, prompt_tokens: int) -> dict:
+        """What memory_report() shows for one (sequence, layer) right after a prefill of `prompt_tokens` tokens (1 to
+        max_seq_len), from the configuration alone: the same keys. At max_seq_len, total against
+        full_attention_equivalent is the store's footprint relative to full attention (MemoryFootprintWarning)."""
+        return self._store.layer_memory_after_prefill(_integer("prompt_tokens", prompt_tokens, _INT64))
 
     def stats(self) -> dict:
         """decode_steps, selections, hits, misses, hit_rate, chunks_rebuilt, bytes_fetched, folds."""

@@ -77,6 +77,20 @@ void without_gil(Call&& call) {
   if (error) std::rethrow_exception(error);
 }
 
+// Sequences and strings are taken as Python objects and converted here, in the body of the bound function: nanobind's
+// own casters for std::vector and std::string run in noexcept code, so a std::bad_alloc there (a vector's reserve, a
+// long string) would end the process; here it is a MemoryError like any other. (The Python layer has checked types.)
+template <typename T>
+std::vector<T> to_vector(const nb::sequence& items) {
+  const std::size_t count = nb::len(items);
+  std::vector<T> result;
+  result.reserve(count);
+  for (std::size_t i = 0; i < count; ++i) result.push_back(nb::cast<T>(items[i]));
+  return result;
+}
+
+std::string to_string(const nb::str& text) { return std::string(text.c_str()); }
+
 shadowkv::tensor_view optional_view(const std::optional<input_array>& array, const char* name) {
   return array ? to_view(*array, name) : shadowkv::tensor_view{};
 }
@@ -140,11 +154,13 @@ NB_MODULE(_core, m) {
       .def_rw("max_batch", &shadowkv::config::max_batch)
       .def_rw("max_seq_len", &shadowkv::config::max_seq_len)
       .def_rw("rope_theta", &shadowkv::config::rope_theta)
-      .def_rw("inv_freq", &shadowkv::config::inv_freq)
+      .def_prop_rw(
+          "inv_freq", [](const shadowkv::config& c) { return c.inv_freq; },
+          [](shadowkv::config& c, const nb::sequence& values) { c.inv_freq = to_vector<float>(values); })
       .def_rw("rotary_dim", &shadowkv::config::rotary_dim)
       .def_prop_rw(
           "rope_style", [](const shadowkv::config& c) { return shadowkv::rope_style_name(c.rope); },
-          [](shadowkv::config& c, const std::string& name) { c.rope = shadowkv::parse_rope_style(name); })
+          [](shadowkv::config& c, const nb::str& name) { c.rope = shadowkv::parse_rope_style(to_string(name)); })
       .def_rw("attention_scaling", &shadowkv::config::attention_scaling)
       .def_rw("softmax_scale", &shadowkv::config::softmax_scale)
       .def_rw("rank", &shadowkv::config::rank)
@@ -161,56 +177,57 @@ NB_MODULE(_core, m) {
           [](const shadowkv::config& c) {
             return std::string(c.factorization == shadowkv::factorization_method::svd ? "svd" : "gram");
           },
-          [](shadowkv::config& c, const std::string& name) { c.factorization = shadowkv::parse_factorization(name); })
+          [](shadowkv::config& c, const nb::str& name) { c.factorization = shadowkv::parse_factorization(to_string(name)); })
       .def_prop_rw(
           "dtype", [](const shadowkv::config& c) { return std::string(shadowkv::dtype_name(c.kv_dtype)); },
-          [](shadowkv::config& c, const std::string& name) { c.kv_dtype = shadowkv::parse_dtype(name); })
+          [](shadowkv::config& c, const nb::str& name) { c.kv_dtype = shadowkv::parse_dtype(to_string(name)); })
       .def_prop_rw(
           "value_store",
           [](const shadowkv::config& c) { return shadowkv::value_store_name(c.value_store); },
-          [](shadowkv::config& c, const std::string& name) { c.value_store = shadowkv::parse_value_store(name); })
+          [](shadowkv::config& c, const nb::str& name) { c.value_store = shadowkv::parse_value_store(to_string(name)); })
       .def_rw("device_value_budget", &shadowkv::config::device_value_budget)
       .def_rw("decode_pipeline_parts", &shadowkv::config::decode_pipeline_parts)
       .def_prop_rw(
           "value_format", [](const shadowkv::config& c) { return shadowkv::value_format_name(c.values_as); },
-          [](shadowkv::config& c, const std::string& name) { c.values_as = shadowkv::parse_value_format(name); })
+          [](shadowkv::config& c, const nb::str& name) { c.values_as = shadowkv::parse_value_format(to_string(name)); })
       .def_prop_rw(
           "group_score", [](const shadowkv::config& c) { return shadowkv::group_score_name(c.group_score); },
-          [](shadowkv::config& c, const std::string& name) { c.group_score = shadowkv::parse_group_score(name); })
+          [](shadowkv::config& c, const nb::str& name) { c.group_score = shadowkv::parse_group_score(to_string(name)); })
       .def_prop_rw(
           "chunk_score", [](const shadowkv::config& c) { return shadowkv::chunk_score_name(c.chunk_score); },
-          [](shadowkv::config& c, const std::string& name) { c.chunk_score = shadowkv::parse_chunk_score(name); })
+          [](shadowkv::config& c, const nb::str& name) { c.chunk_score = shadowkv::parse_chunk_score(to_string(name)); })
       .def_prop_rw(
           "factor_format", [](const shadowkv::config& c) { return shadowkv::factor_format_name(c.factors_as); },
-          [](shadowkv::config& c, const std::string& name) { c.factors_as = shadowkv::parse_factor_format(name); })
+          [](shadowkv::config& c, const nb::str& name) { c.factors_as = shadowkv::parse_factor_format(to_string(name)); })
       .def_prop_ro("factor_dtype",
                    [](const shadowkv::config& c) { return std::string(shadowkv::dtype_name(c.factor_dtype())); })
       .def_prop_rw(
           "check_finite", [](const shadowkv::config& c) { return shadowkv::finite_check_name(c.check_finite); },
-          [](shadowkv::config& c, const std::string& name) { c.check_finite = shadowkv::parse_finite_check(name); })
+          [](shadowkv::config& c, const nb::str& name) { c.check_finite = shadowkv::parse_finite_check(to_string(name)); })
       .def("validate", &shadowkv::config::validate);
 
   nb::class_<shadowkv::kv_store>(m, "Store")
       .def(
           "__init__",
-          [](shadowkv::kv_store* self, const shadowkv::config& cfg, const std::string& device) {
-            new (self) shadowkv::kv_store(cfg, shadowkv::parse_device(device));
+          [](shadowkv::kv_store* self, const shadowkv::config& cfg, const nb::str& device) {
+            new (self) shadowkv::kv_store(cfg, shadowkv::parse_device(to_string(device)));
           },
           "config"_a, "device"_a = "cpu")
       .def_prop_ro("device", [](const shadowkv::kv_store& s) { return shadowkv::to_string(s.where()); })
       .def("add_sequences", &shadowkv::kv_store::add_sequences, "count"_a)
       .def(
-          "release", [](shadowkv::kv_store& s, const std::vector<int>& slots) { s.release(slots); }, "slots"_a)
+          "release", [](shadowkv::kv_store& s, const nb::sequence& slots) { s.release(to_vector<int>(slots)); },
+          "slots"_a)
       .def("active_slots", &shadowkv::kv_store::active_slots)
       .def(
           "prefill",
-          [](shadowkv::kv_store& s, int layer, const std::vector<int>& slots, const input_array& keys,
-             const input_array& values, const std::vector<std::int64_t>& lengths,
-             const std::optional<input_array>& positions, const std::optional<input_array>& q_last,
-             bool keys_post_rope, std::optional<std::uintptr_t> stream) {
+          [](shadowkv::kv_store& s, int layer, const nb::sequence& slot_list, const input_array& keys,
+             const input_array& values, const nb::sequence& lengths, const std::optional<input_array>& positions,
+             const std::optional<input_array>& q_last, bool keys_post_rope, std::optional<std::uintptr_t> stream) {
+            const std::vector<int> slots = to_vector<int>(slot_list);
             shadowkv::prefill_options options;
             if (stream) options.stream = shadowkv::stream_view::from_integer(*stream);
-            options.lengths = lengths;
+            options.lengths = to_vector<std::int64_t>(lengths);
             options.positions = optional_view(positions, "positions");
             options.q_last = optional_view(q_last, "q_last");
             options.keys_post_rope = keys_post_rope;
@@ -222,9 +239,10 @@ NB_MODULE(_core, m) {
           "keys_post_rope"_a, "stream"_a.none() = nb::none())
       .def(
           "decode",
-          [](shadowkv::kv_store& s, int layer, const std::vector<int>& slots, const input_array& q,
+          [](shadowkv::kv_store& s, int layer, const nb::sequence& slot_list, const input_array& q,
              const input_array& k_new, const input_array& v_new, const output_array& out,
              const std::optional<input_array>& positions, bool k_new_post_rope, std::optional<std::uintptr_t> stream) {
+            const std::vector<int> slots = to_vector<int>(slot_list);
             shadowkv::decode_options options;
             if (stream) options.stream = shadowkv::stream_view::from_integer(*stream);
             options.positions = optional_view(positions, "positions");
@@ -240,12 +258,13 @@ NB_MODULE(_core, m) {
           "stream"_a.none() = nb::none())
       .def(
           "extend",
-          [](shadowkv::kv_store& s, int layer, const std::vector<int>& slots, const input_array& q, const input_array& k,
-             const input_array& v, const output_array& out, const std::vector<std::int64_t>& lengths,
+          [](shadowkv::kv_store& s, int layer, const nb::sequence& slot_list, const input_array& q, const input_array& k,
+             const input_array& v, const output_array& out, const nb::sequence& lengths,
              const std::optional<input_array>& positions, bool k_post_rope, std::optional<std::uintptr_t> stream) {
+            const std::vector<int> slots = to_vector<int>(slot_list);
             shadowkv::extend_options options;
             if (stream) options.stream = shadowkv::stream_view::from_integer(*stream);
-            options.lengths = lengths;
+            options.lengths = to_vector<std::int64_t>(lengths);
             options.positions = optional_view(positions, "positions");
             options.keys_post_rope = k_post_rope;
             const shadowkv::tensor_view q_view = to_view(q, "q");  // inputs first: errors name them, not `out`
@@ -259,14 +278,16 @@ NB_MODULE(_core, m) {
           "stream"_a.none() = nb::none())
       .def(
           "truncate",
-          [](shadowkv::kv_store& s, const std::vector<int>& slots, const std::vector<std::int64_t>& tokens) {
+          [](shadowkv::kv_store& s, const nb::sequence& slot_list, const nb::sequence& token_list) {
+            const std::vector<int> slots = to_vector<int>(slot_list);
+            const std::vector<std::int64_t> tokens = to_vector<std::int64_t>(token_list);
             without_gil([&] { s.truncate(slots, tokens); });
           },
           "slots"_a, "tokens"_a)
       .def(
           "account_replayed_steps",
-          [](shadowkv::kv_store& s, int layer, const std::vector<int>& slots, std::int64_t steps) {
-            s.account_replayed_steps(layer, slots, steps);
+          [](shadowkv::kv_store& s, int layer, const nb::sequence& slots, std::int64_t steps) {
+            s.account_replayed_steps(layer, to_vector<int>(slots), steps);
           },
           "layer"_a, "slots"_a, "steps"_a)
       .def("selected_chunks", &shadowkv::kv_store::selected_chunks, "layer"_a, "slot"_a)
@@ -276,6 +297,11 @@ NB_MODULE(_core, m) {
           "sequence_info", [](const shadowkv::kv_store& s, int layer, int slot) { return info_dict(s.info(layer, slot)); },
           "layer"_a, "slot"_a)
       .def("memory_report", [](const shadowkv::kv_store& s) { return memory_dict(s.memory()); })
+      .def(
+          "layer_memory_after_prefill",
+          [](const shadowkv::kv_store& s, std::int64_t tokens) { return memory_dict(s.layer_memory_after_prefill(tokens)); },
+          "prompt_tokens"_a)
+      .def_prop_ro("config", [](const shadowkv::kv_store& s) { return s.get_config(); })
       .def_prop_ro("device_value_budget", &shadowkv::kv_store::device_value_budget)
       .def_prop_ro("value_bytes_per_sequence", &shadowkv::kv_store::value_bytes_per_sequence)
       .def("stats", [](const shadowkv::kv_store& s) { return stats_dict(s.stats()); })

@@ -1,8 +1,14 @@
 // Allocation failure inside a call leaves the store unchanged ("no half-applied call"; docs/semantics.md,
-// "Capacity and errors"). This executable replaces the global operator new with one that can be told to fail: for
-// decode (with and without a fold), prefill (with and without the warm-up selection), add_sequences and release, it
-// counts the allocations of a clean call, then for every k makes the k-th one fail (alone, and together with every
-// later one) and checks that the store still equals a twin that never saw the call, now and for 20 more steps.
+// "Capacity and errors") and reaches the caller as std::bad_alloc, never as std::terminate. This executable replaces
+// the global operator new with one that can be told to fail. For every call and path — decode (two sequences, a fold,
+// the first step of a layer, pre-RoPE k_new with positions), prefill (with and without the warm-up selection, ragged
+// lengths, positions, several query tokens), add_sequences and release — on the default configuration and on each
+// variant that takes other code (fp8 value store, "auto"-placed values (device and host), two-centroid chunk
+// scores, a selection cache larger than the budget, float32 factors), it counts the allocations of a clean call, then
+// for every k makes the k-th one fail (alone, and together with every later one) and checks that the call threw
+// std::bad_alloc (or completed) and that the store still equals a twin that never saw the call: memory report, stats,
+// every sequence's counters and selections now, and the same decode outputs, bit for bit, for more steps (folds
+// included). A std::terminate anywhere ends the executable, which CTest reports as a failure.
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -71,19 +77,22 @@ namespace {
 
 using shadowkv::kv_store;
 using shadowkv_test::twins;
+using shadowkv_test::view_of;
 
 // An operation under test: given fresh twins, prepares its inputs (allocating freely) and returns the call to make
 // on one store.
 using operation = std::function<std::function<void(kv_store&)>(twins&)>;
 
 struct operation_case {
-  const char* name;
-  int warmup_steps;  // 16: layer 0's generated regions are full, so the next decode folds
+  std::string name;
+  int warmup_steps;            // 16: layer 0's generated regions are full, so the next decode folds
+  shadowkv::config cfg;        // the twins' configuration
+  std::int64_t future_steps;   // steps both stores decode afterwards (8 or more cross a fold: window 16, chunk 8)
   operation prepare;
 };
 
 std::int64_t allocations_of(const operation_case& op, std::uint64_t seed) {
-  twins t(seed, op.warmup_steps);
+  twins t(seed, op.warmup_steps, op.cfg);
   const std::function<void(kv_store&)> call = op.prepare(t);
   fault_injection::arm(std::numeric_limits<std::int64_t>::max(), false);
   call(t.subject);
@@ -97,9 +106,9 @@ void check_every_allocation(const operation_case& op, bool every_later_one) {
   ASSERT_GT(total, 0) << op.name << " allocates nothing: the test would prove nothing";
   std::int64_t failed_calls = 0;
   for (std::int64_t k = 1; k <= total; ++k) {
-    SCOPED_TRACE(std::string(op.name) + ": allocation " + std::to_string(k) + " of " + std::to_string(total) +
+    SCOPED_TRACE(op.name + ": allocation " + std::to_string(k) + " of " + std::to_string(total) +
                  (every_later_one ? " and every later one" : "") + " fails (seed " + std::to_string(seed) + ")");
-    twins t(seed, op.warmup_steps);
+    twins t(seed, op.warmup_steps, op.cfg);
     const std::function<void(kv_store&)> call = op.prepare(t);
     bool failed = false;
     fault_injection::arm(k, every_later_one);
@@ -117,48 +126,169 @@ void check_every_allocation(const operation_case& op, bool every_later_one) {
     } else {
       call(t.twin);  // the failure hit a non-throwing allocation (e.g. stable_sort's buffer): the call completed
     }
-    t.expect_same_future();
+    t.expect_same_future(op.future_steps);
     if (::testing::Test::HasFailure()) return;
   }
   EXPECT_GT(failed_calls, 0) << op.name << ": no injected failure reached the caller";
 }
 
-std::vector<operation_case> operations() {
-  return {
-      {"decode of two sequences", 3,
-       [](twins& t) {
-         const shadowkv_test::decode_data d = t.make_decode(2);
-         return [&t, d](kv_store& s) { (void)t.decode(s, 0, {0, 1}, d); };
-       }},
-      {"decode that folds", 16,
-       [](twins& t) {
-         EXPECT_EQ(t.twin.info(0, 0).generated_exact_len, t.cfg.generation_window);
-         const shadowkv_test::decode_data d = t.make_decode(2);
-         return [&t, d](kv_store& s) { (void)t.decode(s, 0, {1, 0}, d); };
-       }},
-      {"first decode of a layer", 3,
-       [](twins& t) {
-         const shadowkv_test::decode_data d = t.make_decode(1);
-         return [&t, d](kv_store& s) { (void)t.decode(s, 1, {0}, d); };
-       }},
-      {"prefill", 3,
-       [](twins& t) {
-         const shadowkv_test::prefill_data d = t.make_prefill(1, 60);
-         return [&t, d](kv_store& s) { t.prefill(s, 1, {1}, 60, d, false); };
-       }},
-      {"prefill with q_last", 3,
-       [](twins& t) {
-         const shadowkv_test::prefill_data d = t.make_prefill(1, 70);
-         return [&t, d](kv_store& s) { t.prefill(s, 0, {2}, 70, d, true); };
-       }},
-      {"prefill of two sequences with q_last", 3,
-       [](twins& t) {
-         const shadowkv_test::prefill_data d = t.make_prefill(2, 64);
-         return [&t, d](kv_store& s) { t.prefill(s, 1, {2, 1}, 64, d, true); };
-       }},
-      {"add_sequences", 3, [](twins&) { return [](kv_store& s) { (void)s.add_sequences(1); }; }},
-      {"release", 3, [](twins&) { return [](kv_store& s) { s.release(std::vector<int>{2, 1}); }; }},
+// --- the calls ------------------------------------------------------------------------------------------------------
+
+operation decode_of_two() {
+  return [](twins& t) {
+    const shadowkv_test::decode_data d = t.make_decode(2);
+    return [&t, d](kv_store& s) { (void)t.decode(s, 0, {0, 1}, d); };
   };
+}
+
+operation decode_that_folds() {
+  return [](twins& t) {
+    EXPECT_EQ(t.twin.info(0, 0).generated_exact_len, t.cfg.generation_window);
+    const shadowkv_test::decode_data d = t.make_decode(2);
+    return [&t, d](kv_store& s) { (void)t.decode(s, 0, {1, 0}, d); };
+  };
+}
+
+operation first_decode_of_a_layer() {
+  return [](twins& t) {
+    const shadowkv_test::decode_data d = t.make_decode(1);
+    return [&t, d](kv_store& s) { (void)t.decode(s, 1, {0}, d); };
+  };
+}
+
+// Pre-RoPE k_new at explicit positions (the store applies RoPE), a fold on the way.
+operation decode_pre_rope_with_positions() {
+  return [](twins& t) {
+    const shadowkv_test::decode_data d = t.make_decode(2);
+    std::vector<std::int64_t> positions{t.twin.info(0, 0).last_position + 3, t.twin.info(0, 1).last_position + 1};
+    return [&t, d, positions](kv_store& s) {
+      const shadowkv::config& c = t.cfg;
+      std::vector<float> out(d.q.size());
+      shadowkv::decode_options options;
+      options.keys_post_rope = false;
+      options.positions = shadowkv::make_contiguous_index_view(positions.data(), shadowkv::index_type::int64,
+                                                         shadowkv::device{}, {2});
+      s.decode(0, std::vector<int>{0, 1}, view_of(d.q, {2, c.num_q_heads, c.head_dim}),
+               view_of(d.k, {2, c.num_kv_heads, c.head_dim}), view_of(d.v, {2, c.num_kv_heads, c.head_dim}),
+               shadowkv_test::mutable_view_of(out, {2, c.num_q_heads, c.head_dim}), options);
+    };
+  };
+}
+
+operation plain_prefill() {
+  return [](twins& t) {
+    const shadowkv_test::prefill_data d = t.make_prefill(1, 60);
+    return [&t, d](kv_store& s) { t.prefill(s, 1, {1}, 60, d, false); };
+  };
+}
+
+operation prefill_with_q_last() {
+  return [](twins& t) {
+    const shadowkv_test::prefill_data d = t.make_prefill(1, 70);
+    return [&t, d](kv_store& s) { t.prefill(s, 0, {2}, 70, d, true); };
+  };
+}
+
+operation prefill_of_two_with_q_last() {
+  return [](twins& t) {
+    const shadowkv_test::prefill_data d = t.make_prefill(2, 64);
+    return [&t, d](kv_store& s) { t.prefill(s, 1, {2, 1}, 64, d, true); };
+  };
+}
+
+// Right-padded rows (lengths 72 and 37 of S = 72), post-RoPE keys at given positions, and (with `queries`) a warm-up
+// selection from two query tokens per row.
+operation ragged_prefill(bool queries) {
+  return [queries](twins& t) {
+    constexpr std::int64_t length = 72;
+    const shadowkv::config& c = t.cfg;
+    const shadowkv_test::prefill_data d = t.make_prefill(2, length);
+    const shadowkv_test::decode_data extra = t.make_decode(2);  // a second query token per row
+    std::vector<float> q_last(static_cast<std::size_t>(2 * 2 * c.num_q_heads * c.head_dim));
+    const auto per_token = static_cast<std::size_t>(c.num_q_heads * c.head_dim);
+    for (std::size_t b = 0; b < 2; ++b) {
+      std::copy_n(d.q_last.begin() + static_cast<std::ptrdiff_t>(b * per_token), per_token,
+                  q_last.begin() + static_cast<std::ptrdiff_t>(2 * b * per_token));
+      std::copy_n(extra.q.begin() + static_cast<std::ptrdiff_t>(b * per_token), per_token,
+                  q_last.begin() + static_cast<std::ptrdiff_t>((2 * b + 1) * per_token));
+    }
+    std::vector<std::int64_t> positions(2 * length);
+    for (std::int64_t i = 0; i < 2 * length; ++i) positions[static_cast<std::size_t>(i)] = 5 + i % length;
+    return [&t, d, q_last, positions, queries](kv_store& s) {
+      const shadowkv::config& cfg = t.cfg;
+      shadowkv::prefill_options options;
+      options.lengths = {length, 37};
+      options.keys_post_rope = true;
+      options.positions = shadowkv::make_contiguous_index_view(positions.data(), shadowkv::index_type::int64,
+                                                         shadowkv::device{}, {2, length});
+      if (queries) options.q_last = view_of(q_last, {2, 2, cfg.num_q_heads, cfg.head_dim});
+      s.prefill(1, std::vector<int>{1, 2}, view_of(d.keys, {2, length, cfg.num_kv_heads, cfg.head_dim}),
+                view_of(d.values, {2, length, cfg.num_kv_heads, cfg.head_dim}), options);
+    };
+  };
+}
+
+operation add_one_sequence() {
+  return [](twins&) { return [](kv_store& s) { (void)s.add_sequences(1); }; };
+}
+
+operation release_slots(std::vector<int> slots) {
+  return [slots](twins&) { return [slots](kv_store& s) { s.release(slots); }; };
+}
+
+// --- the configurations ---------------------------------------------------------------------------------------------
+
+struct variant {
+  std::string name;
+  shadowkv::config cfg;
+};
+
+std::vector<variant> variants() {
+  const shadowkv::config base = shadowkv_test::twin_config();
+  std::vector<variant> result;
+  shadowkv::config fp8 = base;
+  fp8.values_as = shadowkv::value_format::fp8_e4m3;
+  result.push_back({"fp8 values", fp8});
+  shadowkv::config automatic = base;  // slot 0's values on the "device", the others on the host
+  automatic.value_store = shadowkv::value_store_policy::auto_place;
+  automatic.device_value_budget = kv_store(base).value_bytes_per_sequence();
+  result.push_back({"auto values", automatic});
+  shadowkv::config centroids = base;
+  centroids.chunk_score = shadowkv::chunk_score_rule::two_centroids;
+  result.push_back({"two centroids", centroids});
+  shadowkv::config lru = base;  // K = 8 slots for a budget of k = 4 chunks
+  lru.cache_tokens = 2 * base.budget;
+  result.push_back({"cache larger than budget", lru});
+  shadowkv::config factors = base;
+  factors.factors_as = shadowkv::factor_format::float32;
+  result.push_back({"float32 factors", factors});
+  return result;
+}
+
+std::vector<operation_case> operations() {
+  const shadowkv::config base = shadowkv_test::twin_config();
+  std::vector<operation_case> result = {
+      {"decode of two sequences", 3, base, 20, decode_of_two()},
+      {"decode that folds", 16, base, 20, decode_that_folds()},
+      {"first decode of a layer", 3, base, 20, first_decode_of_a_layer()},
+      {"decode of pre-RoPE keys at positions", 16, base, 12, decode_pre_rope_with_positions()},
+      {"prefill", 3, base, 20, plain_prefill()},
+      {"prefill with q_last", 3, base, 20, prefill_with_q_last()},
+      {"prefill of two sequences with q_last", 3, base, 20, prefill_of_two_with_q_last()},
+      {"ragged prefill with positions", 3, base, 12, ragged_prefill(false)},
+      {"ragged prefill with two query tokens", 3, base, 12, ragged_prefill(true)},
+      {"add_sequences", 3, base, 20, add_one_sequence()},
+      {"release", 3, base, 20, release_slots({2, 1})},
+      {"release of a decoded sequence", 3, base, 12, release_slots({0})},
+  };
+  // Every variant's own code: its prefill (with the warm-up selection, ragged), its decode with a fold, release.
+  for (const variant& v : variants()) {
+    result.push_back({v.name + ": decode that folds", 16, v.cfg, 10, decode_that_folds()});
+    result.push_back({v.name + ": ragged prefill with two query tokens", 3, v.cfg, 10, ragged_prefill(true)});
+    result.push_back({v.name + ": add_sequences", 3, v.cfg, 10, add_one_sequence()});
+    result.push_back({v.name + ": release", 3, v.cfg, 10, release_slots({0, 2})});
+  }
+  return result;
 }
 
 class AllocationFailure : public ::testing::TestWithParam<int> {};
@@ -171,7 +301,8 @@ TEST_P(AllocationFailure, PersistentFailureLeavesTheStoreUnchanged) {
   check_every_allocation(operations()[static_cast<std::size_t>(GetParam())], true);
 }
 
-INSTANTIATE_TEST_SUITE_P(Operations, AllocationFailure, ::testing::Range(0, 8),
+INSTANTIATE_TEST_SUITE_P(Operations, AllocationFailure,
+                         ::testing::Range(0, static_cast<int>(operations().size())),
                          [](const ::testing::TestParamInfo<int>& info) {
                            std::string name = operations()[static_cast<std::size_t>(info.param)].name;
                            for (char& c : name) {

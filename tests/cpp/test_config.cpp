@@ -8,6 +8,7 @@
 #include <functional>
 #include <limits>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "shadowkv/build_info.hpp"
@@ -96,7 +97,6 @@ TEST(Config, EachBadFieldIsRejectedByName) {
       {"attention_scaling_nan", "attention_scaling", [](config& c) { c.attention_scaling = std::nanf(""); }},
       {"softmax_scale_negative", "softmax_scale", [](config& c) { c.softmax_scale = -1.0F; }},
       {"softmax_scale_infinite", "softmax_scale", [](config& c) { c.softmax_scale = std::numeric_limits<float>::infinity(); }},
-      {"rank_0", "rank", [](config& c) { c.rank = 0; }},
       {"rank_negative", "rank", [](config& c) { c.rank = -1; }},
       {"rank_above_kv_width", "rank", [](config& c) { c.rank = 2 * 64 + 1; }},
       {"chunk_size_0", "chunk_size", [](config& c) { c.chunk_size = 0; }},
@@ -147,7 +147,7 @@ TEST(Config, MessagesNameTheOffendingValue) {
 
 TEST(Config, ErrorTypesDeriveFromStandardOnes) {
   config cfg = valid_config();
-  cfg.rank = 0;
+  cfg.rank = -1;
   EXPECT_THROW(cfg.validate(), std::invalid_argument);
   EXPECT_THROW(throw shadowkv::capacity_error("full"), std::length_error);
   EXPECT_THROW(throw shadowkv::logic_error("bug"), std::logic_error);
@@ -228,9 +228,36 @@ TEST(Config, DefaultsWithModelShapesAreValid) {
   cfg.num_kv_heads = 8;
   cfg.head_dim = 128;
   EXPECT_NO_THROW(cfg.validate());
-  EXPECT_EQ(cfg.rank, 160);
+  EXPECT_EQ(cfg.rank, 0);  // the default rank: min(160, Hkv*D)
+  EXPECT_EQ(cfg.effective_rank(), 160);
   EXPECT_EQ(cfg.budget, 2048);  // tokens, as Python's KVStore(budget=2048)
   EXPECT_EQ(cfg.budget_chunks(), 256);
+}
+
+// The default rank is min(160, Hkv*D): every shape builds a store with the defaults (issue 51: Hkv*D = 128 < 160 was
+// rejected), and the store runs with the resolved rank. An explicit rank above Hkv*D stays an error.
+TEST(Config, DefaultRankFitsEveryShape) {
+  for (const auto& [heads, dim, expected] : std::vector<std::tuple<int, int, int>>{{2, 64, 128}, {1, 2, 2}, {3, 64, 160},
+                                                                                  {8, 128, 160}}) {
+    SCOPED_TRACE("num_kv_heads=" + std::to_string(heads) + " head_dim=" + std::to_string(dim));
+    config cfg;
+    cfg.num_layers = 1;
+    cfg.num_q_heads = 2 * heads;
+    cfg.num_kv_heads = heads;
+    cfg.head_dim = dim;
+    cfg.max_seq_len = 256;
+    cfg.budget = 64;
+    EXPECT_NO_THROW(cfg.validate());
+    EXPECT_EQ(cfg.effective_rank(), expected);
+    const shadowkv::kv_store store(cfg);
+    EXPECT_EQ(store.get_config().rank, expected);
+  }
+  config cfg;
+  cfg.num_q_heads = 4;
+  cfg.num_kv_heads = 2;
+  cfg.head_dim = 64;
+  cfg.rank = 129;
+  EXPECT_THROW(cfg.validate(), shadowkv::invalid_argument);
 }
 
 TEST(Config, StoreOnDeviceWithoutBackendIsRejected) {

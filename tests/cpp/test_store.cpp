@@ -56,6 +56,13 @@ using shadowkv::tensor_view;
 
 using shape_list = std::initializer_list<std::int64_t>;
 
+// Options of a prefill of pre-RoPE keys (the default is post-RoPE keys, as decode's k_new).
+prefill_options pre_rope_keys() {
+  prefill_options options;
+  options.keys_post_rope = false;
+  return options;
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // helpers
 // ---------------------------------------------------------------------------------------------------------------
@@ -369,6 +376,69 @@ INSTANTIATE_TEST_SUITE_P(
     });
 
 // ---------------------------------------------------------------------------------------------------------------
+// one RoPE convention: prefill and decode take post-RoPE keys by default
+// ---------------------------------------------------------------------------------------------------------------
+
+// With the default options of prefill and decode (keys_post_rope nowhere), both take post-RoPE keys, as transformers
+// hands them to an attention function (issue 51: prefill's default was pre-RoPE, and a user's output was 1.3% off). At
+// full rank and full budget the store's output then equals exact attention over the post-RoPE keys it was given.
+class RopeConvention : public backend_test<> {};
+INSTANTIATE_TEST_SUITE_P(Backends, RopeConvention, ::testing::ValuesIn(all_backends()), backend_name);
+
+TEST_P(RopeConvention, DefaultsTakePostRopeKeysInPrefillAndDecode) {
+  const std::uint64_t seed = 4242;
+  SCOPED_TRACE("seed=" + std::to_string(seed));
+  config cfg;
+  cfg.num_q_heads = 4;
+  cfg.num_kv_heads = 2;
+  cfg.head_dim = 64;
+  cfg.max_seq_len = 256;
+  cfg.rank = 2 * 64;  // full rank
+  cfg.local_chunks = 2;
+  cfg.outlier_chunks = 2;
+  cfg.generation_window = 16;
+  cfg.budget = 256;  // every chunk
+  cfg.kv_dtype = dtype::float32;
+  EXPECT_TRUE(prefill_options{}.keys_post_rope);
+  EXPECT_TRUE(decode_options{}.keys_post_rope);
+  kv_store store(cfg, where());
+  const std::vector<int> slots = store.add_sequences(1);
+  const rope_rotation rope(cfg);
+  const std::int64_t prompt = 150;
+  const std::int64_t width = cfg.kv_width();
+  const std::int64_t dim = cfg.head_dim;
+  random_source rng(seed);
+  reference_sequence ref{cfg.num_kv_heads, cfg.head_dim, {}, {}};
+  std::vector<float> keys = rng.normals(static_cast<std::size_t>(prompt * width));
+  const std::vector<float> values = rng.normals(static_cast<std::size_t>(prompt * width));
+  const std::vector<float> channel_mean = rng.normals(static_cast<std::size_t>(width), 0.5F);
+  for (std::int64_t t = 0; t < prompt; ++t) {
+    float* key = keys.data() + t * width;
+    for (std::int64_t j = 0; j < width; ++j) key[j] += channel_mean[static_cast<std::size_t>(j)];
+    for (std::int64_t h = 0; h < cfg.num_kv_heads; ++h) rope.apply(key + h * dim, t);
+    ref.append(key, values.data() + t * width);
+  }
+  store.prefill(0, slots, mem.view_of(keys, {1, prompt, 2, 64}), mem.view_of(values, {1, prompt, 2, 64}));
+  const double tolerance = on_cuda() ? 2e-4 : 5e-5;
+  for (std::int64_t step = 0; step < 24; ++step) {  // folds on the way (window 16)
+    SCOPED_TRACE("step " + std::to_string(step));
+    const std::vector<float> q = rng.normals(static_cast<std::size_t>(cfg.num_q_heads * dim));
+    std::vector<float> k = rng.normals(static_cast<std::size_t>(width));
+    const std::vector<float> v = rng.normals(static_cast<std::size_t>(width));
+    for (std::int64_t h = 0; h < cfg.num_kv_heads; ++h) rope.apply(k.data() + h * dim, prompt + step);
+    std::vector<float> out(q.size());
+    store.decode(0, slots, mem.view_of(q, {1, 4, 64}), mem.view_of(k, {1, 2, 64}), mem.view_of(v, {1, 2, 64}),
+                 mem.mutable_view_of(out, {1, 4, 64}));
+    ref.append(k.data(), v.data());
+    const std::vector<double> expected = ref.attend(q.data(), cfg.num_q_heads, cfg.effective_softmax_scale());
+    ASSERT_GT(norm(out), 0.1);
+    for (std::size_t i = 0; i < expected.size(); ++i) {
+      ASSERT_NEAR(out[i], expected[i], tolerance) << "element " << i;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
 // selection semantics: outliers, landmark scores, top-k, temporal cache statistics
 // ---------------------------------------------------------------------------------------------------------------
 
@@ -570,7 +640,7 @@ TEST_P(StoreSelection, OutliersAndTopKFollowLandmarkScores) {
     kv_store store(cfg, where());
     const std::vector<int> slots = store.add_sequences(1);
     store.prefill(0, slots, mem.view_of(data.keys_pre, {1, data.length, cfg.num_kv_heads, cfg.head_dim}),
-                  mem.view_of(data.values, {1, data.length, cfg.num_kv_heads, cfg.head_dim}));
+                  mem.view_of(data.values, {1, data.length, cfg.num_kv_heads, cfg.head_dim}), pre_rope_keys());
     std::vector<std::int64_t> previous_first_head;
     for (int step = 0; step < 3; ++step) {
       SCOPED_TRACE("step=" + std::to_string(step));
@@ -614,7 +684,7 @@ TEST_P(StoreSelection, SameQueryTwiceIsAllHits) {
   kv_store store(cfg, where());
   const std::vector<int> slots = store.add_sequences(1);
   store.prefill(0, slots, mem.view_of(data.keys_pre, {1, data.length, cfg.num_kv_heads, cfg.head_dim}),
-                mem.view_of(data.values, {1, data.length, cfg.num_kv_heads, cfg.head_dim}));
+                mem.view_of(data.values, {1, data.length, cfg.num_kv_heads, cfg.head_dim}), pre_rope_keys());
   EXPECT_EQ(store.stats().selections, 0) << "no q_last: no selection at prefill";
   const std::vector<float> q = rng.normals(static_cast<std::size_t>(cfg.num_q_heads * cfg.head_dim));
   auto step = [&]() {
@@ -669,7 +739,7 @@ TEST_P(StoreSelection, PrefillQueryWarmsTheCache) {
 
   kv_store store(cfg, where());
   const std::vector<int> slots = store.add_sequences(1);
-  prefill_options options;
+  prefill_options options = pre_rope_keys();
   options.q_last = mem.view_of(q, {1, cfg.num_q_heads, cfg.head_dim});
   store.prefill(0, slots, mem.view_of(data.keys_pre, {1, data.length, cfg.num_kv_heads, cfg.head_dim}),
                 mem.view_of(data.values, {1, data.length, cfg.num_kv_heads, cfg.head_dim}), options);
@@ -705,7 +775,7 @@ TEST_P(StoreSelection, FoldedChunksAreScoredByTheirLandmarks) {
   kv_store store(cfg, where());
   const std::vector<int> slots = store.add_sequences(1);
   store.prefill(0, slots, mem.view_of(data.keys_pre, {1, data.length, cfg.num_kv_heads, cfg.head_dim}),
-                mem.view_of(data.values, {1, data.length, cfg.num_kv_heads, cfg.head_dim}));
+                mem.view_of(data.values, {1, data.length, cfg.num_kv_heads, cfg.head_dim}), pre_rope_keys());
   // Context keys in chunk order: the prompt's context chunks, then each folded chunk of generated keys.
   std::vector<float> context(data.keys_post.begin(), data.keys_post.begin() + prompt_chunks * cfg.chunk_size * width);
   std::vector<float> generated;
@@ -1108,6 +1178,61 @@ TEST_P(StoreErrors, ReleaseAndAddWithBadArgumentsAreRejected) {
                                     [](kv_store& s, const config&) { (void)s.outlier_chunks(0, 2); });
 }
 
+// An `out` whose elements overlap (a zero stride, as torch's expand() makes, or interleaving strides) is refused:
+// each output row would overwrite another's. An out of distinct elements in any layout is accepted and written as a
+// contiguous one is.
+TEST_P(StoreErrors, DecodeRefusesAnOutWhoseElementsOverlap) {
+  using shadowkv::invalid_argument;
+  static bad_data d;
+  auto t = [this](shape_list s) { return mem.view_of(d.big, s); };
+  static std::vector<float> out_data(4 * 4 * 64);
+  const std::vector<std::array<std::int64_t, 3>> overlapping = {
+      {0, 64, 1},     // the batch expanded from one row
+      {256, 0, 1},    // the heads expanded
+      {256, 64, 0},   // one element per head
+      {256, 32, 1},   // heads half a row apart
+  };
+  for (const auto& strides : overlapping) {
+    expect_rejected<invalid_argument>(
+        "out with strides " + std::to_string(strides[0]) + "," + std::to_string(strides[1]) + "," +
+            std::to_string(strides[2]),
+        [&](kv_store& s, const config&) {
+          const auto buffer = mem.mutable_view_of(out_data, {2, 4, 64});
+          shadowkv::mutable_tensor_view out = buffer;
+          for (std::size_t i = 0; i < 3; ++i) out.strides[i] = strides[i];
+          s.decode(0, std::vector<int>{0, 1}, t({2, 4, 64}), t({2, 2, 64}), t({2, 2, 64}), out);
+        });
+  }
+  // Distinct elements in a transposed layout ([B, Hq, D] stored as [Hq, B, D]) give the contiguous result.
+  const std::uint64_t seed = 4711;
+  SCOPED_TRACE("seed=" + std::to_string(seed));
+  twin_stores stores(seed, mem);
+  random_source rng(seed);
+  const std::vector<float> q = rng.normals(2 * 4 * 64);
+  const std::vector<float> kv = rng.normals(2 * 2 * 64);
+  std::vector<float> contiguous(2 * 4 * 64, -1.0F);
+  std::vector<float> transposed(2 * 4 * 64, -1.0F);
+  stores.twin.decode(0, std::vector<int>{0, 1}, mem.view_of(q, {2, 4, 64}), mem.view_of(kv, {2, 2, 64}),
+                     mem.view_of(kv, {2, 2, 64}), mem.mutable_view_of(contiguous, {2, 4, 64}));
+  {
+    const auto buffer = mem.mutable_view_of(transposed, {2, 4, 64});  // copied back when it goes
+    shadowkv::mutable_tensor_view out = buffer;
+    out.strides = {64, 128, 1};
+    stores.subject.decode(0, std::vector<int>{0, 1}, mem.view_of(q, {2, 4, 64}), mem.view_of(kv, {2, 2, 64}),
+                          mem.view_of(kv, {2, 2, 64}), out);
+  }
+  const std::vector<float>& got = transposed;
+  const std::vector<float>& want = contiguous;
+  ASSERT_GT(norm(want), 0.05);
+  for (std::int64_t b = 0; b < 2; ++b) {
+    for (std::int64_t h = 0; h < 4; ++h) {
+      for (std::int64_t j = 0; j < 64; ++j) {
+        ASSERT_EQ(got[static_cast<std::size_t>(h * 128 + b * 64 + j)], want[static_cast<std::size_t>((b * 4 + h) * 64 + j)]);
+      }
+    }
+  }
+}
+
 TEST_P(StoreErrors, DecodeBeforeAnyPrefill) {
   kv_store store(twin_config(), where());
   const std::vector<int> slots = store.add_sequences(1);
@@ -1264,6 +1389,58 @@ memory_report expected_memory(const config& cfg, const std::vector<memory_expect
 
 class StoreMemory : public backend_test<> {};
 INSTANTIATE_TEST_SUITE_P(Backends, StoreMemory, ::testing::ValuesIn(all_backends()), backend_name);
+
+// layer_memory_after_prefill(S), from the configuration alone, is what memory() reports for one (sequence, layer)
+// prefilled with S tokens: on every storage and score variant, for prompts without context chunks, with fewer
+// context chunks than outliers, and at max_seq_len (the size the Python KVStore compares with full attention).
+TEST_P(StoreMemory, LayerMemoryAfterPrefillIsWhatAPrefillHolds) {
+  std::vector<std::pair<std::string, config>> variants;
+  config base;
+  base.num_q_heads = 4;
+  base.num_kv_heads = 2;
+  base.head_dim = 64;
+  base.max_seq_len = 192;
+  base.rank = 40;
+  base.budget = 32;
+  base.outlier_chunks = 3;
+  base.local_chunks = 2;
+  base.generation_window = 16;
+  variants.emplace_back("bfloat16", base);
+  config c = base;
+  c.kv_dtype = dtype::float32;
+  variants.emplace_back("float32", c);
+  c = base;
+  c.values_as = shadowkv::value_format::fp8_e4m3;
+  variants.emplace_back("fp8 values", c);
+  c = base;
+  c.chunk_score = shadowkv::chunk_score_rule::two_centroids;
+  variants.emplace_back("two centroids", c);
+  c = base;
+  c.cache_tokens = 96;
+  c.factors_as = shadowkv::factor_format::float32;
+  variants.emplace_back("LRU cache, float32 factors", c);
+  c = base;
+  c.rank = 0;        // the default rank: min(160, 128)
+  c.budget = 4096;   // clamped to max_seq_len
+  variants.emplace_back("default rank, clamped budget", c);
+  random_source rng(77);
+  for (const auto& [name, cfg] : variants) {
+    for (const std::int64_t length : {std::int64_t{5}, std::int64_t{37}, std::int64_t{100}, cfg.max_seq_len}) {
+      SCOPED_TRACE(name + ", " + std::to_string(length) + " tokens");
+      kv_store store(cfg, where());
+      const std::vector<int> slots = store.add_sequences(1);
+      const std::vector<float> keys = rng.normals(static_cast<std::size_t>(length * cfg.kv_width()));
+      store.prefill(0, slots, mem.view_of(keys, {1, length, 2, 64}), mem.view_of(keys, {1, length, 2, 64}));
+      const memory_report got = store.memory();
+      const memory_report want = store.layer_memory_after_prefill(length);
+      expect_same_memory(got, want);
+      EXPECT_EQ(got.value_store_host, want.value_store_host);
+    }
+  }
+  kv_store store(base, where());
+  EXPECT_THROW((void)store.layer_memory_after_prefill(0), shadowkv::invalid_argument);
+  EXPECT_THROW((void)store.layer_memory_after_prefill(base.max_seq_len + 1), shadowkv::invalid_argument);
+}
 
 TEST_P(StoreMemory, MatchesDocumentedFormulasAfterPrefillAndFolds) {
   for (const dtype type : {dtype::bfloat16, dtype::float32, dtype::float16}) {

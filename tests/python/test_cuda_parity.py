@@ -107,7 +107,7 @@ def _check_parity(case, cache_multiple):
     q_last = H.randn(g, batch, hq, d, scale=2.0)
     for layer in range(2):
         for dev, store in stores.items():
-            store.prefill(layer, slots[dev], keys.to(dev), values.to(dev), lengths=lengths, q_last=q_last.to(dev))
+            store.prefill(layer, slots[dev], keys.to(dev), values.to(dev), lengths=lengths, q_last=q_last.to(dev), keys_post_rope=False)
         for b in range(batch):
             cpu_out = stores["cpu"].outlier_chunks(layer, slots["cpu"][b])
             gpu_out = stores["cuda:0"].outlier_chunks(layer, slots["cuda:0"][b])
@@ -173,7 +173,7 @@ def test_cuda_full_budget_is_full_attention():
     (slot,) = store.add_sequences(1)
     keys = H.structured_keys(g, n, hkv, d)
     values = H.randn(g, n, hkv, d)
-    store.prefill(0, [slot], keys[None].cuda(), values[None].cuda())
+    store.prefill(0, [slot], keys[None].cuda(), values[None].cuda(), keys_post_rope=False)
     cfg = H.ref_config({**kw, "device": "cpu"})
     post = H.rope(cfg, keys, torch.arange(n))
     all_k, all_v = post.double(), values.double()
@@ -194,8 +194,8 @@ def test_cuda_errors_leave_store_usable():
     slots = store.add_sequences(1)
     k = torch.randn(1, 100, 2, 64, device="cuda")
     with pytest.raises(ValueError, match="cpu"):
-        store.prefill(0, slots, k.cpu(), k.cpu())
-    store.prefill(0, slots, k, k)
+        store.prefill(0, slots, k.cpu(), k.cpu(), keys_post_rope=False)
+    store.prefill(0, slots, k, k, keys_post_rope=False)
     out = store.decode(0, slots, torch.randn(1, 4, 64, device="cuda"), k[:, 0], k[:, 0])
     H.assert_nontrivial(out.float(), "decode after a rejected call", 0)
     with pytest.raises(MemoryError):
@@ -230,10 +230,10 @@ def test_cuda_prefill_of_more_sequences_than_one_eigensolve_matches_cpu(factoriz
     for dev, store in stores.items():
         before = [store.sequence_info(0, s) for s in slots[dev]]
         with pytest.raises(ValueError, match=rf"(?i)slot {slots[dev][9]}\b.*too large"):
-            store.prefill(0, slots[dev], overflowing.to(dev), values.to(dev), lengths=lengths)
+            store.prefill(0, slots[dev], overflowing.to(dev), values.to(dev), lengths=lengths, keys_post_rope=False)
         assert [store.sequence_info(0, s) for s in slots[dev]] == before, dev
     for dev, store in stores.items():
-        store.prefill(0, slots[dev], keys.to(dev), values.to(dev), lengths=lengths)
+        store.prefill(0, slots[dev], keys.to(dev), values.to(dev), lengths=lengths, keys_post_rope=False)
     for b in range(batch):
         assert (stores["cpu"].outlier_chunks(0, slots["cpu"][b]) ==
                 stores["cuda:0"].outlier_chunks(0, slots["cuda:0"][b])), f"outliers differ (row {b}, {factorization})"
@@ -270,7 +270,7 @@ def test_cuda_graph_replay_matches_eager(cache_tokens):
     slots = {}
     for name, store in (("eager", eager), ("graphed", graphed)):
         slots[name] = store.add_sequences(2)
-        store.prefill(0, slots[name], keys, values)
+        store.prefill(0, slots[name], keys, values, keys_post_rope=False)
     q_s, k_s, v_s = (t.cuda() for t in inputs[0])
     first_eager = eager.decode(0, slots["eager"], q_s, k_s, v_s)
     first_graphed = graphed.decode(0, slots["graphed"], q_s, k_s, v_s)  # eager step puts the slot list on the GPU
@@ -316,7 +316,7 @@ def test_cuda_graph_of_several_steps_matches_eager(fused):
     slots = {}
     for name, store in (("eager", eager), ("graphed", graphed)):
         slots[name] = store.add_sequences(batch)
-        store.prefill(0, slots[name], keys, values)
+        store.prefill(0, slots[name], keys, values, keys_post_rope=False)
     first = [t.cuda() for t in (H.randn(g, batch, hq, d, scale=2.0), H.randn(g, batch, hkv, d),
                                 H.randn(g, batch, hkv, d))]
     assert torch.equal(eager.decode(0, slots["eager"], *first), graphed.decode(0, slots["graphed"], *first))
@@ -358,7 +358,7 @@ def test_cuda_graph_replays_past_capacity_stay_contained():
     slots = {}
     for name, s in (("store", store), ("twin", twin)):
         slots[name] = s.add_sequences(2)
-        s.prefill(0, slots[name], keys, values)
+        s.prefill(0, slots[name], keys, values, keys_post_rope=False)
     q, k, v = (t.cuda() for t in (H.randn(g, 1, 4, 64), H.randn(g, 1, 2, 64), H.randn(g, 1, 2, 64)))
     first = slots["store"][:1]
     store.decode(0, first, q, k, v)
@@ -419,7 +419,7 @@ def _run_twins(stores, g, steps, compare_outputs, what, lengths=TWIN_LENGTHS):
     slots = {}
     for name, store in stores.items():
         slots[name] = store.add_sequences(len(lengths))
-        store.prefill(0, slots[name], keys.cuda(), values.cuda(), lengths=lengths)
+        store.prefill(0, slots[name], keys.cuda(), values.cuda(), lengths=lengths, keys_post_rope=False)
     (first, reference), *others = stores.items()
     for step in range(steps):
         q = H.randn(g, len(lengths), hq, d, scale=2.0).cuda()
@@ -531,7 +531,7 @@ def test_cuda_decode_is_ordered_on_the_callers_current_stream():
     slots = {}
     for name, s in (("store", store), ("twin", twin)):
         slots[name] = s.add_sequences(len(lengths))
-        s.prefill(0, slots[name], keys.cuda(), values.cuda(), lengths=lengths)
+        s.prefill(0, slots[name], keys.cuda(), values.cuda(), lengths=lengths, keys_post_rope=False)
     torch.cuda.synchronize()
     side = torch.cuda.Stream()
     for step in range(4):

@@ -99,7 +99,7 @@ def problems_of(doc):
 
 # docs/api.md is rewritten by the change that removes the runtime experiment switches (issue 51, item 1); until it
 # lands, its old switch notes still cite bench/NOTES.md (now docs/performance.md) and a deleted A/B folder.
-PENDING = {"docs/api.md"}
+PENDING = set()
 
 
 @pytest.mark.parametrize(

@@ -63,7 +63,7 @@ class Alone:
         for layer in range(LAYERS):
             kwargs = dict(positions=seq.positions[None, : seq.length].to(device)) if explicit_positions else {}
             self.store.prefill(layer, [self.slot], seq.keys[layer][None, : seq.length].to(device),
-                               seq.values[layer][None, : seq.length].to(device), **kwargs)
+                               seq.values[layer][None, : seq.length].to(device), **kwargs, keys_post_rope=False)
         self.step = [0] * LAYERS
 
     def decode(self, layer):
@@ -119,7 +119,7 @@ def test_ragged_batch_equals_each_alone(variant, device):
         if variant.startswith("tensor"):
             lens = torch.tensor(lens, dtype=torch.int64)
         kwargs = dict(positions=positions) if explicit else {}
-        store.prefill(layer, slots, keys, values, lengths=lens, **kwargs)
+        store.prefill(layer, slots, keys, values, lengths=lens, **kwargs, keys_post_rope=False)
     for layer in range(LAYERS):
         for slot, alone in zip(slots, alones):
             assert_same_state(store, layer, slot, alone, seed, f"after prefill, slot {slot}")
@@ -156,7 +156,7 @@ def test_release_and_readd(device):
     slots = store.add_sequences(3)
     for layer in range(LAYERS):
         keys, values, lens, _ = padded(seqs, layer, device)
-        store.prefill(layer, slots, keys, values, lengths=lens)
+        store.prefill(layer, slots, keys, values, lengths=lens, keys_post_rope=False)
     for _ in range(5):
         for layer in range(LAYERS):
             out = batch_decode(store, layer, slots, seqs, device, False)
@@ -184,7 +184,7 @@ def test_release_and_readd(device):
     new_slot = new_slot[0]
     for layer in range(LAYERS):
         store.prefill(layer, [new_slot], newcomer.keys[layer][None, :33].to(device),
-                      newcomer.values[layer][None, :33].to(device))
+                      newcomer.values[layer][None, :33].to(device), keys_post_rope=False)
         assert store.sequence_info(layer, new_slot) == fresh.store.sequence_info(layer, fresh.slot), f"(seed={seed})"
     live = [slots[0], new_slot, slots[2]]
     for step in range(20):
@@ -209,7 +209,7 @@ def test_different_generated_lengths_decode_together(device):
     for layer in range(LAYERS):
         for b in range(3):      # one prefill call per sequence this time
             store.prefill(layer, [slots[b]], seqs[b].keys[layer][None, : seqs[b].length].to(device),
-                          seqs[b].values[layer][None, : seqs[b].length].to(device))
+                          seqs[b].values[layer][None, : seqs[b].length].to(device), keys_post_rope=False)
 
     def run(members, steps, layers=tuple(range(LAYERS))):
         for _ in range(steps):

@@ -46,7 +46,7 @@ def test_account_replayed_steps_is_rejected_on_cpu_and_later_decodes_are_sound()
     keys, values = randn(g, 1, 60, HKV, D), randn(g, 1, 60, HKV, D)
     for s in (store, twin):
         s.add_sequences(1)
-        s.prefill(0, [0], keys, values)
+        s.prefill(0, [0], keys, values, keys_post_rope=False)
     before = store.sequence_info(0, 0)
     with pytest.raises(ValueError, match=r"(?i)replay"):
         store.account_replayed_steps(0, [0], 20)
@@ -123,7 +123,7 @@ def test_concurrent_decodes_of_different_slots_equal_serial_runs(device):
     for s in (shared, serial):
         assert s.add_sequences(THREADS) == list(range(THREADS))
         for slot, (k, v) in enumerate(prompts):
-            s.prefill(0, [slot], k.to(device), v.to(device))
+            s.prefill(0, [slot], k.to(device), v.to(device), keys_post_rope=False)
     inputs = [[tuple(randn(g, 1, *shape).to(device) for shape in ((HQ, D), (HKV, D), (HKV, D)))
                for _ in range(CALLS)] for _ in range(THREADS)]
     outputs = [[] for _ in range(THREADS)]
@@ -156,7 +156,7 @@ def test_concurrent_decodes_of_one_slot_follow_a_serial_order(device):
     k0, v0 = randn(g, 1, 60, HKV, D), randn(g, 1, 60, HKV, D)
     for s in (shared, serial):
         s.add_sequences(1)
-        s.prefill(0, [0], k0.to(device), v0.to(device))
+        s.prefill(0, [0], k0.to(device), v0.to(device), keys_post_rope=False)
     q, k, v = (randn(g, 1, *shape).to(device) for shape in ((HQ, D), (HKV, D), (HKV, D)))
     outputs = [[] for _ in range(THREADS)]
     run_threads(lambda t: outputs[t].extend(shared.decode(0, [0], q, k, v).cpu() for _ in range(CALLS)))
@@ -179,7 +179,7 @@ def typed_store():
     g = generator(531)
     store = make_store(replay_config(max_batch=3))
     store.add_sequences(2)
-    store.prefill(0, [0], randn(g, 1, 60, HKV, D), randn(g, 1, 60, HKV, D))
+    store.prefill(0, [0], randn(g, 1, 60, HKV, D), randn(g, 1, 60, HKV, D), keys_post_rope=False)
     return store
 
 
@@ -270,7 +270,7 @@ def test_every_form_of_a_decode_input_gives_the_same_step(device):
     keys, values = randn(g, 1, 60, HKV, D).to(device), randn(g, 1, 60, HKV, D).to(device)
     for s in stores:
         s.add_sequences(1)
-        s.prefill(0, [0], keys, values)
+        s.prefill(0, [0], keys, values, keys_post_rope=False)
     for step in range(24):
         q, k, v = (randn(g, 1, h, D).to(device) for h in (HQ, HKV, HKV))
         position = 60 + step
@@ -311,7 +311,7 @@ def test_a_capsule_keeps_the_device_of_its_tensor():
     g = generator(534)
     store = make_store(replay_config())
     store.add_sequences(1)
-    store.prefill(0, [0], randn(g, 1, 60, HKV, D), randn(g, 1, 60, HKV, D))
+    store.prefill(0, [0], randn(g, 1, 60, HKV, D), randn(g, 1, 60, HKV, D), keys_post_rope=False)
     q, k, v = randn(g, 1, HQ, D), randn(g, 1, HKV, D), randn(g, 1, HKV, D)
     capsule = to_dlpack(q)
     get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
@@ -467,7 +467,7 @@ def test_non_finite_padding_is_ignored(device):
     store.add_sequences(1)
     keys, values = randn(g, 1, 50, HKV, D), randn(g, 1, 50, HKV, D)
     keys[0, 40:], values[0, 40:] = NAN, INF
-    store.prefill(0, [0], keys.to(device), values.to(device), lengths=[40])
+    store.prefill(0, [0], keys.to(device), values.to(device), lengths=[40], keys_post_rope=False)
     out = store.decode(0, [0], *(t.to(device) for t in qkv()))
     assert torch.isfinite(out).all()
 
@@ -486,7 +486,7 @@ def test_keys_that_overflow_under_rope_are_rejected_and_change_nothing(post_rope
     tw.assert_unchanged(f"overflowing keys, keys_post_rope={post_rope}")
     # slot 2 takes a sound prompt afterwards, on both twins alike
     for store in (tw.a, tw.b):
-        store.prefill(0, [2], *kv(tw))
+        store.prefill(0, [2], *kv(tw), keys_post_rope=False)
     assert tw.a.sequence_info(0, 2) == tw.b.sequence_info(0, 2)
 
 
@@ -498,7 +498,7 @@ def test_huge_finite_keys_factorise_and_decode(scale, factorization, device):
     g = generator(551)
     store = make_store(replay_config(device, factorization=factorization))
     store.add_sequences(1)
-    store.prefill(0, [0], (scale * randn(g, 1, 60, HKV, D)).to(device), randn(g, 1, 60, HKV, D).to(device))
+    store.prefill(0, [0], (scale * randn(g, 1, 60, HKV, D)).to(device), randn(g, 1, 60, HKV, D).to(device), keys_post_rope=False)
     for _ in range(20):
         q, k, v = randn(g, 1, HQ, D), scale * randn(g, 1, HKV, D), randn(g, 1, HKV, D)
         out = store.decode(0, [0], q.to(device), k.to(device), v.to(device))
@@ -514,7 +514,7 @@ def test_budget_above_capacity_is_clamped_and_serves():
     store = make_store(replay_config(budget=8 * (2**31 - 1)))
     assert store.config["budget"] == 8 * (2**31 - 1)  # tokens, as given (the C++ config has the same unit)
     store.add_sequences(1)
-    store.prefill(0, [0], randn(g, 1, 60, HKV, D), randn(g, 1, 60, HKV, D))
+    store.prefill(0, [0], randn(g, 1, 60, HKV, D), randn(g, 1, 60, HKV, D), keys_post_rope=False)
     out = store.decode(0, [0], *qkv())
     assert torch.isfinite(out).all()
     # the selection cache holds max_seq_len / chunk_size = 25 chunks per head, not 2**31 - 1

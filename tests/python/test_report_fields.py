@@ -45,7 +45,7 @@ def used_store(device):
                     budget=16, outlier_chunks=1, local_chunks=1, generation_window=16, dtype="float32",
                     device=device)
     (slot,) = store.add_sequences(1)
-    store.prefill(0, [slot], randn(g, 1, 60, 2, 64).to(device), randn(g, 1, 60, 2, 64).to(device))
+    store.prefill(0, [slot], randn(g, 1, 60, 2, 64).to(device), randn(g, 1, 60, 2, 64).to(device), keys_post_rope=False)
     for _ in range(3):
         store.decode(0, [slot], randn(g, 1, 4, 64).to(device), randn(g, 1, 2, 64).to(device),
                      randn(g, 1, 2, 64).to(device))

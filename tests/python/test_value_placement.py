@@ -40,7 +40,7 @@ def test_auto_fills_the_budget_then_the_host(device):
     keys = H.randn(g, 3, 300, HKV, D).to(device)
     values = H.randn(g, 3, 300, HKV, D).to(device)
     for layer in range(LAYERS):
-        store.prefill(layer, slots, keys, values)
+        store.prefill(layer, slots, keys, values, keys_post_rope=False)
         assert [store.sequence_info(layer, s)["values_on"] for s in slots] == ["device", "device", "host"]
     per_sequence = LAYERS * (300 // CHUNK - 2) * CHUNK * HKV * D * 4  # 2 local chunks stay exact
     report = store.memory_report()
@@ -92,7 +92,7 @@ def test_outputs_do_not_depend_on_the_place(device):
     for layer in range(LAYERS):
         for place, store in stores.items():
             store.prefill(layer, slots[place], keys.to(device), values.to(device), lengths=lengths,
-                          q_last=q_last.to(device))
+                          q_last=q_last.to(device), keys_post_rope=False)
     for step in range(40):
         q = H.randn(g, 2, HQ, D, scale=2.0).to(device)
         k_new = H.randn(g, 2, HKV, D).to(device)

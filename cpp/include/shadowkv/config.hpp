@@ -66,7 +66,10 @@ enum class value_place : std::uint8_t { host, device };
 
 /// All parameters of a store. Every field has a default; `validate()` checks them together.
 struct config {
-  // Model shapes (defaults: Llama-3-8B's attention, so that the default rank 160 is valid).
+  /// The rank a config with rank = 0 gets where num_kv_heads*head_dim allows it (ShadowKV's setting for Llama-3-8B).
+  static constexpr int default_rank = 160;
+
+  // Model shapes (defaults: Llama-3-8B's attention).
   int num_layers = 1;
   int num_q_heads = 32;
   int num_kv_heads = 8;
@@ -85,7 +88,9 @@ struct config {
   float softmax_scale = 0.0F;      ///< scale of q·k in scores and attention; 0 means 1/sqrt(head_dim)
 
   // The algorithm.
-  int rank = 160;                ///< rank r of the key factorisation, 1 <= r <= num_kv_heads*head_dim
+  /// Rank r of the key factorisation, 1 <= r <= num_kv_heads*head_dim; 0 (the default) means
+  /// min(default_rank, num_kv_heads*head_dim), valid for every shape (the store runs with the resolved value).
+  int rank = 0;
   int chunk_size = 8;            ///< tokens per chunk C
   /// Tokens selected per KV head per step: a positive multiple of chunk_size (the same unit as Python's `budget`).
   /// More than max_seq_len is allowed: the store clamps it (docs/semantics.md, "Capacity and errors").
@@ -123,6 +128,11 @@ struct config {
 
   [[nodiscard]] int group_size() const noexcept { return num_q_heads / num_kv_heads; }
   [[nodiscard]] int effective_rotary_dim() const noexcept { return rotary_dim == 0 ? head_dim : rotary_dim; }
+  /// `rank`, with 0 resolved to min(default_rank, num_kv_heads*head_dim).
+  [[nodiscard]] int effective_rank() const noexcept {
+    if (rank != 0) return rank;
+    return kv_width() < default_rank ? static_cast<int>(kv_width()) : default_rank;
+  }
   [[nodiscard]] float effective_softmax_scale() const noexcept;
   [[nodiscard]] std::int64_t kv_width() const noexcept {
     return static_cast<std::int64_t>(num_kv_heads) * head_dim;

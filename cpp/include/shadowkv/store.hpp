@@ -34,7 +34,9 @@ struct prefill_options {
   std::vector<std::int64_t> lengths;  ///< valid tokens per row (right padding); empty: every row has S tokens
   tensor_view positions;              ///< int [B, S]; empty: 0..S-1
   tensor_view q_last;                 ///< post-RoPE queries [B, Hq, D] or [B, Tq, Hq, D] to warm the selection
-  bool keys_post_rope = false;        ///< keys carry RoPE already (the store removes it)
+  /// Keys carry RoPE at `positions` (the default, as decode's k_new and as transformers hands them to an attention
+  /// function; the store removes it for the factorisation). false: pre-RoPE keys (the store applies it).
+  bool keys_post_rope = true;
   /// The caller's CUDA stream the inputs are ready on and the work is ordered on (CUDA backend; others ignore it).
   /// Unset: the store's own stream, and the call completes before it returns (inputs must be ready: on CUDA the own
   /// stream is ordered after the work queued on the legacy default stream, such as a cudaMemcpy of an input).
@@ -89,13 +91,14 @@ class kv_store {
   /// Slots in use, ascending.
   [[nodiscard]] std::vector<int> active_slots() const;
 
-  /// Stores layer `layer` of the prompts of `slots`: keys and values [B, S, Hkv, D] (pre-RoPE keys unless
-  /// options.keys_post_rope). Row b of the tensors belongs to slots[b].
+  /// Stores layer `layer` of the prompts of `slots`: keys and values [B, S, Hkv, D] (post-RoPE keys, as decode's
+  /// k_new, unless options.keys_post_rope is false). Row b of the tensors belongs to slots[b].
   void prefill(int layer, std::span<const int> slots, const tensor_view& keys, const tensor_view& values,
                const prefill_options& options = {});
 
-  /// One decode step of layer `layer`: appends k_new/v_new [B, Hkv, D], selects chunks with q [B, Hq, D]
-  /// (post-RoPE) and writes the attention output to out [B, Hq, D].
+  /// One decode step of layer `layer`: appends k_new/v_new [B, Hkv, D] (post-RoPE k_new unless
+  /// options.keys_post_rope is false), selects chunks with q [B, Hq, D] (post-RoPE) and writes the attention output
+  /// to out [B, Hq, D], whose elements must not overlap (invalid_argument for, e.g., a zero stride).
   void decode(int layer, std::span<const int> slots, const tensor_view& q, const tensor_view& k_new,
               const tensor_view& v_new, const mutable_tensor_view& out, const decode_options& options = {});
 
@@ -136,6 +139,12 @@ class kv_store {
   [[nodiscard]] sequence_info info(int layer, int slot) const;
 
   [[nodiscard]] memory_report memory() const;
+  /// What memory() reports for one (sequence, layer) right after a prefill of `prompt_tokens` tokens (1 to
+  /// max_seq_len; docs/semantics.md, "Memory report"), from the configuration alone; value_store is counted in
+  /// value_store_host. With prompt_tokens = max_seq_len, total() against full_attention_equivalent is the store's
+  /// footprint relative to full attention (the Python KVStore warns when it exceeds 1). Throws invalid_argument for a
+  /// count out of range.
+  [[nodiscard]] memory_report layer_memory_after_prefill(std::int64_t prompt_tokens) const;
   /// Device bytes value_store="auto" sequences may take (config.device_value_budget, or the backend's default).
   [[nodiscard]] std::int64_t device_value_budget() const noexcept { return device_value_budget_; }
   /// Bytes one sequence's value store takes (all layers, at max_seq_len), in whichever memory it is placed.

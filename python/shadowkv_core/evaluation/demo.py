@@ -107,7 +107,7 @@ def synthetic_main(args: argparse.Namespace) -> int:
         keys_pre = _structured_keys(generator, args.seq_len, args.kv_heads, args.head_dim, 24, "cpu")
         values = torch.randn(args.seq_len, args.kv_heads, args.head_dim, generator=generator)
         started = time.perf_counter()
-        store.prefill(layer, [slot], keys_pre[None].to(device, dtype), values[None].to(device, dtype))
+        store.prefill(layer, [slot], keys_pre[None].to(device, dtype), values[None].to(device, dtype), keys_post_rope=False)
         prefill_seconds += time.perf_counter() - started
         full_keys.append(rope(keys_pre, positions, inv_freq, dtype=torch.float32).to(device, dtype))
         full_values.append(values.to(device, dtype))
