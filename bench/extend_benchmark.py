@@ -68,6 +68,7 @@ class Case:
         self.k = torch.randn(batch, tokens, HKV, D, generator=g, device="cuda", dtype=torch.bfloat16)
         self.v = torch.randn(batch, tokens, HKV, D, generator=g, device="cuda", dtype=torch.bfloat16)
         self.slots = None
+        self.full_how = None
 
     def fresh(self) -> None:
         """Releases the sequences and prefills them again (extend and decode change them)."""
@@ -110,10 +111,20 @@ class Case:
         values = torch.randn_like(keys)
         queries = self.q.transpose(1, 2).contiguous()
         mask = causal_lower_right(self.tokens, total)
+        sdpa = torch.nn.functional.scaled_dot_product_attention
 
         def attend():
-            torch.nn.functional.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, enable_gqa=True)
-        attend()
+            sdpa(queries, keys, values, attn_mask=mask, enable_gqa=True)
+        try:
+            attend()
+            self.full_how = "sdpa gqa, causal lower-right"
+        except (TypeError, RuntimeError):  # a torch whose causal bias takes no GQA: the KV heads repeated
+            keys, values = keys.repeat_interleave(HQ // HKV, 1), values.repeat_interleave(HQ // HKV, 1)
+
+            def attend():
+                sdpa(queries, keys, values, attn_mask=mask)
+            attend()
+            self.full_how = "sdpa, KV heads repeated, causal lower-right"
         return _timed(attend)
 
     def close(self) -> None:
@@ -140,6 +151,7 @@ def main() -> None:
                    ours_ms=_median(case.extend_ms, args.runs),
                    decode_loop_ms=_median(case.decode_loop_ms, 1) if loop else None,
                    full_ms=_median(case.full_ms, args.runs))
+        row["full_how"] = case.full_how
         case.close()
         rows.append(row)
         print(row, flush=True)

@@ -377,6 +377,20 @@ void kv_store::fold_entries(int layer, std::span<const batch_entry> entries) {
   folds_ += static_cast<std::int64_t>(entries.size());
 }
 
+void kv_store::advance_block(int layer, std::span<const batch_entry> entries, std::int64_t tokens) {
+  // `tokens` more per entry, folded as that many decode steps fold (docs/semantics.md, "Extend").
+  for (const batch_entry& entry : entries) {
+    layer_state& state = sequences_[static_cast<std::size_t>(entry.slot)].layers[static_cast<std::size_t>(layer)];
+    const detail::generated_advance advance = detail::advance_generated(
+        state.generated_exact_len, tokens, config_.generation_window, config_.chunk_size);
+    state.generated_total += tokens;
+    state.generated_exact_len = advance.generated_exact_len;
+    state.context_chunks += advance.folds;
+    state.journal_chunks = std::min(state.journal_chunks + advance.folds, config_.journal_chunks());
+    folds_ += advance.folds;
+  }
+}
+
 void kv_store::decode_checked(int layer, std::span<const int> slots, const tensor_view& q, const tensor_view& k_new,
                               const tensor_view& v_new, const mutable_tensor_view& out, const tensor_view& positions,
                               bool keys_post_rope) {
@@ -491,8 +505,6 @@ void kv_store::extend(int layer, std::span<const int> slots, const tensor_view& 
   }
   backend_->reserve_extend(layer, all, lengths);
   const std::int64_t block = config_.extend_block;
-  const auto window = static_cast<std::int64_t>(config_.generation_window);
-  const auto chunk = static_cast<std::int64_t>(config_.chunk_size);
   std::int64_t blocks_run = 0;
   try {
     for (std::int64_t start = 0; start < longest; start += block) {
@@ -505,31 +517,35 @@ void kv_store::extend(int layer, std::span<const int> slots, const tensor_view& 
       std::sort(sizes.begin(), sizes.end());
       sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
       for (const std::int64_t size : sizes) {
+        // One backend call per run of consecutive rows of this size, with the tensors cut to those rows: entry i of
+        // a call is row i of its tensors, as in decode.
         std::vector<batch_entry> entries;
-        for (std::size_t b = 0; b < slots.size(); ++b) {
-          if (lengths[b] > start && std::min(block, lengths[b] - start) == size) entries.push_back(all[b]);
-        }
-        const block_inputs inputs{
-            detail::narrow_tokens(q, start, size), detail::narrow_tokens(k, start, size),
-            detail::narrow_tokens(v, start, size),
-            options.positions.empty() ? tensor_view{} : detail::narrow_tokens(options.positions, start, size),
-            options.keys_post_rope};
-        backend_->extend_block(layer, entries, inputs, detail::narrow_tokens(out, start, size));
-        // The block's counters: `size` tokens more, folded as `size` decode steps fold (docs/semantics.md).
-        for (const batch_entry& entry : entries) {
-          layer_state& state =
-              sequences_[static_cast<std::size_t>(entry.slot)].layers[static_cast<std::size_t>(layer)];
-          const detail::generated_advance advance =
-              detail::advance_generated(state.generated_exact_len, size, window, chunk);
-          state.generated_total += size;
-          state.generated_exact_len = advance.generated_exact_len;
-          state.context_chunks += advance.folds;
-          state.journal_chunks = std::min(state.journal_chunks + advance.folds, config_.journal_chunks());
-          folds_ += advance.folds;
+        for (std::size_t b = 0; b <= slots.size(); ++b) {
+          const bool member = b < slots.size() && lengths[b] > start && std::min(block, lengths[b] - start) == size;
+          if (member) {
+            entries.push_back({all[b].slot, static_cast<std::int64_t>(entries.size()), all[b].state});
+            continue;
+          }
+          if (entries.empty()) continue;
+          const auto first = static_cast<std::int64_t>(b - entries.size());
+          const auto count = static_cast<std::int64_t>(entries.size());
+          const block_inputs inputs{
+              detail::narrow_rows(detail::narrow_tokens(q, start, size), first, count),
+              detail::narrow_rows(detail::narrow_tokens(k, start, size), first, count),
+              detail::narrow_rows(detail::narrow_tokens(v, start, size), first, count),
+              options.positions.empty()
+                  ? tensor_view{}
+                  : detail::narrow_rows(detail::narrow_tokens(options.positions, start, size), first, count),
+              options.keys_post_rope};
+          backend_->extend_block(layer, entries, inputs,
+                                 detail::narrow_rows(detail::narrow_tokens(out, start, size), first, count));
+          advance_block(layer, entries, size);
+          entries.clear();
         }
       }
       ++blocks_run;
     }
+
   } catch (...) {
     // Out of memory inside a block (which undid itself): undo the call's earlier blocks too (the backend kept the
     // fold journal's rows of every fold of the call, reserve_extend).

@@ -72,6 +72,20 @@ std::int64_t element_bytes(const tensor_view& view) {
 
 }  // namespace
 
+tensor_view narrow_rows(const tensor_view& view, std::int64_t start, std::int64_t count) {
+  SHADOWKV_ASSERT(view.rank >= 1 && start >= 0 && count >= 0 && start + count <= view.shape[0]);
+  tensor_view result = view;
+  result.data = static_cast<const std::byte*>(view.data) + start * view.strides[0] * element_bytes(view);
+  result.shape[0] = count;
+  return result;
+}
+
+mutable_tensor_view narrow_rows(const mutable_tensor_view& view, std::int64_t start, std::int64_t count) {
+  mutable_tensor_view result = view;
+  static_cast<tensor_view&>(result) = narrow_rows(static_cast<const tensor_view&>(view), start, count);
+  return result;
+}
+
 tensor_view narrow_tokens(const tensor_view& view, std::int64_t start, std::int64_t count) {
   SHADOWKV_ASSERT(view.rank >= 2 && start >= 0 && count >= 0 && start + count <= view.shape[1]);
   tensor_view result = view;

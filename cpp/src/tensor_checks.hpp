@@ -23,6 +23,11 @@ void expect_index_tensor(const tensor_view& view, std::string_view name, device 
 /// Returns `view` [d0, d1, d2] as [d0, 1, d1, d2] (a zero stride for the new dimension).
 tensor_view insert_unit_dim(const tensor_view& view);
 
+/// Returns `view` [d0, ...] cut to [count, ...] starting at row `start` of dimension 0 (no copy).
+tensor_view narrow_rows(const tensor_view& view, std::int64_t start, std::int64_t count);
+/// As narrow_rows, for an output.
+mutable_tensor_view narrow_rows(const mutable_tensor_view& view, std::int64_t start, std::int64_t count);
+
 /// Returns `view` [d0, d1, ...] cut to [d0, count, ...] starting at index `start` of dimension 1 (no copy).
 tensor_view narrow_tokens(const tensor_view& view, std::int64_t start, std::int64_t count);
 /// As narrow_tokens, for an output.

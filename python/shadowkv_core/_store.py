@@ -617,6 +617,9 @@ class KVStore:
             shape = tuple(getattr(q, "shape", ()))
             if len(shape) != 4:
                 raise ValueError(f"q must have shape [B, T, Hq, D], got {list(shape)}")
+            if shape[1] == 0:
+                raise ValueError(f"extend needs at least one new token per sequence: q holds T = 0 tokens "
+                                 f"({list(shape)})")
             out = _zeros_like(q, shape)
         self._store.extend(
             layer,

@@ -169,6 +169,8 @@ class kv_store {
                       bool keys_post_rope);
   /// Folds the oldest generated chunk of each entry (backend and host counters).
   void fold_entries(int layer, std::span<const batch_entry> entries);
+  /// The host counters of entries after an extend block of `tokens` tokens.
+  void advance_block(int layer, std::span<const batch_entry> entries, std::int64_t tokens);
 
   config config_;
   // Serialises every public call (see "Thread safety" above); a pointer so that the store stays movable.
