@@ -531,3 +531,21 @@ def test_generate_rejects_a_reused_cache_with_a_new_prompt():
         cache.reset()
         fresh = model.generate(prompt(50, seed=15)[None], max_new_tokens=4, do_sample=False, **{CACHE_KW: cache})
     assert fresh.shape == (1, 54)
+
+
+def test_chat_over_document_example_tiny():
+    """examples/chat_over_document.py in its tiny-model mode: every turn after the first appends its tokens to the same
+    cache (no second prefill), and the store ends holding the whole conversation."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples", "chat_over_document.py")
+    spec = importlib.util.spec_from_file_location("chat_over_document", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    rows = example.main(["--tiny", "--turns", "3", "--doc-tokens", "600"])
+    assert [r["prefill"] for r in rows] == [True, False, False]
+    assert rows[0]["appended"] == 600 and all(0 < r["appended"] < 64 for r in rows[1:])
+    for previous, row in zip(rows, rows[1:]):
+        assert row["cached"] == previous["cached"] + row["appended"] + row["generated"] - 1
+    assert all(r["total_bytes"] > 0 and r["full_bytes"] > 0 and 0 <= r["hit_rate"] <= 1 for r in rows)
