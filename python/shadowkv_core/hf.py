@@ -12,7 +12,9 @@ Two pieces, both in transformers' own terms:
 * the attention function registered as ``"shadowkv"`` with `AttentionInterface` (and the same name with
   `ALL_MASK_ATTENTION_FUNCTIONS`, using the sdpa mask). For a store layer it runs the prompt through the model's
   dense sdpa attention and hands the prompt's post-RoPE keys, values, positions and last query to `KVStore.prefill`
-  (pad tokens removed); each later token goes through `KVStore.decode`. Every other layer gets plain sdpa.
+  (pad tokens removed); later forwards go through `KVStore.decode` (one token) or `KVStore.extend` (several: a
+  continued conversation's new turn, a draft to verify). Every other layer gets plain sdpa.
+* `ShadowKVCache.crop` (assisted generation's rejected draft tokens) is `KVStore.truncate`.
 
 `Cache.update` cannot return what the store holds (keys are a low-rank factorisation, values live in host memory), so
 a store layer's `update` only records the new tokens' keys and values; the attention function of the same layer,
@@ -357,8 +359,9 @@ class ShadowKVCache(Cache):
     def _check_generate(self, model, args: tuple, kwargs: dict) -> None:
         """Rejects, before any forward (the prefill of a long prompt is the expensive part), what would fail or go
         wrong later: beam search and contrastive search (NotImplementedError: they copy and reorder sequences, which
-        the store cannot yet), assisted decoding by early exit (untested); more sequences than the
-        store's free slots or a batch other than the cache's (ValueError); a prompt plus `max_new_tokens` beyond the
+        the store cannot yet), assisted decoding by early exit (it drafts with the model's own layers) and assisted
+        decoding on a cache that already holds a conversation (transformers feeds the cached tokens again);
+        more sequences than the store's free slots or a batch other than the cache's (ValueError); a prompt plus `max_new_tokens` beyond the
         store's `max_seq_len` (ValueError); and a cache that holds tokens of another prompt, reused without `reset()`
         (ValueError: transformers would feed only the tokens past the cache's length, silently wrong)."""
         ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
@@ -698,8 +701,8 @@ def enable(model, **kwargs) -> ShadowKVCache:
 
     Layers that are not in a ShadowKVCache (or a forward without one) run plain sdpa, so the switched model still
     works with transformers' own caches. `model.generate` gets checks made before the prompt goes in when it is
-    given a ShadowKVCache (beam search, assisted or contrastive decoding, batch and length beyond the store, a cache
-    holding another conversation: see `_check_generate`). `disable(model)` undoes both; `enabled(model, ...)` is
+    given a ShadowKVCache (beam search, contrastive search, batch and length beyond the store, a cache holding
+    another conversation: see `_check_generate`). `disable(model)` undoes both; `enabled(model, ...)` is
     the context-manager form."""
     register()
     cache = make_cache(model, **kwargs)
