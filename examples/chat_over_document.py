@@ -131,16 +131,18 @@ def main(argv=None) -> list:
         args.outlier_chunks = 8 if tiny else 48
     print(f"model: {what}")
 
-    questions = []
+    questions, expected = [], []
     if tiny:
-        document, facts = "", []
+        document = ""
         questions = [f"question {t}" for t in range(args.turns)]
     else:
         document, facts = make_document(tokenizer, doc_tokens)
         rng = random.Random(1)
         for name, city, item, number in rng.sample(facts, args.turns):
-            questions.append(rng.choice([f"Where does {name} live?", f"What does {name} own?",
-                                         f"What code does {name} keep?"]))
+            question, answer = rng.choice([(f"Where does {name} live?", city), (f"What does {name} own?", item),
+                                           (f"What code does {name} keep?", str(number))])
+            questions.append(question)
+            expected.append(answer)
     chat = Chat(tokenizer)
     ids = chat.first(document, questions[0], doc_tokens)
     max_seq_len = ids.shape[1] + args.turns * (new_tokens + 64) + 64
@@ -176,7 +178,8 @@ def main(argv=None) -> list:
               f" ({memory['total'] / max(1, memory['full_attention_equivalent']):.2f}x); hit rate {row['hit_rate']:.2f}; "
               f"cache holds {row['cached']} tokens")
         if not tiny:
-            print(f"  Q: {question}\n  A: {tokenizer.decode(answer, skip_special_tokens=True).strip()}")
+            print(f"  Q: {question} (the register says: {expected[turn]})\n"
+                  f"  A: {tokenizer.decode(answer, skip_special_tokens=True).strip()}")
         ids = out
     cache.release()
     skv.disable(model)
