@@ -123,6 +123,7 @@ void expect_same_memory(const memory_report& a, const memory_report& b) {
   EXPECT_EQ(a.exact_tokens, b.exact_tokens);
   EXPECT_EQ(a.value_store, b.value_store);
   EXPECT_EQ(a.selection_cache, b.selection_cache);
+  EXPECT_EQ(a.fold_journal, b.fold_journal);
   EXPECT_EQ(a.full_attention_equivalent, b.full_attention_equivalent);
 }
 
@@ -1255,6 +1256,7 @@ memory_report expected_memory(const config& cfg, const std::vector<memory_expect
     report.exact_tokens += (local + folds.generated_exact) * width * 2 * e;
     report.value_store += ctx_chunks * c * width * e;
     report.selection_cache += static_cast<std::int64_t>(cfg.budget_chunks()) * c * width * 2 * e;
+    report.fold_journal += folds.folds * c * width * 2 * e;
     report.full_attention_equivalent += (layer.prompt_len + layer.decode_steps) * width * 2 * e;
   }
   return report;
@@ -1308,7 +1310,7 @@ TEST_P(StoreMemory, MatchesDocumentedFormulasAfterPrefillAndFolds) {
       const memory_report want = expected_memory(cfg, layers);
       expect_same_memory(got, want);
       EXPECT_EQ(got.total(), want.low_rank_factors + want.landmarks + want.outliers + want.exact_tokens +
-                                 want.value_store + want.selection_cache);
+                                 want.value_store + want.selection_cache + want.fold_journal);
       EXPECT_GT(got.total(), 0);
     };
 

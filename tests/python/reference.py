@@ -556,6 +556,8 @@ class ReferenceStore:
             exact_tokens=(info["local_len"] + info["generated_exact_len"]) * hkv * d * 2 * e,
             value_store=n_ctx * C * hkv * d * e,
             selection_cache=c.cache_slots * C * hkv * d * 2 * e,
+            # the fold journal: the exact rows of every folded generated chunk (semantics.md, "Truncate")
+            fold_journal=self.folds * C * hkv * d * 2 * e,
         )
         rep["total"] = sum(rep.values())
         rep["full_attention_equivalent"] = info["total_len"] * hkv * d * 2 * e
