@@ -12,7 +12,9 @@ Two pieces, both in transformers' own terms:
 * the attention function registered as ``"shadowkv"`` with `AttentionInterface` (and the same name with
   `ALL_MASK_ATTENTION_FUNCTIONS`, using the sdpa mask). For a store layer it runs the prompt through the model's
   dense sdpa attention and hands the prompt's post-RoPE keys, values, positions and last query to `KVStore.prefill`
-  (pad tokens removed); each later token goes through `KVStore.decode`. Every other layer gets plain sdpa.
+  (pad tokens removed); later forwards go through `KVStore.decode` (one token) or `KVStore.extend` (several: a
+  continued conversation's new turn, a draft to verify). Every other layer gets plain sdpa.
+* `ShadowKVCache.crop` (assisted generation's rejected draft tokens) is `KVStore.truncate`.
 
 `Cache.update` cannot return what the store holds (keys are a low-rank factorisation, values live in host memory), so
 a store layer's `update` only records the new tokens' keys and values; the attention function of the same layer,
@@ -22,6 +24,7 @@ called right after it, picks them up (a thread-local hand-over, checked by layer
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import threading
 import types
@@ -31,7 +34,7 @@ import torch
 
 try:
     from transformers import AttentionInterface
-    from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLayerMixin
+    from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLayerMixin, DynamicLayer
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 except ImportError as exc:  # pragma: no cover - depends on the environment
@@ -60,6 +63,10 @@ ATTENTION_NAME = "shadowkv"
 _LENGTH_DEPENDENT_ROPE = {"dynamic", "longrope"}
 
 _local = threading.local()
+
+# transformers >= 5.18: a cache layer's `crop(n)` takes a count to remove (negative) and `crop(0)` may shrink a sliding
+# window layer; before, `crop(max_length)` (a positive value: the length to keep, so `crop(0)` would empty it).
+_LAYER_CROP_REMOVES = "tokens_to_remove" in inspect.signature(DynamicLayer.crop).parameters
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -104,7 +111,7 @@ class ShadowKVLayer(CacheLayerMixin):
 
     is_sliding = False
     is_compileable = False
-    is_croppable = False
+    is_croppable = True  # through the owner: `ShadowKVCache.crop` truncates every store layer at once
 
     def __init__(self, owner: "ShadowKVCache", layer_idx: int, store_layer: int) -> None:
         super().__init__()
@@ -112,6 +119,7 @@ class ShadowKVLayer(CacheLayerMixin):
         self.layer_idx = layer_idx
         self.store_layer = store_layer
         self.seq_len = 0
+        self.prompt_len = 0  # columns of the prefill (left padding included): `crop` never goes below
         self.prefilled = False
 
     def __repr__(self) -> str:
@@ -138,7 +146,7 @@ class ShadowKVLayer(CacheLayerMixin):
             )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        _local.pending = _Pending(self, key_states, value_states, "decode" if self.prefilled else "prefill")
+        _local.pending = _Pending(self, key_states, value_states, "extend" if self.prefilled else "prefill")
         self.seq_len += key_states.shape[-2]
         return key_states, value_states
 
@@ -153,21 +161,25 @@ class ShadowKVLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.seq_len = 0
+        self.prompt_len = 0
         self.prefilled = False
         self.is_initialized = False
 
-    # Operations that would need the store to copy, reorder or truncate sequences, which it does not offer.
+    # Operations that would need the store to copy or reorder sequences, which it does not offer (yet: `fork`).
     def _unsupported(self, what: str) -> None:
         if self.seq_len > 0:
-            raise NotImplementedError(f"ShadowKVCache does not support {what} (beam search, contrastive search, "
-                                      "assisted generation); use greedy or sampling")
+            raise NotImplementedError(f"ShadowKVCache does not support {what} (beam search, contrastive search): the "
+                                      "store cannot copy or reorder sequences; use greedy, sampling or assisted "
+                                      "generation")
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._unsupported("reordering the batch")
 
     def crop(self, tokens_to_remove: int) -> None:
+        # The store truncates all its layers at once: one layer alone cannot be cropped.
         if tokens_to_remove != 0:
-            self._unsupported("cropping")
+            raise NotImplementedError("ShadowKVCache: crop the whole cache (cache.crop(...)), not one of its layers: "
+                                      "the store removes tokens from every layer at once")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if repeats != 1:
@@ -217,6 +229,10 @@ class ShadowKVCache(Cache):
         self.store = store
         self.slots: Optional[list] = None
         self._tokens: Optional[torch.Tensor] = None  # the last generate call's sequences (see _check_generate)
+        # Columns of the prompt of the generate call running on an empty cache (set by `_checked_generate`): a first
+        # forward with more columns (assisted generation verifies its first draft together with the prompt) prefills
+        # these and extends by the rest, so that the draft can be cropped.
+        self._prompt_columns: Optional[int] = None
         self._softmax_scale = float(store.config["softmax_scale"]) or store.config["head_dim"] ** -0.5
 
     @property
@@ -240,6 +256,42 @@ class ShadowKVCache(Cache):
             self.release()
         except Exception:  # noqa: BLE001 - never raise from a destructor
             pass
+
+    # --- crop (assisted generation) ----------------------------------------------------------------------------
+    def crop(self, max_length: int) -> None:
+        """transformers' `Cache.crop`: a negative `max_length` removes that many tokens, a positive one keeps the first
+        `max_length` (nothing happens if the cache holds no more), 0 removes nothing (as transformers >= 5.18 reads
+        it). The store's layers lose the tokens through one `KVStore.truncate` (every layer of every row at once: the
+        rows then equal sequences that never saw them); other layers (sliding-window) crop as transformers' own.
+
+        Raises ValueError, changing nothing, when the cut would go into the prompt (the prefill's columns): the store
+        only removes tokens appended after the prefill."""
+        if isinstance(max_length, bool) or not isinstance(max_length, int):
+            if isinstance(max_length, torch.Tensor) and max_length.numel() == 1 and not max_length.is_floating_point():
+                max_length = int(max_length)
+            else:
+                raise TypeError(f"ShadowKVCache.crop: max_length must be an int, got {max_length!r}")
+        layers = self.store_layers
+        held = layers[0].seq_len
+        if max_length < 0:
+            remove = -max_length
+        else:
+            remove = max(0, held - max_length) if max_length > 0 else 0
+        if held == 0:
+            remove = 0  # nothing stored yet: nothing to remove (as transformers' layers before their first update)
+        if remove > 0:
+            prompt = layers[0].prompt_len
+            if held - remove < prompt:
+                raise ValueError(
+                    f"ShadowKVCache.crop({max_length}): would keep {held - remove} tokens but the prompt (the first "
+                    f"forward, {prompt} columns) is in the store's compressed prefill, which cannot be cut; crop at most "
+                    f"{held - prompt} tokens (cache.reset() drops everything)")
+            self.store.truncate(self.slots, remove)
+            for layer in layers:
+                layer.seq_len -= remove
+        for layer in self.layers:
+            if not isinstance(layer, ShadowKVLayer) and (remove > 0 or _LAYER_CROP_REMOVES):
+                layer.crop(-remove)  # negative: "remove that many" in every 5.x; crop(0) shrinks sliding layers
 
     def _slots_for(self, batch: int) -> list:
         if self.slots is None:
@@ -284,27 +336,32 @@ class ShadowKVCache(Cache):
         self.store.prefill(layer.store_layer, slots, keys_bshd, values_bshd, lengths=lengths,
                            positions=positions.contiguous(), q_last=q_last, keys_post_rope=True)
         layer.prefilled = True
+        layer.prompt_len = length
 
-    def _decode(self, layer: ShadowKVLayer, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+    def _extend(self, layer: ShadowKVLayer, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                 position_ids: Optional[torch.Tensor]) -> torch.Tensor:
+        """New tokens on a prefilled layer: one `decode` for one token, else one `extend` for all of them (a continued
+        conversation, a draft to verify): causal exact attention among them, the store's selection per block of
+        `extend_block` tokens for the compressed context. Returns [B, T, Hq, D]."""
         batch, _, tokens, _ = query.shape
         slots = self._slots_for(batch)
         positions = None if position_ids is None else _positions(position_ids, batch, tokens, query.device)
-        outs = []
-        # Several new tokens (a continued conversation) are decode steps one after another: token t attends to the
-        # store and to tokens <= t, which is causal attention.
-        # The store takes any strides, so the token's slices go in as views: no copies, no kernels of their own (the
-        # positions' batch stride is 0 when transformers passes one row for the whole batch).
-        for t in range(tokens):
-            outs.append(self.store.decode(layer.store_layer, slots, query[:, :, t, :], keys[:, :, t, :],
-                                          values[:, :, t, :], positions=None if positions is None else positions[:, t]))
-        return outs[0][:, None] if tokens == 1 else torch.stack(outs, dim=1)  # [B, T, Hq, D]
+        # The store takes any strides, so the tokens go in as views of transformers' [B, H, T, D] tensors.
+        if tokens == 1:
+            out = self.store.decode(layer.store_layer, slots, query[:, :, 0, :], keys[:, :, 0, :], values[:, :, 0, :],
+                                    positions=None if positions is None else positions[:, 0])
+            return out[:, None]
+        return self.store.extend(layer.store_layer, slots, query.transpose(1, 2), keys.transpose(1, 2),
+                                 values.transpose(1, 2), positions=None if positions is None else positions.contiguous(),
+                                 k_post_rope=True)
 
     # --- checks made by model.generate (of a model switched by `enable`) before the prompt goes in ------------------
     def _check_generate(self, model, args: tuple, kwargs: dict) -> None:
         """Rejects, before any forward (the prefill of a long prompt is the expensive part), what would fail or go
-        wrong later: beam search, assisted and contrastive decoding (NotImplementedError); more sequences than the
-        store's free slots or a batch other than the cache's (ValueError); a prompt plus `max_new_tokens` beyond the
+        wrong later: beam search and contrastive search (NotImplementedError: they copy and reorder sequences, which
+        the store cannot yet), assisted decoding by early exit (it drafts with the model's own layers) and assisted
+        decoding on a cache that already holds a conversation (transformers feeds the cached tokens again);
+        more sequences than the store's free slots or a batch other than the cache's (ValueError); a prompt plus `max_new_tokens` beyond the
         store's `max_seq_len` (ValueError); and a cache that holds tokens of another prompt, reused without `reset()`
         (ValueError: transformers would feed only the tokens past the cache's length, silently wrong)."""
         ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
@@ -320,12 +377,14 @@ class ShadowKVCache(Cache):
             value = kwargs[name] if name in kwargs else getattr(config, name, None)
             return default if value is None else value
 
-        unsupported = "the store cannot reorder, copy or truncate sequences; use greedy decoding or sampling"
+        unsupported = ("the store cannot copy or reorder sequences (no `fork` yet); use greedy decoding, sampling or "
+                       "assisted generation (assistant_model=, prompt_lookup_num_tokens=)")
         if int(setting("num_beams", 1)) > 1:
             raise NotImplementedError(f"ShadowKVCache: beam search (num_beams={setting('num_beams')}): {unsupported}")
-        if (kwargs.get("assistant_model") is not None or setting("prompt_lookup_num_tokens") is not None
-                or setting("assistant_early_exit") is not None):
-            raise NotImplementedError(f"ShadowKVCache: assisted decoding: {unsupported}")
+        if setting("assistant_early_exit") is not None:
+            raise NotImplementedError("ShadowKVCache: assisted decoding by early exit (assistant_early_exit) runs the "
+                                      "model's own first layers as the draft model and is not supported; pass a "
+                                      "separate assistant_model")
         if setting("penalty_alpha") is not None and float(setting("penalty_alpha")) > 0 and int(setting("top_k", 1)) > 1:
             raise NotImplementedError(f"ShadowKVCache: contrastive search (penalty_alpha): {unsupported}")
         if not isinstance(shape_from, torch.Tensor) or shape_from.dim() < 2:
@@ -344,6 +403,14 @@ class ShadowKVCache(Cache):
                              "cache.reset() before a new batch")
 
         held = max((layer.seq_len for layer in self.store_layers), default=0)
+        if held > 0 and (kwargs.get("assistant_model") is not None or setting("prompt_lookup_num_tokens") is not None):
+            # transformers (5.25) runs the first verification of assisted decoding over the whole input, cached columns
+            # included: its own DynamicCache then holds the conversation twice (209 tokens become 368).
+            raise NotImplementedError(
+                f"ShadowKVCache: assisted generation on a cache that already holds {held} tokens (a continued "
+                "conversation): transformers feeds the whole conversation again in its first verification step (its "
+                "own DynamicCache stores it twice); generate this turn without the assistant, or start from an empty "
+                "cache")
         if held > 0 and ids is not None:
             recorded = self._tokens
             if recorded is not None and (width <= held or recorded.shape[0] != batch or recorded.shape[1] < held
@@ -432,12 +499,30 @@ def shadowkv_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
                            f"stored {list(pending.keys.shape)}")
     cache._check_module(module, scaling, kwargs)
     position_ids = kwargs.get("position_ids")
-    if pending.phase == "prefill":
+    if pending.phase == "extend":
+        return cache._extend(layer, query, key, value, position_ids), None
+    length = key.shape[2]
+    prompt = cache._prompt_columns
+    if prompt is None or prompt >= length:
         out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                         **kwargs)
         cache._prefill(layer, query, key, value, attention_mask, position_ids)
         return out, None
-    return cache._decode(layer, query, key, value, position_ids), None
+    # The first forward holds the prompt and more (assisted generation's first draft): the prompt is prefilled as
+    # usual (its own causal sdpa), the columns after it are extended, exactly as later drafts are.
+    if position_ids is not None and position_ids.dim() != 2:
+        position_ids = _positions(position_ids, query.shape[0], length, query.device)
+    head_mask = None if attention_mask is None else attention_mask[..., :prompt, :prompt]
+    head_kwargs = dict(kwargs)
+    if position_ids is not None:
+        head_kwargs["position_ids"] = position_ids[:, :prompt]
+    out, _ = sdpa_attention_forward(module, query[:, :, :prompt], key[:, :, :prompt], value[:, :, :prompt], head_mask,
+                                    dropout=dropout, scaling=scaling, **head_kwargs)
+    cache._prefill(layer, query[:, :, :prompt], key[:, :, :prompt], value[:, :, :prompt], head_mask,
+                   None if position_ids is None else position_ids[:, :prompt])
+    tail = cache._extend(layer, query[:, :, prompt:], key[:, :, prompt:], value[:, :, prompt:],
+                         None if position_ids is None else position_ids[:, prompt:])
+    return torch.cat([out, tail.to(out.dtype)], dim=1), None
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -576,14 +661,16 @@ def make_cache(model, *, budget: int = 2048, rank: Optional[int] = None, max_bat
                local_chunks: int = 4, generation_window: int = 256, factorization: str = "gram",
                dtype: Any = None, device: Any = None, value_store: str = "host", sink_chunks: int = 1,
                value_dtype: Any = None, check_finite: str = "auto", group_score: str = "mean",
-               chunk_score: str = "landmark", store: Optional[KVStore] = None) -> ShadowKVCache:
+               chunk_score: str = "landmark", extend_block: int = 32,
+               store: Optional[KVStore] = None) -> ShadowKVCache:
     """A `ShadowKVCache` for `model`, with a new KVStore built from the model's config (or the given `store`).
 
     budget: selected tokens per KV head per decode step (a multiple of chunk_size). rank: rank of the key
     factorisation (default min(160, num_kv_heads * head_dim)). max_batch: sequences per generate call.
     max_seq_len: prompt (with its left padding excluded) + generated tokens per sequence (default: the model's
     max_position_embeddings, at most 131072). dtype/device: the store's storage precision and device (default: the
-    model's). The other arguments are KVStore's. The model must run with attn_implementation="shadowkv" (`enable`)."""
+    model's). extend_block: tokens of one forward (a chat turn, a draft to verify) that share one selection of the
+    compressed context (1: exactly one decode step per token). The other arguments are KVStore's. The model must run with attn_implementation="shadowkv" (`enable`)."""
     register()
     if store is None:
         kwargs = store_kwargs_for(model, max_seq_len)
@@ -597,7 +684,7 @@ def make_cache(model, *, budget: int = 2048, rank: Optional[int] = None, max_bat
                         outlier_chunks=outlier_chunks, sink_chunks=sink_chunks, local_chunks=local_chunks,
                         generation_window=generation_window, factorization=factorization,
                         value_store=value_store, value_dtype=value_dtype, check_finite=check_finite,
-                        group_score=group_score, chunk_score=chunk_score, **kwargs)
+                        group_score=group_score, chunk_score=chunk_score, extend_block=extend_block, **kwargs)
     layer_types, layer_kwargs = _plan_layers(model, int(store.config["max_seq_len"]))
     return ShadowKVCache(store, layer_types, layer_kwargs)
 
@@ -614,8 +701,8 @@ def enable(model, **kwargs) -> ShadowKVCache:
 
     Layers that are not in a ShadowKVCache (or a forward without one) run plain sdpa, so the switched model still
     works with transformers' own caches. `model.generate` gets checks made before the prompt goes in when it is
-    given a ShadowKVCache (beam search, assisted or contrastive decoding, batch and length beyond the store, a cache
-    holding another conversation: see `_check_generate`). `disable(model)` undoes both; `enabled(model, ...)` is
+    given a ShadowKVCache (beam search, contrastive search, batch and length beyond the store, a cache holding
+    another conversation: see `_check_generate`). `disable(model)` undoes both; `enabled(model, ...)` is
     the context-manager form."""
     register()
     cache = make_cache(model, **kwargs)
@@ -672,7 +759,14 @@ def _checked_generate(self, *args, **kwargs):
         return type(self).generate(self, *args, **kwargs)
     cache._check_generate(self, args, kwargs)
     cache._tokens = None
-    out = type(self).generate(self, *args, **kwargs)
+    if max((layer.seq_len for layer in cache.store_layers), default=0) == 0:
+        ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids", kwargs.get("inputs_embeds")))
+        if isinstance(ids, torch.Tensor) and ids.dim() >= 2:
+            cache._prompt_columns = int(ids.shape[1])
+    try:
+        out = type(self).generate(self, *args, **kwargs)
+    finally:
+        cache._prompt_columns = None
     sequences = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
     if isinstance(sequences, torch.Tensor):
         cache._tokens = sequences.detach().to("cpu", copy=True)

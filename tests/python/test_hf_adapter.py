@@ -127,9 +127,9 @@ def full_budget_cache(model, max_batch=1):
                       max_batch=max_batch, outlier_chunks=2, local_chunks=2, generation_window=16, dtype="float32")
 
 
-def small_budget_cache(model, max_batch=1):
+def small_budget_cache(model, max_batch=1, extend_block=32):
     return skv.enable(model, budget=16, rank=8, max_seq_len=512, max_batch=max_batch, outlier_chunks=2,
-                      local_chunks=2, generation_window=16, dtype="float32")
+                      local_chunks=2, generation_window=16, dtype="float32", extend_block=extend_block)
 
 
 def full_layer_count(model) -> int:
@@ -206,25 +206,225 @@ def test_ragged_batch_equals_alone(family, budget, model_device):
         assert info["prompt_len"] == len(p), info
 
 
-def test_continued_conversation_equals_model():
-    """A second generate call on the same cache feeds several new tokens at once (decode steps one by one)."""
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_continued_conversation_equals_model(family):
+    """Later generate calls on the same cache (turns of 45 and 5 new tokens: the first spans two extend blocks) equal
+    transformers' own cache at full budget and rank."""
+    model = build(family)
+    turns = [prompt(100, seed=3)[None], prompt(45, seed=4)[None], prompt(5, seed=5)[None]]
+    runs = []
+    for cache in (transformers.DynamicCache(config=model.config), full_budget_cache(model)):
+        ids, logits = None, []
+        with torch.no_grad():
+            for turn in turns:
+                ids = turn if ids is None else torch.cat([ids, turn], dim=1)
+                out = model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False, output_logits=True,
+                                     return_dict_in_generate=True, **{CACHE_KW: cache})
+                ids = out.sequences
+                logits.append(torch.stack(out.logits))
+        runs.append((ids, torch.cat(logits)))
+    (ref_ids, ref_logits), (ids, logits) = runs
+    assert torch.equal(ids, ref_ids), f"{family}: tokens differ"
+    assert torch.allclose(logits, ref_logits, atol=ATOL, rtol=0), f"{family}: {describe(logits, ref_logits)}"
+
+
+def _count_calls(store, name: str) -> list:
+    """Wraps store.<name> (an instance attribute shadowing the method) to record each call's token count."""
+    calls, original = [], getattr(store, name)
+
+    def wrapped(layer, slots, q, *args, **kwargs):
+        calls.append(q.shape[1] if q.dim() == 4 else 1)
+        return original(layer, slots, q, *args, **kwargs)
+
+    setattr(store, name, wrapped)
+    return calls
+
+
+def test_continued_conversation_is_one_extend_per_layer():
+    """A new turn's tokens go through one KVStore.extend call per store layer (one selection per extend_block
+    tokens), not a decode per token; the generated tokens after it are decode steps."""
     model = build("llama")
-    first = prompt(100, seed=3)[None]
-    ref_cache = transformers.DynamicCache(config=model.config)
+    cache = small_budget_cache(model)
+    layers = full_layer_count(model)
     with torch.no_grad():
-        ref1 = model.generate(first, max_new_tokens=8, do_sample=False, **{CACHE_KW: ref_cache})
-        turn2 = torch.cat([ref1, prompt(12, seed=4)[None]], dim=1)
-        ref2 = model.generate(turn2, max_new_tokens=8, do_sample=False, **{CACHE_KW: ref_cache}, output_logits=True,
-                              return_dict_in_generate=True)
-    cache = full_budget_cache(model)
+        out = model.generate(prompt(150, seed=3)[None], max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                             **{CACHE_KW: cache})
+        extends, decodes = _count_calls(cache.store, "extend"), _count_calls(cache.store, "decode")
+        before = cache.store.stats()
+        model.generate(torch.cat([out, prompt(40, seed=4)[None]], dim=1), max_new_tokens=6, min_new_tokens=6,
+                       do_sample=False, **{CACHE_KW: cache})
+    after = cache.store.stats()
+    # the turn: its 40 tokens + the previous call's last token (never fed back), in one call per layer
+    assert extends == [41] * layers, extends
+    assert len(decodes) == 5 * layers
+    assert after["selections"] - before["selections"] == (2 + 5) * layers  # ceil(41 / 32) blocks, then 5 decodes
+    assert cache.store.sequence_info(0, cache.slots[0])["total_len"] == 150 + 7 + 41 + 5
+
+
+def test_continued_conversation_extend_block_1_is_token_by_token_decode():
+    """With extend_block = 1 a turn through `extend` is the same turn through one `decode` per token, bit for bit
+    (the same forwards, the store's extend replaced by a decode loop in the second cache); fed as one forward per
+    token the logits agree within rounding of the model's other layers (their matrix shapes differ) and the greedy
+    tokens are the same."""
+    model = build("llama")
+    caches = [small_budget_cache(model, extend_block=1) for _ in range(3)]
+    store = caches[1].store
+    decode = store.decode
+
+    def decode_loop(layer, slots, q, k, v, lengths=None, positions=None, k_post_rope=True, out=None):
+        assert lengths is None and out is None and k_post_rope
+        return torch.stack([decode(layer, slots, q[:, t], k[:, t], v[:, t],
+                                   positions=None if positions is None else positions[:, t])
+                            for t in range(q.shape[1])], dim=1)
+
+    store.extend = decode_loop
+    first = prompt(150, seed=3)[None]
+    turns = [prompt(37, seed=4)[None], prompt(9, seed=5)[None]]
     with torch.no_grad():
-        out1 = model.generate(first, max_new_tokens=8, do_sample=False, **{CACHE_KW: cache})
-        assert torch.equal(out1, ref1)
-        out2 = model.generate(turn2, max_new_tokens=8, do_sample=False, **{CACHE_KW: cache}, output_logits=True,
-                              return_dict_in_generate=True)
-    assert torch.equal(out2.sequences, ref2.sequences)
-    a, b = torch.stack(out2.logits), torch.stack(ref2.logits)
-    assert torch.allclose(a, b, atol=ATOL, rtol=0), describe(a, b)
+        ids = [model.generate(first, max_new_tokens=6, min_new_tokens=6, do_sample=False, **{CACHE_KW: c})
+               for c in caches]
+        assert all(torch.equal(i, ids[0]) for i in ids)
+        for n, turn in enumerate(turns):
+            new = torch.cat([ids[0][:, -1:], turn], dim=1)  # the last generated token was not fed back
+            a = model(new, **{CACHE_KW: caches[0]}).logits
+            b = model(new, **{CACHE_KW: caches[1]}).logits
+            c = torch.cat([model(new[:, t:t + 1], **{CACHE_KW: caches[2]}).logits for t in range(new.shape[1])], dim=1)
+            assert torch.equal(a, b), f"turn {n}: {describe(a, b)}"
+            assert torch.allclose(a, c, atol=ATOL, rtol=0), f"turn {n}: {describe(a, c)}"
+            assert torch.equal(a.argmax(-1), c.argmax(-1))
+            for layer in range(full_layer_count(model)):
+                assert (caches[0].store.selected_chunks(layer, caches[0].slots[0])
+                        == store.selected_chunks(layer, caches[1].slots[0]))
+            ids = [torch.cat([ids[0], turn, a[:, -1:].argmax(-1)], dim=1)] * 3
+    lengths = {c.store.sequence_info(0, c.slots[0])["total_len"] for c in caches}
+    assert lengths == {150 + 6 + 1 + 37 + 9}, lengths
+
+
+def test_crop_semantics_and_errors():
+    """`crop` as transformers' Cache.crop: negative removes that many, positive keeps that many (no-op when the cache
+    holds no more), 0 nothing; never into the prompt (ValueError, nothing changes); the cache then continues exactly
+    as one that never saw the removed tokens."""
+    model = build("llama")
+    cache, ref = small_budget_cache(model, extend_block=4), small_budget_cache(model, extend_block=4)
+    ids, extra = prompt(60, seed=21)[None], prompt(12, seed=22)[None]
+
+    def held(c):
+        lengths = {layer.seq_len for layer in c.store_layers}
+        totals = {c.store.sequence_info(layer, c.slots[0])["total_len"] for layer in range(full_layer_count(model))}
+        assert len(lengths) == 1 and lengths == totals, (lengths, totals)
+        return lengths.pop()
+
+    with torch.no_grad():
+        for c in (cache, ref):
+            model(ids, **{CACHE_KW: c})
+            model(extra[:, :6], **{CACHE_KW: c})
+        model(extra[:, 6:], **{CACHE_KW: cache})  # 6 more tokens only `cache` sees
+        assert held(cache) == 72 and cache.get_seq_length() == 72
+        cache.crop(0)
+        cache.crop(1000)
+        assert held(cache) == 72
+        cache.crop(-4)
+        assert held(cache) == 68
+        cache.crop(66)
+        assert held(cache) == 66 == held(ref)
+        # the next tokens: exactly those of the cache that never saw the removed ones
+        nxt = prompt(5, seed=23)[None]
+        a, b = model(nxt, **{CACHE_KW: cache}).logits, model(nxt, **{CACHE_KW: ref}).logits
+        assert torch.equal(a, b), describe(a, b)
+        for layer in range(full_layer_count(model)):
+            assert cache.store.selected_chunks(layer, cache.slots[0]) == ref.store.selected_chunks(layer, ref.slots[0])
+
+        with pytest.raises(ValueError, match="prompt"):
+            cache.crop(59)
+        with pytest.raises(ValueError, match="prompt"):
+            cache.crop(-(71 - 60 + 1))
+        assert held(cache) == 71
+        with pytest.raises(NotImplementedError, match="whole cache"):
+            cache.store_layers[0].crop(-1)
+        with pytest.raises(TypeError):
+            cache.crop(1.5)
+        cache.crop(60)  # down to the prompt is allowed
+        assert held(cache) == 60
+        cache.crop(-0)
+        assert held(cache) == 60
+
+    empty = small_budget_cache(model)
+    empty.crop(-3)  # nothing stored yet: nothing to remove
+    assert empty.get_seq_length() == 0
+
+
+def noisy(model, std=0.005):
+    """The model with seeded noise on its weights: a draft model that agrees with it on most tokens, not all."""
+    g = torch.Generator().manual_seed(99)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * std)
+    return model
+
+
+ASSISTED = {  # family, budget, extend_block: settings at which assisted generation equals greedy exactly
+    "llama-full": ("llama", "full", 32),
+    "llama-small-block1": ("llama", "small", 1),
+    "gemma3-small-block1": ("gemma3", "small", 1),
+}
+
+
+@pytest.mark.parametrize("case", list(ASSISTED))
+@pytest.mark.parametrize("drafter", ["assistant_model", "prompt_lookup"])
+def test_assisted_generation_equals_greedy(case, drafter):
+    """`generate(..., assistant_model=...)` (and prompt lookup) verifies each draft with one extend and crops the
+    rejected tokens: with extend_block = 1, or a budget covering everything at full rank, its tokens are exactly
+    those of plain greedy decoding with the store."""
+    family, budget, block = ASSISTED[case]
+    model = build(family)
+    make = (lambda: full_budget_cache(model)) if budget == "full" else (
+        lambda: small_budget_cache(model, extend_block=block))
+    ids = prompt(120, seed=31)[None]
+    new_tokens = 40
+    with torch.no_grad():
+        greedy = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                **{CACHE_KW: make()})
+        if drafter == "assistant_model":  # the weights with noise, transformers' cache: its drafts are often accepted
+            assistant = noisy(build(family))
+            # always 5 tokens a draft (no confidence cut-off: the tiny models' distributions are flat)
+            assistant.generation_config.assistant_confidence_threshold = 0.0
+            assistant.generation_config.num_assistant_tokens_schedule = "constant"
+            assistant.generation_config.num_assistant_tokens = 5
+            kwargs = {"assistant_model": assistant, "num_assistant_tokens": 5}
+        else:  # n-gram lookup in a repetitive prompt
+            ids = torch.cat([ids[:, :60], ids[:, :60]], dim=1)
+            greedy = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                    **{CACHE_KW: make()})
+            kwargs = {"prompt_lookup_num_tokens": 4}
+        cache = make()
+        crops = []
+        crop = cache.crop
+        cache.crop = lambda n: (crops.append(int(n)), crop(n))[1]
+        assisted = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                  **kwargs, **{CACHE_KW: cache})
+    assert torch.equal(assisted, greedy), f"{case}/{drafter}: {(assisted != greedy).sum().item()} tokens differ"
+    assert any(n < 0 for n in crops), f"no draft token was rejected: crop untested {crops}"
+    if drafter == "assistant_model":  # one crop per verification forward: fewer forwards than tokens
+        # some drafts partly accepted: the crop removes a part of a verified block
+        assert any(-5 < n < 0 for n in crops) and len(crops) < new_tokens, crops
+    assert cache.store.sequence_info(0, cache.slots[0])["total_len"] == assisted.shape[1] - 1
+    assert cache.get_seq_length() == assisted.shape[1] - 1
+
+
+def test_assisted_generation_rejections():
+    model = build("llama")
+    cache = small_budget_cache(model)
+    ids = prompt(40, seed=32)[None]
+    with torch.no_grad():
+        with pytest.raises(NotImplementedError, match="early exit"):
+            model.generate(ids, max_new_tokens=4, assistant_early_exit=1, **{CACHE_KW: cache})
+        assert cache.slots is None
+        out = model.generate(ids, max_new_tokens=4, do_sample=False, **{CACHE_KW: cache})
+        total = cache.store.sequence_info(0, cache.slots[0])["total_len"]
+        with pytest.raises(NotImplementedError, match="already holds"):
+            model.generate(torch.cat([out, prompt(5, seed=33)[None]], dim=1), max_new_tokens=4,
+                           assistant_model=build("llama"), **{CACHE_KW: cache})
+        assert cache.store.sequence_info(0, cache.slots[0])["total_len"] == total
 
 
 def test_cache_reset_reuses_slots():
@@ -331,3 +531,21 @@ def test_generate_rejects_a_reused_cache_with_a_new_prompt():
         cache.reset()
         fresh = model.generate(prompt(50, seed=15)[None], max_new_tokens=4, do_sample=False, **{CACHE_KW: cache})
     assert fresh.shape == (1, 54)
+
+
+def test_chat_over_document_example_tiny():
+    """examples/chat_over_document.py in its tiny-model mode: every turn after the first appends its tokens to the same
+    cache (no second prefill), and the store ends holding the whole conversation."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples", "chat_over_document.py")
+    spec = importlib.util.spec_from_file_location("chat_over_document", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    rows = example.main(["--tiny", "--turns", "3", "--doc-tokens", "600"])
+    assert [r["prefill"] for r in rows] == [True, False, False]
+    assert rows[0]["appended"] == 600 and all(0 < r["appended"] < 64 for r in rows[1:])
+    for previous, row in zip(rows, rows[1:]):
+        assert row["cached"] == previous["cached"] + row["appended"] + row["generated"] - 1
+    assert all(r["total_bytes"] > 0 and r["full_bytes"] > 0 and 0 <= r["hit_rate"] <= 1 for r in rows)
