@@ -20,25 +20,15 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import time
 
 import torch
 from torch.nn.attention.bias import causal_lower_right
 
 from shadowkv_core import KVStore
+from step_benchmark import _commit  # $COMMIT, else git's (bench/ is the script's folder)
 
 HQ, HKV, D = 32, 8, 128
-
-
-def _commit() -> str:
-    if os.environ.get("COMMIT"):
-        return os.environ["COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def _timed(call) -> float:

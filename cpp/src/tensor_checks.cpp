@@ -70,34 +70,40 @@ std::int64_t element_bytes(const tensor_view& view) {
   return static_cast<std::int64_t>(dtype_size(view.float_type));
 }
 
+
+// `view` cut to `count` indices of dimension `dim` from `start` (no copy).
+tensor_view narrow_dim(const tensor_view& view, int dim, std::int64_t start, std::int64_t count) {
+  const auto d = static_cast<std::size_t>(dim);
+  SHADOWKV_ASSERT(view.rank > dim && start >= 0 && count >= 0 && start + count <= view.shape[d]);
+  tensor_view result = view;
+  result.data = static_cast<const std::byte*>(view.data) + start * view.strides[d] * element_bytes(view);
+  result.shape[d] = count;
+  return result;
+}
+
+template <typename View>
+View narrowed(const View& view, int dim, std::int64_t start, std::int64_t count) {
+  View result = view;
+  static_cast<tensor_view&>(result) = narrow_dim(view, dim, start, count);
+  return result;
+}
+
 }  // namespace
 
 tensor_view narrow_rows(const tensor_view& view, std::int64_t start, std::int64_t count) {
-  SHADOWKV_ASSERT(view.rank >= 1 && start >= 0 && count >= 0 && start + count <= view.shape[0]);
-  tensor_view result = view;
-  result.data = static_cast<const std::byte*>(view.data) + start * view.strides[0] * element_bytes(view);
-  result.shape[0] = count;
-  return result;
+  return narrowed(view, 0, start, count);
 }
 
 mutable_tensor_view narrow_rows(const mutable_tensor_view& view, std::int64_t start, std::int64_t count) {
-  mutable_tensor_view result = view;
-  static_cast<tensor_view&>(result) = narrow_rows(static_cast<const tensor_view&>(view), start, count);
-  return result;
+  return narrowed(view, 0, start, count);
 }
 
 tensor_view narrow_tokens(const tensor_view& view, std::int64_t start, std::int64_t count) {
-  SHADOWKV_ASSERT(view.rank >= 2 && start >= 0 && count >= 0 && start + count <= view.shape[1]);
-  tensor_view result = view;
-  result.data = static_cast<const std::byte*>(view.data) + start * view.strides[1] * element_bytes(view);
-  result.shape[1] = count;
-  return result;
+  return narrowed(view, 1, start, count);
 }
 
 mutable_tensor_view narrow_tokens(const mutable_tensor_view& view, std::int64_t start, std::int64_t count) {
-  mutable_tensor_view result = view;
-  static_cast<tensor_view&>(result) = narrow_tokens(static_cast<const tensor_view&>(view), start, count);
-  return result;
+  return narrowed(view, 1, start, count);
 }
 
 tensor_view select_token(const tensor_view& view, std::int64_t token) {

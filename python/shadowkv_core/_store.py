@@ -217,25 +217,14 @@ def _stream_of(tensor: Any) -> Optional[int]:
     return int(torch.cuda.current_stream(device).cuda_stream)
 
 
-def _empty_like(reference: Any, shape: Sequence[int]) -> Any:
-    """A new uninitialised array of `shape` with the dtype and device of `reference` (torch or numpy)."""
+def _new_like(reference: Any, shape: Sequence[int], zeros: bool = False) -> Any:
+    """A new array of `shape` with the dtype and device of `reference` (torch or numpy): uninitialised, or zero."""
     if hasattr(reference, "new_empty"):
-        return reference.new_empty(tuple(shape))
+        return reference.new_zeros(tuple(shape)) if zeros else reference.new_empty(tuple(shape))
     import numpy as np
 
     if isinstance(reference, np.ndarray):
-        return np.empty(tuple(shape), dtype=reference.dtype)
-    raise ValueError(f"cannot allocate an output like {type(reference).__name__}; pass torch tensors or numpy arrays")
-
-
-def _zeros_like(reference: Any, shape: Sequence[int]) -> Any:
-    """A new zero array of `shape` with the dtype and device of `reference` (torch or numpy)."""
-    if hasattr(reference, "new_zeros"):
-        return reference.new_zeros(tuple(shape))
-    import numpy as np
-
-    if isinstance(reference, np.ndarray):
-        return np.zeros(tuple(shape), dtype=reference.dtype)
+        return (np.zeros if zeros else np.empty)(tuple(shape), dtype=reference.dtype)
     raise ValueError(f"cannot allocate an output like {type(reference).__name__}; pass torch tensors or numpy arrays")
 
 
@@ -573,7 +562,7 @@ class KVStore:
             shape = tuple(getattr(q, "shape", ()))
             if len(shape) != 3:
                 raise ValueError(f"q must have shape [B, Hq, D], got {list(shape)}")
-            out = _empty_like(q, shape)
+            out = _new_like(q, shape)
         self._store.decode(
             layer,
             slot_list,
@@ -620,7 +609,7 @@ class KVStore:
             if shape[1] == 0:
                 raise ValueError(f"extend needs at least one new token per sequence: q holds T = 0 tokens "
                                  f"({list(shape)})")
-            out = _zeros_like(q, shape)
+            out = _new_like(q, shape, zeros=True)
         self._store.extend(
             layer,
             slot_list,
