@@ -492,10 +492,10 @@ def rule_bytes(name: str, D: int, e: int = 2, r: int = 160, C: int = 8, hkv: int
     return table.get(base)
 
 
-# DESIGN.md §7 / bench/NOTES.md: Llama-3-8B attention (Hq 32, Hkv 8, D 128, r 160, C 8, bf16), B=24, S=122880.
+# docs/performance.md / docs/performance.md: Llama-3-8B attention (Hq 32, Hkv 8, D 128, r 160, C 8, bf16), B=24, S=122880.
 GPU_SHAPE = dict(B=24, S=122880, hq=32, hkv=8, D=128, r=160, C=8, e=2)
-HBM_BYTES_PER_S = 4.2e12          # bench/NOTES.md: landmark bytes at the measured HBM rate (755 MB -> 180 us)
-LOGITS_KERNEL_BYTES_PER_S = 755e6 / 423e-6   # today's landmark-logits kernel (bench/NOTES.md, 423 us at B=24)
+HBM_BYTES_PER_S = 4.2e12          # docs/performance.md: landmark bytes at the measured HBM rate (755 MB -> 180 us)
+LOGITS_KERNEL_BYTES_PER_S = 755e6 / 423e-6   # today's landmark-logits kernel (docs/performance.md, 423 us at B=24)
 
 
 def gpu_estimate(name: str, shape: dict = GPU_SHAPE) -> dict:

@@ -1,6 +1,6 @@
 """One layer's decode step through the store, next to full attention and the byte floor, measured in one run.
 
-    python bench/step_benchmark.py                 # DESIGN.md §7 configurations on CUDA, small ones on the CPU
+    python bench/step_benchmark.py                 # docs/performance.md configurations on CUDA, small ones on the CPU
     python bench/step_benchmark.py --config 1x122880x2048 8x122880x2048:device --hit 0 0.6 --json out.json
 
 A configuration is BATCHxSEQ_LENxBUDGET, optionally followed by :host (values in pinned host memory, the default),
@@ -308,7 +308,7 @@ def _graph_steps_time(store, slots, queries, k_new, v_new, per_graph: int, query
     """GPU time of one decode step when `per_graph` steps follow each other inside one CUDA graph, each after its
     query's write into the captured input (_write_query): as in a model whose whole decode step is one graph, no graph
     launch and no host between two steps. (_graph_step_time replays a graph of one step: each replay also waits for
-    the graph's launch, ~4 µs on the H200 before its first kernel; bench/NOTES.md, session 20.)"""
+    the graph's launch, ~4 µs on the H200 before its first kernel; docs/performance.md; session 20.)"""
     graph, _inputs = _capture_steps(store, slots, queries, k_new, v_new, per_graph, query_write)
     replays = max(1, len(queries) // per_graph)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -317,7 +317,7 @@ class FullAttentionCache(AttentionCache):
             valid = max(lengths) + 1
             kk, vv = keys[first:first + b, :, :valid], values[first:first + b, :, :valid]
             # Not cuDNN: its attention builds an execution plan per key length, and the length grows by one every
-            # step (suspected cause of a ~50 ms step at every batch on the H200: see bench/NOTES.md); flash takes
+            # step (suspected cause of a ~50 ms step at every batch on the H200: see docs/performance.md); flash takes
             # any length (0.84 ms a layer at B=7, S=122880, bench/probes/sdpa_decode_probe.py).
             with sdpa_kernel(_DECODE_BACKENDS):
                 if mask is None:

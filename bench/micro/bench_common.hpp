@@ -1,4 +1,4 @@
-// Shared pieces of the decode micro-benchmarks (bench/README.md "Micro-benchmarks"): the DESIGN.md §7 shapes,
+// Shared pieces of the decode micro-benchmarks (bench/README.md "Micro-benchmarks"): the docs/performance.md shapes,
 // event timing, RAII buffers, random fills on the device, the bandwidth ceilings measured in the same run, and the
 // counters every benchmark reports next to its time.
 //
@@ -18,7 +18,7 @@ namespace shadowkv::bench {
 /// Throws std::runtime_error naming `what` and the CUDA error when `status` is not cudaSuccess.
 void check(cudaError_t status, const char* what);
 
-/// One DESIGN.md §7 case: Llama-3-8B attention (Hq 32, Hkv 8, D 128, rank 160, C 8, 48 outliers, 4 local chunks,
+/// One docs/performance.md case: Llama-3-8B attention (Hq 32, Hkv 8, D 128, rank 160, C 8, 48 outliers, 4 local chunks,
 /// bf16), B sequences of S prompt tokens, a budget of `budget_tokens` per KV head.
 struct shape {
   static constexpr int q_heads = 32;
@@ -38,7 +38,7 @@ struct shape {
 
   [[nodiscard]] int budget_chunks() const { return budget_tokens / chunk; }
   [[nodiscard]] int prompt_chunks() const { return seq_len / chunk; }
-  /// Context chunks after the prefill: floor(S/C) - local chunks (DESIGN.md §2 prefill 1).
+  /// Context chunks after the prefill: floor(S/C) - local chunks (docs/semantics.md prefill 1).
   [[nodiscard]] int context_chunks() const { return prompt_chunks() - local_chunks; }
   [[nodiscard]] int local_len() const { return seq_len - context_chunks() * chunk; }
   /// Bytes of one (chunk, KV head) value run: C*D elements.

@@ -1,5 +1,5 @@
 // Micro-benchmarks (a)–(e) of one layer's decode step, one launcher at a time, on device state laid out exactly as
-// the CUDA backend lays it out (device_layout.cuh), for the DESIGN.md §7 shapes:
+// the CUDA backend lays it out (device_layout.cuh), for the docs/performance.md shapes:
 //
 //   select_chunks              (a) landmark scores + top-k + temporal-cache scan (launch_select_chunks), compute stream
 //   rebuild_keys               (b) A[rows]·B + RoPE of the missed chunks (launch_rebuild_keys), compute stream

@@ -1,4 +1,4 @@
-// Rank-r factorisation of pre-RoPE keys on the CPU (DESIGN.md §2 step 2): K[m, n] ≈ A[m, r] · B[r, n].
+// Rank-r factorisation of pre-RoPE keys on the CPU (docs/semantics.md step 2): K[m, n] ≈ A[m, r] · B[r, n].
 #pragma once
 
 #include <cstdint>

@@ -22,7 +22,7 @@ namespace {
 
 // Positions the key rebuild's RoPE table covers (rope_table.cuh): every position a sequence of the store's capacity
 // numbers (0 .. max_seq_len - 1), up to kRopeTableMaxBytes; rows past it compute their coefficients. (Without the
-// table every row computed its float64 sine and cosine: bench/NOTES.md, session 13.)
+// table every row computed its float64 sine and cosine: docs/performance.md; session 13.)
 constexpr std::size_t kRopeTableMaxBytes = std::size_t{256} << 20;
 long long rope_table_positions(const dims& d) {
   const std::size_t per_position = rope_table_bytes(d, 1);

@@ -1,4 +1,4 @@
-// The CUDA backend: the backend seam on one GPU (DESIGN.md §2–4). Its members are defined by job:
+// The CUDA backend: the backend seam on one GPU (docs/semantics.md). Its members are defined by job:
 //   cuda_backend.cpp   construction (dims from the config, streams, events) and each call's streams
 //   arenas.cpp         the arenas and the decode workspace reserved up front, sequences joining and leaving, memory
 //   prefill.cpp        a prefill: prompt keys, factorisation (Gram eigensolve or SVD), landmarks, outliers, scatter
@@ -21,7 +21,7 @@
 // landmarks, outliers, scatter, counters; the values' copy to pinned memory on the copy stream) without a wait of its
 // own, and reads the cuSOLVER infos of all its factorisations once, after the last one; a non-zero one fails the call
 // (cuda_error) after the layers were written, which the store never commits, and their counters are put back
-// (forget_prefill). cuSOLVER's dense solvers themselves return only once the stream has drained (bench/NOTES.md), so
+// (forget_prefill). cuSOLVER's dense solvers themselves return only once the stream has drained (docs/performance.md), so
 // the host still waits inside each sequence's factorisation.
 #pragma once
 
@@ -161,14 +161,14 @@ class cuda_backend final : public backend {
   static constexpr int kMaxPipelineParts = 8;      ///< config::decode_pipeline_parts' limit
   static constexpr int kDefaultPipelineParts = 3;  ///< the backend's choice from kPipelineFromBatch sequences
   static constexpr int kDefaultPipelinePartsFp8 = 2;  ///< the same with fp8 values (half the PCIe bytes to hide)
-  static constexpr int kPipelineFromBatch = 16;    ///< (with host values; bench/NOTES.md)
+  static constexpr int kPipelineFromBatch = 16;    ///< (with host values; docs/performance.md)
   /// The largest batch whose attention the key rebuild releases early (dims::attention_early; measured at B = 1 and
-  /// 8, bench/NOTES.md session 20: at B = 1 device values hit 0.52 the step 0.071 -> 0.069 ms in one-step graphs,
+  /// 8, docs/performance.md; session 20: at B = 1 device values hit 0.52 the step 0.071 -> 0.069 ms in one-step graphs,
   /// 0.066 -> 0.064 in graphs of 8; B = 8 level).
   static constexpr int kEarlyAttentionMaxBatch = 8;
   /// dims_ as the kernels of a decode step of `batch` sequences take them (dims::attention_early).
   [[nodiscard]] dims step_dims(int batch) const;
-  /// The largest batch whose steps are fused (dims::fused_misses): one sequence. Measured on the H200 at B = 1, S = 122880, device values (bench/NOTES.md, session 25): at hit 0.52 the
+  /// The largest batch whose steps are fused (dims::fused_misses): one sequence. Measured on the H200 at B = 1, S = 122880, device values (docs/performance.md; session 25): at hit 0.52 the
   /// fused step takes 0.066 ms a step in graphs of 8 against 0.068 unfused (0.068 against 0.070 in one-step graphs);
   /// at hit 0.04 it is slower (0.079 against 0.073), but decode hit rates on real captures are 0.6-0.9. At B = 8 a
   /// fused rebuild CTA takes several groups, and the step is slower (0.236 against 0.205 ms, session 23).

@@ -58,7 +58,7 @@ void cuda_backend::append_token(int layer, std::span<const batch_entry> entries,
   }
   // Queued, not launched: select_chunks launches it on the copy stream once the first part's landmark logits are
   // done, beside the select kernel (the logits' one-wave grid fills every multiprocessor, and a CTA of the append
-  // beside it made one of theirs wait: logits 17.0 -> 18.3 µs at B = 1, bench/NOTES.md session 20). Nothing of the
+  // beside it made one of theirs wait: logits 17.0 -> 18.3 µs at B = 1, docs/performance.md; session 20). Nothing of the
   // selection reads the generated region; the attention waits for the append (attend). The inputs stay valid: the
   // append is launched within this decode call (select_chunks, else attend or finish_call).
   queued_append_ = queued_append{layer,

@@ -55,7 +55,7 @@ void cuda_backend::gram_matrix(const float* keys_pre, int rows, double* gram,
 void cuda_backend::solve_gram_matrices(double* grams, int count, int* infos,
                                        const device_resources::library_lease& libraries) {
   // All eigenpairs of each matrix (cuSOLVER's batched solver has no index range); the basis takes the last `rank`
-  // columns. Measured on the H200 (bench/NOTES.md, session 10): ~9.7 ms a 1024 x 1024 matrix, as Dsyevdx's top 160.
+  // columns. Measured on the H200 (docs/performance.md; session 10): ~9.7 ms a 1024 x 1024 matrix, as Dsyevdx's top 160.
   const std::int64_t n = config_.kv_width();
   device_buffer eigenvalues(static_cast<std::size_t>(n) * count * sizeof(double), stream_, resources_->device_memory());
   std::size_t device_bytes = 0;
@@ -71,7 +71,7 @@ void cuda_backend::solve_gram_matrices(double* grams, int count, int* infos,
                                                device_bytes, host_work.data(), host_bytes, infos, count));
   // The infos stay on the device: the call reads every sequence's at once, after the last factorisation
   // (check_factorizations). Note that cuSOLVER's dense eigensolvers return only once the stream has drained, their
-  // own work included (XsyevBatched, syevdx, syevd, syevj, gesvd; measured on the H200, bench/NOTES.md): the host
+  // own work included (XsyevBatched, syevdx, syevd, syevj, gesvd; measured on the H200, docs/performance.md): the host
   // waits here once a group of sequences, and no ordering of our own calls removes that wait.
   eigenvalues.release(stream_);
   device_work.release(stream_);

@@ -231,7 +231,7 @@ using bf16_rebuild_mma = decltype(cute::make_tiled_mma(cute::SM80_16x8x16_F32BF1
 /// ldmatrix.x4 and each n8 block's B operand (16 x 8, stored dim-major) by one ldmatrix.x2.trans. Both are free of bank
 /// conflicts with rebuild_tile's padded rows (A: 80 bytes a row, B: 2 (D + 8) bytes, an odd number of 16-byte units).
 /// Against bf16 factors widened to tf32 (the way before session 15): half the MMAs, and one shared-memory instruction for what
-/// took eight scalar loads and conversions (bench/NOTES.md, session 14: ~260 instructions a warp a K tile).
+/// took eight scalar loads and conversions (docs/performance.md; session 14: ~260 instructions a warp a K tile).
 template <int D, typename Sums>
 __device__ __forceinline__ void add_bf16_tile_products(const __nv_bfloat16* stage, Sums& tile_sums) {
   using namespace cute;
@@ -467,7 +467,7 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
   //  3. P V, kHeadsPerPass heads at a time: a thread a (pair of dims, part of the rows), a value pair read once for the
   //     4 heads; the parts' sums meet in sC (free after phase 1), added in part order, and go to the partials.
   // (Session 23's versions, a thread a (head, row) reading every key row once a head and a thread a (head, pair)
-  // reading every value row once a head, took ~8 µs a group: bench/NOTES.md.) Called by every thread; the caller's
+  // reading every value row once a head, took ~8 µs a group: docs/performance.md.) Called by every thread; the caller's
   // barrier C follows before sC or the buffers are reused.
   auto attend_group = [&](int rows, int group_index) {
     static_assert(kRebuildRows == 64 && kRebuildThreads == 256, "rows and threads as assumed below");

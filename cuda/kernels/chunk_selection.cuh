@@ -1,4 +1,4 @@
-// Landmark scores, top-k per KV head and the temporal-cache scan (DESIGN.md §2 decode steps 2–4,
+// Landmark scores, top-k per KV head and the temporal-cache scan (docs/semantics.md decode steps 2–4,
 // docs/semantics.md "Decode" 3–6), for a batch of (sequence, layer) entries.
 //
 // For entry b (slot = batch_slots[b], view = views[slot * num_layers + layer]) and KV head h:

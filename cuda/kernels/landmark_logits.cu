@@ -36,7 +36,7 @@ constexpr int min_ctas_per_multiprocessor() {
   if constexpr (kMma) return 2;
   // Two centroids: one CTA an SM fewer than their sums alone would allow. At 64 and 80 registers the e4m3
   // instantiations spilled 24-176 bytes of stack inside the tile loop; with these bounds none spills, and the kernel
-  // went 40.3 -> 24.9 µs at B = 1 and 232.7 -> 151.1 at B = 8 (S = 122880; bench/NOTES.md, session 32).
+  // went 40.3 -> 24.9 µs at B = 1 and 232.7 -> 151.1 at B = 8 (S = 122880; docs/performance.md; session 32).
   if constexpr (kC == 2) return kG * kC <= 4 ? 3 : 2;
   return kG * kC <= 4 ? 4 : (kG * kC <= 8 ? 3 : 2);
 }
@@ -134,7 +134,7 @@ struct tile_descriptor : weights_of<kC> {
 constexpr int kDescriptorSlots = 8;
 constexpr int kDescribedAhead = 5;
 // With a pool (a launch beside the value fetch, whose CTAs slow the logits CTAs that share their multiprocessors by
-// up to ~1.6x: bench/NOTES.md, session 17), each CTA's fixed share is 1 / kFixedShareDivisor of its even share, and
+// up to ~1.6x: docs/performance.md; session 17), each CTA's fixed share is 1 / kFixedShareDivisor of its even share, and
 // the rest of the tiles are claimed from a shared counter kClaimTiles at a time (consecutive tiles, mostly of one
 // (sequence, head): one staging of q for several tiles), so that the slowed CTAs take fewer.
 constexpr int kFixedShareDivisor = 2;
@@ -235,7 +235,7 @@ __device__ tile_descriptor<kC> describe_tile(const sequence_entry<kC>* sequences
 /// Asks L2 for a described tile's outlier flags (its rows' bytes, one or two 128-byte lines), so that the warps'
 /// loads of them, a few tiles later, find them there and not in DRAM behind the landmark stream (Nsight Compute's
 /// PC sampling, session 31: the flags' loads held 15-25% of the logits kernels' warp stall samples). Measured at
-/// B = 8: the logits kernel 78 -> 72 µs; an evict_last priority was no better (bench/NOTES.md, session 31). The
+/// B = 8: the logits kernel 78 -> 72 µs; an evict_last priority was no better (docs/performance.md; session 31). The
 /// tensor-core path only: on the FMA path it made the bf16 G = 4 instantiation (B = 1's) spill 20 bytes, and B = 1's
 /// logits were level with it (17.1 -> 17.3 µs).
 template <int kC>
@@ -378,7 +378,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG, kC, 
     __syncwarp();
     if (claims == nullptr) {
       // No pool: the share's first kDescribedAhead tiles, a lane each (thread 0 alone took ~1.6 µs at B = 1, a
-      // serial chain of divisions and shared loads before the first copy; bench/NOTES.md, session 19).
+      // serial chain of divisions and shared loads before the first copy; docs/performance.md; session 19).
       const int share_first = share_edge(blockIdx.x);
       const int share_end = share_edge(blockIdx.x + 1);
       if (lane < kDescribedAhead) {
@@ -413,7 +413,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_multiprocessor<kG, kC, 
   // Two centroids: D elements, k = 0 only (both of a lane's vectors meet the same slice of q).
   // Staged in two halves: load_queries issues every load of the thread's elements before any is used (one round trip,
   // not one an element or fragment), store_queries writes them to q_shared; at the start the landmark copies are
-  // issued between the two, so that q's loads do not queue behind them (bench/NOTES.md, session 19).
+  // issued between the two, so that q's loads do not queue behind them (docs/performance.md; session 19).
   auto query = [&](const tile_descriptor& tile, int g, int e) {
     return g < d.group ? load_any(queries.data, queries.type,
                                   tile.sequence * queries.stride[0] +
@@ -946,7 +946,7 @@ bool launch_decode_landmark_logits(const dims& d, int kv_type, const layer_view*
       // bf16 rows of 64 or 128 elements on a device with bulk copies (sm_90 on): the tensor-core instantiations
       // (wider rows would halve the rows a tile: fewer than a warp each). The planner takes them when the batch has at
       // least 16 tiles a multiprocessor even with every chunk live (a choice from dims and the batch only, so the step
-      // stays capturable): measured on the H200 (bench/NOTES.md, session 16), B = 8 and 24 at S = 122880 run 3-6%
+      // stays capturable): measured on the H200 (docs/performance.md; session 16), B = 8 and 24 at S = 122880 run 3-6%
       // faster on them, B = 1 (7 tiles a multiprocessor) 0.8 µs slower, its two CTAs an SM sharing fewer tiles.
       const bool many_tiles = static_cast<long long>(batch) * d.kv_heads * tiles >= 16LL * multiprocessors;
       if (many_tiles && (row_bytes == 128 || row_bytes == 256) && tile_rows == 128 &&

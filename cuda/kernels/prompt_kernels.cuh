@@ -1,4 +1,4 @@
-// Prefill kernels of the CUDA backend (DESIGN.md §2 prefill steps 1–5), one sequence at a time.
+// Prefill kernels of the CUDA backend (docs/semantics.md prefill steps 1–5), one sequence at a time.
 // The factorisation itself (Gram/eigensolver or SVD) is cuBLAS/cuSOLVER, called by the backend.
 #pragma once
 

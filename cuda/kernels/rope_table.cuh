@@ -1,5 +1,5 @@
 // RoPE coefficients by position, computed once per store: what the key rebuild reads instead of evaluating a float64
-// sincos for every (row, pair) of every rebuilt chunk (chunk_rebuild.cu; bench/NOTES.md, session 13).
+// sincos for every (row, pair) of every rebuilt chunk (chunk_rebuild.cu; docs/performance.md; session 13).
 #pragma once
 
 #include <cuda_runtime.h>

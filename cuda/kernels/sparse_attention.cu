@@ -33,7 +33,7 @@
 // not miss, beside the key rebuild, which attends over the missed rows itself (chunk_rebuild.cuh, miss_attention) and
 // writes its partials after the splits'; the combine merges both. (The same merge by the split kernel's CTA
 //    that finished last for its (entry, KV head), counted in a workspace array, measured no faster on the H200: slower
-//    at B = 1's 33 splits a head, level at B = 8 and 24; bench/NOTES.md, session 18. Session 29's, a warp a query
+//    at B = 1's 33 splits a head, level at B = 8 and 24; docs/performance.md; session 18. Session 29's, a warp a query
 //    head and all of a lane's loads in flight, bit-identical to the combine: +2.5 µs at B = 1 fused, level at 2-24.)
 //
 // Requires 16-byte aligned key/value arrays (the store's arenas are); rows are then aligned too since
@@ -86,7 +86,7 @@ constexpr int kTargetCtas = 132 * 3;
 /// Shared memory for the K/V pipeline stages of one CTA. At least two stages are kept, so a step larger than half of
 /// this (fp32, D = 256, 4 heads per lane: 32 KiB) takes more (64 KiB, over the 48 KiB default; see launch_split).
 /// (64 KiB, i.e. four stages instead of two for bf16 D = 128, measured slower on the H200: B=8 48 µs against 45, B=24
-/// 221 against 200; bench/NOTES.md, session 9.)
+/// 221 against 200; docs/performance.md; session 9.)
 constexpr int kPipelineBytes = 40 * 1024;
 /// Shared memory (static and dynamic) a CTA may use without the opt-in attribute.
 constexpr int kDefaultSharedBytes = 48 * 1024;
@@ -650,7 +650,7 @@ __global__ void __launch_bounds__(kThreads, 3)
 //   O[16 heads x D] += P V          P split into three bf16 terms the same way, V exact.
 // So every product is exact and only the fp32 accumulation order differs from the FMA kernel. The warps' states merge
 // through shared memory at the end, as in the FMA kernel. ~100 tensor-core and ~150 other instructions a warp per 16
-// rows, where the FMA kernel issues ~1400 (bench/NOTES.md, session 10).
+// rows, where the FMA kernel issues ~1400 (docs/performance.md; session 10).
 constexpr int kMmaWarps = 4;
 constexpr int kMmaThreads = kMmaWarps * 32;
 constexpr int kMmaStepRows = 16 * kMmaWarps;
@@ -962,7 +962,7 @@ __global__ void __launch_bounds__(kMmaThreads, 2)
 // the output pair of dims 2p, 2p + 1, p = t % (D / 2), for part t / (D / 2) of the splits (kCombineThreads / (D / 2)
 // parts, contiguous ranges; D = 128: two), and issues the loads of its first kCombineBatch accumulators before the
 // splits' weights are known: the weights' round trip (warp 0) and the accumulators' overlap, where the weights were
-// waited for first and the accumulators loaded then (5.1-5.5 µs at B = 1's 33 splits a head, bench/NOTES.md). The
+// waited for first and the accumulators loaded then (5.1-5.5 µs at B = 1's 33 splits a head, docs/performance.md). The
 // parts' sums meet in shared memory, added in part order. A split with weight 0 (no rows, or all scores NaN) is not
 // added (its accumulator may be NaN).
 // fused_counts (a fused step: the miss counts of the launch's part, [batch, Hkv]): query head j also merges the key

@@ -1,4 +1,4 @@
-// Exact decode attention over the sparse union of one (sequence, layer) — split-KV, GQA-aware (DESIGN.md §2 step 5).
+// Exact decode attention over the sparse union of one (sequence, layer) — split-KV, GQA-aware (docs/semantics.md step 5).
 //
 // For entry b (slot = batch_slots[b]) and KV head h the tokens are, each once:
 //   outlier rows [0, outlier_chunks*C) of outlier_keys/values[h],

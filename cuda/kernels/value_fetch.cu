@@ -1,7 +1,7 @@
 // The value fetch of a decode step (value_fetch.cuh): a persistent grid that walks the missed runs.
 //
 // (Session 17 measured a rewrite that resolved 32 misses a warp at once and kept 4 KiB a warp in flight: slower at
-// every shape, bench/NOTES.md, "Session 17"; this is the kernel that was in chunk_rebuild.cu until then.)
+// every shape, docs/performance.md, "Session 17"; this is the kernel that was in chunk_rebuild.cu until then.)
 #include "value_fetch.cuh"
 
 #include <algorithm>
@@ -28,7 +28,7 @@ constexpr int kFetchWarps = 8;  // per CTA of the value fetch
 // split into kItemsPerWarp groups, one missed chunk (a contiguous run of C*D values) each, 16-byte reads. Units past a
 // pair's miss count are skipped in one jump to the next pair. The grid is small on purpose: a zero-copy read across
 // PCIe keeps its warp resident for microseconds, so a grid as large as the batch (one CTA per pair, as before) held
-// every multiprocessor for the whole fetch and slowed the key rebuild beside it 2.6x (bench/NOTES.md). fp8 runs are
+// every multiprocessor for the whole fetch and slowed the key rebuild beside it 2.6x (docs/performance.md). fp8 runs are
 // half as long (1 KiB at C = 8, D = 128), so a warp takes two of them: 2 KiB of loads in flight a warp either way.
 template <typename T, int kItemsPerWarp>
 __global__ void fetch_values_kernel(dims d, layer_view* views, const int* batch_slots, int layer, int batch,
@@ -141,7 +141,7 @@ void launch_fetch_values(const dims& d, int kv_type, layer_view* views, const in
   const long long items = static_cast<long long>(batch) * d.kv_heads * d.budget;
   const auto grid = static_cast<unsigned>(std::min<long long>(ctas, (items + kFetchWarps - 1) / kFetchWarps));
   // A plain launch (the fetch starts no programmatic chain), with the caller's priority if it gave one: the block
-  // scheduler then places the fetch's CTAs before the pending CTAs of the kernels beside it (bench/NOTES.md, session 13).
+  // scheduler then places the fetch's CTAs before the pending CTAs of the kernels beside it (docs/performance.md; session 13).
   cudaLaunchAttribute sooner{};
   sooner.id = cudaLaunchAttributePriority;
   sooner.val.priority = priority;

@@ -325,14 +325,14 @@ class KVStore:
             chunk's keys, one row per chunk and KV head) or "two_centroids" (a 2-means of the chunk's keys, two fp8
             centroids and a count: log(w1·exp(s·q·c1) + w2·exp(s·q·c2)); docs/semantics.md, "Chunk scores").
             On CUDA its scoring kernel is not tuned yet: ~3.4 ms a layer at B=24, S=122880 against 0.32 ms for
-            landmarks (bench/NOTES.md, session 8).
+            landmarks (docs/performance.md; session 8).
         factor_dtype: element type of the low-rank key factors A and B: None/"auto" (bfloat16 for bfloat16 and
             float16 stores, float32 for float32 stores), "bfloat16" (half the bytes of the largest per-sequence
             array; A and B are rounded once, docs/semantics.md "Low-rank factors") or "float32".
         decode_pipeline_parts: on CUDA, cut the decode batch into this many parts (2-8, never more than the batch) so
             that the PCIe fetch of one part overlaps the selection of the next, and attention runs part by part as
             the values arrive. 0 (default) lets the backend choose: 3 parts from 16 sequences when any of their values
-            are in host memory, else one (measured at B=24: bench/NOTES.md).
+            are in host memory, else one (measured at B=24: docs/performance.md).
         device_value_budget: bytes of device memory the values of "auto" sequences may take together. Default:
             on CUDA, the device memory free after the store's own reservations less a margin (5%, at least 2 GiB),
             measured when the store is built — pass a budget when the model still needs memory after that; on the

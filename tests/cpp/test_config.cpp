@@ -221,7 +221,7 @@ TEST(Config, FactorDtypeFollowsTheStoreUnlessSet) {
 }
 
 TEST(Config, DefaultsWithModelShapesAreValid) {
-  // Llama-3-8B attention shapes with every algorithm parameter at its default (DESIGN.md §2).
+  // Llama-3-8B attention shapes with every algorithm parameter at its default (docs/semantics.md).
   config cfg;
   cfg.num_layers = 32;
   cfg.num_q_heads = 32;

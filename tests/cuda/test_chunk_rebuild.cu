@@ -750,7 +750,7 @@ TEST_F(ChunkRebuild, ManyGroupsPerCta) {
     miss_pattern pattern;
   };
   const shape shapes[] = {
-      {128, 8, 160, 40, shadowkv::cuda::element_bf16, true, miss_pattern::ragged},  // as DESIGN.md §7
+      {128, 8, 160, 40, shadowkv::cuda::element_bf16, true, miss_pattern::ragged},  // as docs/performance.md
       {64, 16, 96, 20, shadowkv::cuda::element_f32, false, miss_pattern::all},
       {96, 3, 33, 105, shadowkv::cuda::element_f16, false, miss_pattern::ragged},  // 63-row groups, 4-byte A copies
   };

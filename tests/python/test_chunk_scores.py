@@ -7,7 +7,7 @@ real-model captures (tests/fixtures). What its numbers rest on:
   best column and the selection code agree;
 * the bounds are bounds: Quest's per-channel score and the radius score are >= every key's logit in the chunk, and
   the low-rank rules at full rank are the exact keys' rules;
-* the byte counts match bench/NOTES.md (755 MB of landmarks at B=24, S=122880).
+* the byte counts match docs/performance.md (755 MB of landmarks at B=24, S=122880).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Where values live: value_store = "host" | "device" | "auto" (DESIGN.md §3, docs/semantics.md "Value placement").
+"""Where values live: value_store = "host" | "device" | "auto" (docs/semantics.md, "Value placement").
 
 "auto" places each sequence's value store in device memory while ``device_value_budget`` lasts, then in host
 memory; a sequence is never split, its place is decided when it joins (add_sequences) and freed when it leaves.

@@ -1,4 +1,4 @@
-// The backend seam: the operations the store's algorithm needs from a device (DESIGN.md §4).
+// The backend seam: the operations the store's algorithm needs from a device (README.md).
 //
 // The store (store.cpp) owns slots, validation, per-(sequence, layer) counters and the order of operations; a
 // backend owns the bulk data and does the arithmetic. The CPU backend is the readable reference; the CUDA backend

@@ -1,4 +1,4 @@
-// Configuration of a KV store: model shapes, capacity, RoPE and the algorithm's parameters (DESIGN.md §2).
+// Configuration of a KV store: model shapes, capacity, RoPE and the algorithm's parameters (docs/semantics.md).
 #pragma once
 
 #include <cstdint>

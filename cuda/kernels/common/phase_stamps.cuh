@@ -41,7 +41,7 @@ static __device__ unsigned cta_spans_done[kStampedKernels];
 static __device__ unsigned cta_span_launches[kStampedKernels];
 
 /// The stamping CTA's stamps so far, in shared memory: a stamp costs its thread a shared load and store, not a global
-/// round trip (with several stamps a tile, the global count's loads slowed the phases they measured; bench/NOTES.md,
+/// round trip (with several stamps a tile, the global count's loads slowed the phases they measured; docs/performance.md,
 /// session 29). One variable a CTA for every call site of the kernel.
 __device__ __forceinline__ int& phase_stamp_count() {
   __shared__ int count;

@@ -1,5 +1,5 @@
 // The temporal cache's replacement policy for one (sequence, layer, KV head), run by the select kernel right after
-// the selection (DESIGN.md §2 decode step 4, docs/semantics.md Decode 6). Two rules, as on the CPU backend:
+// the selection (docs/semantics.md decode step 4, docs/semantics.md Decode 6). Two rules, as on the CPU backend:
 //  * K == k (update_temporal_cache): hits keep their buffer slots, the other slots are freed, and the misses, in
 //    ascending chunk id, take the free slots in ascending order.
 //  * K > k (update_lru_cache): slots keep their chunk until evicted; the misses, in ascending chunk id, take the

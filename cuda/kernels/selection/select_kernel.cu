@@ -488,7 +488,7 @@ __global__ void __launch_bounds__(kSelectThreads, 1) select_cluster_kernel(const
         // Reduce-scatter, then gather: CTA r sums its own slice of the bins over the ranks into its merged (bins
         // loads a CTA), and after a cluster barrier every CTA copies the other slices from their owners' merged
         // (bins x (ctas - 1) / ctas loads). The merge is bound by the distributed shared memory's throughput, not
-        // by each load's latency (bench/NOTES.md, session 14), so fewer loads is what shortens it. A CTA writes
+        // by each load's latency (docs/performance.md; session 14), so fewer loads is what shortens it. A CTA writes
         // only its own slice of its merged and reads only the others' slices of theirs; the next pass writes its
         // slice again only after the cluster barrier that follows its counting, which every CTA reaches after this
         // gather.

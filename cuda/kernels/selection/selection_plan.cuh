@@ -135,7 +135,7 @@ __host__ __device__ inline cluster_shared_layout cluster_shared_layout_for(const
 /// CTAs per (sequence, KV head) for a launch of `batch` sequences, the planner's choice: a cluster of 8 when every row's cluster fits on the device at once (one CTA an SM,
 /// and no more clusters than clusters_at_once says the GPCs hold); where rows x 8 CTAs would fit on the SMs but not
 /// that many clusters of 8 in the GPCs (the rest would wait for a second wave), a cluster of 4 when those fit; else 1.
-/// Measured on the H200 (bench/NOTES.md, session 11; S = 122880, Hkv 8): B = 1, 8 CTAs a head, 26.8 µs against 28.9
+/// Measured on the H200 (docs/performance.md; session 11; S = 122880, Hkv 8): B = 1, 8 CTAs a head, 26.8 µs against 28.9
 /// on one; B = 8, 2 a head, 32.2 against 32.9; the three parts of B = 24 (8 sequences each, beside the value fetch),
 /// 2 a head, 171-174 µs against 129-132 for the three launches, and the rebuild beside them slower too. The kernel is
 /// a chain of dependent steps whose length the cluster does not shorten; the per-chunk work it splits is small.
