@@ -1,4 +1,4 @@
-// The store's algorithm, written once against the backend seam (docs/semantics.md, docs/semantics.md).
+// The store's algorithm, written once against the backend seam (docs/semantics.md).
 #include "shadowkv/store.hpp"
 
 #include <algorithm>
