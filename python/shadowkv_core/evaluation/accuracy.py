@@ -59,7 +59,7 @@ class EvalConfig:
     def __init__(self, *, tasks=("niah",), lengths=(4096,), depths=(0.0, 0.25, 0.5, 0.75, 1.0), samples=2,
                  budgets=("3.125%",), rank=64, chunk_size=8, outlier_chunks=4, local_chunks=4,
                  generation_window=256, store_dtype=None, seed=0, max_new_tokens=None, time_limit=None,
-                 sink_chunks=1, group_score="mean", chunk_score="landmark", selection="store"):
+                 sink_chunks=1, group_score="mean", chunk_score="landmark", selection="store", extend_block=32):
         for task in tasks:
             if task not in TASKS:
                 raise ValueError(f"unknown task {task!r}; tasks: {', '.join(TASKS)}")
@@ -83,6 +83,7 @@ class EvalConfig:
         self.selection = str(selection)
         self.local_chunks = int(local_chunks)
         self.generation_window = int(generation_window)
+        self.extend_block = int(extend_block)
         self.store_dtype = store_dtype
         self.seed = int(seed)
         self.max_new_tokens = max_new_tokens
@@ -217,7 +218,7 @@ def evaluate(model, tokenizer, config: EvalConfig, *, model_name: str = "model",
                                        group_score=config.group_score, chunk_score=config.chunk_score,
                                        local_chunks=config.local_chunks,
                                        generation_window=config.generation_window, max_seq_len=capacity,
-                                       dtype=config.store_dtype)
+                                       dtype=config.store_dtype, extend_block=config.extend_block)
                 started = time.perf_counter()
                 seed_store_cache(cache, dense, queries, modules, length)
                 store_prefill = time.perf_counter() - started
@@ -293,6 +294,9 @@ def _parser() -> argparse.ArgumentParser:
                         "best any chunk score could do at the budget")
     p.add_argument("--local-chunks", type=int, default=4)
     p.add_argument("--generation-window", type=int, default=256)
+    p.add_argument("--extend-block", type=int, default=32,
+                   help="tokens of a later turn's question that share one selection (the store's extend_block; 1: "
+                        "one decode per token)")
     p.add_argument("--store-dtype", default=None, help="store precision (default: the model's)")
     p.add_argument("--dtype", default="float32", help="model weights dtype")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: per task (16 for needles)")
@@ -331,7 +335,7 @@ def main(argv=None, *, model=None, tokenizer=None) -> int:
             outlier_chunks=args.outliers, local_chunks=args.local_chunks, generation_window=args.generation_window,
             sink_chunks=args.sink_chunks, group_score=args.group_score, chunk_score=args.chunk_score,
             selection=args.selection, store_dtype=args.store_dtype, seed=args.seed,
-            max_new_tokens=args.max_new_tokens, time_limit=args.time_limit)
+            max_new_tokens=args.max_new_tokens, time_limit=args.time_limit, extend_block=args.extend_block)
     except ValueError as exc:  # an unknown task, a misspelt budget or rank: one line, not a traceback
         parser.error(str(exc))
     name = args.model
