@@ -228,6 +228,16 @@ def _new_like(reference: Any, shape: Sequence[int], zeros: bool = False) -> Any:
     raise ValueError(f"cannot allocate an output like {type(reference).__name__}; pass torch tensors or numpy arrays")
 
 
+def _output_for(q: Any, out: Optional[Any], shape_text: str, zeros: bool = False) -> Any:
+    """`out` when given, else a new array shaped like q ([B, Hq, D] for decode, [B, T, Hq, D] for extend)."""
+    if out is not None:
+        return out
+    shape = tuple(getattr(q, "shape", ()))
+    if len(shape) != shape_text.count(",") + 1:
+        raise ValueError(f"q must have shape {shape_text}, got {list(shape)}")
+    return _new_like(q, shape, zeros=zeros)
+
+
 class MemoryFootprintWarning(ResourceWarning):
     """Warned once when a KVStore is built whose configuration holds more bytes per token than full attention (a plain
     KV cache of the same tokens in the same dtype) would. The rule: the bytes one (sequence, layer) holds right after
@@ -558,11 +568,7 @@ class KVStore:
         layer, slot_list = _integer("layer", layer), _slot_list(slots)
         k_new_post_rope = _flag("k_new_post_rope", k_new_post_rope)
         q = _required("q", q)
-        if out is None:
-            shape = tuple(getattr(q, "shape", ()))
-            if len(shape) != 3:
-                raise ValueError(f"q must have shape [B, Hq, D], got {list(shape)}")
-            out = _new_like(q, shape)
+        out = _output_for(q, out, "[B, Hq, D]")
         self._store.decode(
             layer,
             slot_list,
@@ -602,14 +608,10 @@ class KVStore:
         k_post_rope = _flag("k_post_rope", k_post_rope)
         length_list = [] if lengths is None else _integer_list("lengths", lengths, _INT64)
         q = _required("q", q)
-        if out is None:
-            shape = tuple(getattr(q, "shape", ()))
-            if len(shape) != 4:
-                raise ValueError(f"q must have shape [B, T, Hq, D], got {list(shape)}")
-            if shape[1] == 0:
-                raise ValueError(f"extend needs at least one new token per sequence: q holds T = 0 tokens "
-                                 f"({list(shape)})")
-            out = _new_like(q, shape, zeros=True)
+        if len(getattr(q, "shape", ())) == 4 and q.shape[1] == 0:
+            raise ValueError(f"extend needs at least one new token per sequence: q holds T = 0 tokens "
+                             f"({list(q.shape)})")
+        out = _output_for(q, out, "[B, T, Hq, D]", zeros=True)
         self._store.extend(
             layer,
             slot_list,

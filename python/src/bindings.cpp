@@ -91,6 +91,22 @@ std::vector<T> to_vector(const nb::sequence& items) {
 
 std::string to_string(const nb::str& text) { return std::string(text.c_str()); }
 
+// A decode or extend call's tensors as views: the inputs first, so that their errors name them rather than `out`.
+struct call_views {
+  shadowkv::tensor_view q, k, v;
+  shadowkv::mutable_tensor_view out;
+};
+
+call_views views_of(const input_array& q, const input_array& k, const char* k_name, const input_array& v,
+                    const char* v_name, const output_array& out) {
+  call_views views;
+  views.q = to_view(q, "q");
+  views.k = to_view(k, k_name);
+  views.v = to_view(v, v_name);
+  static_cast<shadowkv::tensor_view&>(views.out) = to_view(out, "out");
+  return views;
+}
+
 shadowkv::tensor_view optional_view(const std::optional<input_array>& array, const char* name) {
   return array ? to_view(*array, name) : shadowkv::tensor_view{};
 }
@@ -247,12 +263,8 @@ NB_MODULE(_core, m) {
             if (stream) options.stream = shadowkv::stream_view::from_integer(*stream);
             options.positions = optional_view(positions, "positions");
             options.keys_post_rope = k_new_post_rope;
-            const shadowkv::tensor_view q_view = to_view(q, "q");  // inputs first: errors name them, not `out`
-            const shadowkv::tensor_view k_view = to_view(k_new, "k_new");
-            const shadowkv::tensor_view v_view = to_view(v_new, "v_new");
-            shadowkv::mutable_tensor_view out_view;
-            static_cast<shadowkv::tensor_view&>(out_view) = to_view(out, "out");
-            without_gil([&] { s.decode(layer, slots, q_view, k_view, v_view, out_view, options); });
+            const call_views views = views_of(q, k_new, "k_new", v_new, "v_new", out);
+            without_gil([&] { s.decode(layer, slots, views.q, views.k, views.v, views.out, options); });
           },
           "layer"_a, "slots"_a, "q"_a, "k_new"_a, "v_new"_a, "out"_a, "positions"_a.none(), "k_new_post_rope"_a,
           "stream"_a.none() = nb::none())
@@ -267,12 +279,8 @@ NB_MODULE(_core, m) {
             options.lengths = to_vector<std::int64_t>(lengths);
             options.positions = optional_view(positions, "positions");
             options.keys_post_rope = k_post_rope;
-            const shadowkv::tensor_view q_view = to_view(q, "q");  // inputs first: errors name them, not `out`
-            const shadowkv::tensor_view k_view = to_view(k, "k");
-            const shadowkv::tensor_view v_view = to_view(v, "v");
-            shadowkv::mutable_tensor_view out_view;
-            static_cast<shadowkv::tensor_view&>(out_view) = to_view(out, "out");
-            without_gil([&] { s.extend(layer, slots, q_view, k_view, v_view, out_view, options); });
+            const call_views views = views_of(q, k, "k", v, "v", out);
+            without_gil([&] { s.extend(layer, slots, views.q, views.k, views.v, views.out, options); });
           },
           "layer"_a, "slots"_a, "q"_a, "k"_a, "v"_a, "out"_a, "lengths"_a, "positions"_a.none(), "k_post_rope"_a,
           "stream"_a.none() = nb::none())
