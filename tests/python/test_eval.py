@@ -223,7 +223,7 @@ def test_fwe_answers_are_the_most_frequent_words(tokenizer):
     fmt, hay = PromptFormat(tokenizer), Haystack(tokenizer, HAYSTACK, min_tokens=1300)
     for length, seed in ((500, 0), (1200, 3)):
         sample = make_sample("fwe", length, fmt, hay, index=1, seed=seed)
-        assert sample.depth is None and sample.context.split() and set(sample.context) <= set("abcdefghijklmnopqrstuvwxyz. ")
+        assert sample.depth is None and set(sample.context) <= set("abcdefghijklmnopqrstuvwxyz. ")
         counts = collections.Counter(sample.context.split())
         ranked = [w for w, _ in counts.most_common()]
         assert ranked[0] == FWE_NOISE, "the noise is the most frequent word"

@@ -28,8 +28,9 @@ the generated text as whole words (case-insensitive; a longer number containing 
 count); 0 or 1 for a single expected string.
 
 Lengths are prompt tokens of the first turn in the model's tokenizer (template, instruction, context and the first
-question included; the haystack, fwe's words or qa's distractor paragraphs fill the rest). Depth is the needle's position as a fraction of the context
-(0 = its first sentence, 1 = after its last sentence); needles go at sentence boundaries, the one nearest the depth.
+question included; the haystack, fwe's words or qa's distractor paragraphs fill the rest). Depth is the needle's
+position as a fraction of the context (0 = its first sentence, 1 = after its last sentence); needles go at sentence
+boundaries, the one nearest the depth (qa's paragraph at the paragraph boundary nearest it).
 Every sample is a pure function of (task, length, depth, index, seed), so full attention, every store budget and
 every later run see the same prompts.
 """
