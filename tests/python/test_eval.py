@@ -5,7 +5,9 @@ built from configs (as in test_hf_adapter.py).
 
 * Task generators: the needle is in the context once, at the requested depth (within 5% of the context's tokens),
   the prompt has the requested length (within a few tokens), every expected answer is in the context; samples are
-  deterministic.
+  deterministic. fwe: the expected words are the 3 most frequent after the noise, strictly; qa: the target paragraph
+  once at its depth among distractor paragraphs of the same form, its answer once in the context; both scored 1 for
+  a perfect answer, fwe 1/3 for one of its words, 0 for an empty one.
 * Scoring and budget specs.
 * The store seeded from a shared dense prefill (what the harness does) decodes exactly like a ShadowKVCache filled by
   the model's own prefill through the adapter: same logits (atol 1e-5), same tokens, same selection statistics.
@@ -41,7 +43,8 @@ import shadowkv_core.hf as skv  # noqa: E402
 from shadowkv_core.evaluation import accuracy as ev  # noqa: E402
 from shadowkv_core.evaluation import decoding, haystack, models  # noqa: E402
 from shadowkv_core.evaluation.haystack import Haystack  # noqa: E402
-from shadowkv_core.evaluation.tasks import MULTITURN_TURNS, TASKS, PromptFormat, make_sample, score  # noqa: E402
+from shadowkv_core.evaluation.tasks import (  # noqa: E402
+    DEPTH_TASKS, FWE_NOISE, MULTITURN_TURNS, TASKS, PromptFormat, make_sample, score)
 
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
@@ -191,6 +194,85 @@ def test_samples_are_deterministic(tokenizer):
         make_sample("nope", 500, fmt, hay)
 
 
+@pytest.mark.parametrize("task", ["fwe", "qa"])
+@pytest.mark.parametrize("chat", [False, True], ids=["base", "chat"])
+def test_ruler_tasks_deterministic_and_of_the_length(tokenizer, chat_tokenizer, task, chat):
+    tok = chat_tokenizer if chat else tokenizer
+    fmt, hay = PromptFormat(tok), Haystack(tok, HAYSTACK, min_tokens=1100)
+    depth = 0.4 if task == "qa" else None
+    a = make_sample(task, 900, fmt, hay, depth=depth, index=2, seed=1)
+    assert a == make_sample(task, 900, fmt, hay, depth=depth, index=2, seed=1), f"{task}: same seed, other sample"
+    for other in (make_sample(task, 900, fmt, hay, depth=depth, index=2, seed=2),
+                  make_sample(task, 900, fmt, hay, depth=depth, index=3, seed=1)):
+        assert other.context != a.context and other.turns[0].expected != a.turns[0].expected
+    for length in (600, 1000):
+        sample = make_sample(task, length, fmt, hay, depth=depth, index=0, seed=4)
+        prompt = fmt.first(sample.instruction, sample.context, sample.turns[0])
+        got = len(fmt.encode_first(prompt))
+        assert abs(got - length) <= 8, f"{task}: prompt of {got} tokens, asked {length}"
+        assert prompt.endswith(sample.turns[0].answer_prefix) and sample.context in prompt
+        for expected in sample.turns[0].expected:
+            assert expected in sample.context, f"{task}: {expected!r} not in the context"
+    with pytest.raises(ValueError, match="too short"):
+        make_sample(task, 40, fmt, hay, depth=depth)
+
+
+def test_fwe_answers_are_the_most_frequent_words(tokenizer):
+    import collections
+
+    fmt, hay = PromptFormat(tokenizer), Haystack(tokenizer, HAYSTACK, min_tokens=1300)
+    for length, seed in ((500, 0), (1200, 3)):
+        sample = make_sample("fwe", length, fmt, hay, index=1, seed=seed)
+        assert sample.depth is None and set(sample.context) <= set("abcdefghijklmnopqrstuvwxyz. ")
+        counts = collections.Counter(sample.context.split())
+        ranked = [w for w, _ in counts.most_common()]
+        assert ranked[0] == FWE_NOISE, "the noise is the most frequent word"
+        expected = sample.turns[0].expected
+        assert len(expected) == 3 and set(ranked[1:4]) == set(expected), (ranked[:6], expected)
+        assert min(counts[w] for w in expected) > max(counts[w] for w in ranked[4:]), "top 3 not strictly first"
+        assert [n["count"] for n in sample.needles] == [counts[w] for w in expected]
+        assert all(len(w) == 6 and w.isalpha() for w in expected)
+        assert "three most frequently" in sample.turns[0].question
+    words = sample.turns[0].expected
+    assert score(f" {words[0]}, {words[1]}, {words[2]}", words) == 1.0
+    assert score(f" {words[2]} and {words[0].upper()} and {words[1]}.", words) == 1.0   # any order, any case
+    assert score(f" {words[1]}, zzzzzz, qqqqqq", words) == pytest.approx(1 / 3)
+    assert score(f" {words[0]}s {words[1][:-1]}", words) == 0.0                          # whole words only
+    assert score("", words) == 0.0
+
+
+def test_qa_target_paragraph_among_distractors(tokenizer, chat_tokenizer):
+    import re as _re
+
+    for tok in (tokenizer, chat_tokenizer):
+        fmt, hay = PromptFormat(tok), Haystack(tok, HAYSTACK, min_tokens=1300)
+        for depth in (0.0, 0.25, 0.5, 0.75, 1.0):
+            sample = make_sample("qa", 1200, fmt, hay, depth=depth, index=5, seed=2)
+            golden = sample.needles[0]["text"]
+            assert sample.context.count(golden) == 1 and sample.depth == depth
+            got = _token_depth(tok, sample.context, golden)
+            assert abs(got - depth) <= 0.05, f"qa: target paragraph at token depth {got:.3f}, asked {depth}"
+            # the target paragraph is a paragraph of its own
+            at = sample.context.index(golden)
+            assert at == 0 or sample.context[:at].endswith("\n\n")
+            assert at + len(golden) == len(sample.context) or sample.context[at + len(golden):].startswith("\n\n")
+            (value,) = sample.turns[0].expected
+            question = sample.turns[0].question
+            attribute, town = _re.match(r"What is the (.+) of (\w+)\?$", question).groups()
+            assert f"The {attribute} of {town} is {value}." in golden
+            assert sample.turns[0].answer_prefix == f"The {attribute} of {town} is"
+            assert len(_re.findall(rf"\b{value}\b", sample.context)) == 1, "qa: the answer is not unique"
+            assert sample.context.count(town) == golden.count(town) == 3, "qa: the target town outside its paragraph"
+            paragraphs = sample.context.split("\n\n")
+            assert len(paragraphs) >= 10
+            # distractors of the same form: other towns, the asked attribute among them, other values
+            others = [p for p in paragraphs if p != golden and f"The {attribute} of " in p]
+            assert len(others) >= 3
+            distractors = [p for p in paragraphs if p != golden][:-1]          # the last one is cut
+            assert all(_re.fullmatch(r"(The [a-z ]+ of [A-Z][a-z]+ is [A-Za-z0-9]+\. ?){3}", p) for p in distractors)
+    assert score(f" {value}.", [value]) == 1.0 and score(" Nobody.", [value]) == 0.0 and score("", [value]) == 0.0
+
+
 def test_chat_format_pieces(chat_tokenizer):
     fmt = PromptFormat(chat_tokenizer)
     assert fmt.head == "<|im_start|>user\n"
@@ -312,7 +394,7 @@ def test_harness_end_to_end(tokenizer, tmp_path, family, monkeypatch):
     assert rc == 0
     results = json.loads((out / "results.json").read_text())
     assert results["complete"]
-    expected_records = sum(2 * (2 if t in ("niah", "multikey") else 1) for t in tasks.split(","))
+    expected_records = sum(2 * (2 if t in DEPTH_TASKS else 1) for t in tasks.split(","))
     assert len(results["records"]) == expected_records
     for rec in results["records"]:
         assert abs(rec["prompt_tokens"] - rec["length"]) <= 8

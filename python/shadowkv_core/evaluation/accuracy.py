@@ -19,7 +19,7 @@ that the seeded cache decodes token for token like a ShadowKVCache filled by the
 
 Writes `results.json` (every answer of both, scores, memory_report and stats of the store, times; rewritten after
 each sample, so a run cut short keeps what it did), `summary.md` (the tables) and PNG plots: depth x length heatmaps
-(niah, multikey), accuracy vs budget (when several budgets are given), per-turn accuracy (multiturn).
+(niah, multikey, qa), accuracy vs budget (when several budgets are given), per-turn accuracy (multiturn).
 `--replot results.json` redraws the plots and tables of an earlier run.
 """
 
@@ -46,7 +46,9 @@ from .tasks import DEPTH_TASKS, TASKS, PromptFormat, Sample, make_sample, score
 __all__ = ["EvalConfig", "budget_tokens", "evaluate", "main", "plot", "rescore", "summarize", "tables",
            "write_outputs"]
 
-MAX_NEW_TOKENS = {"niah": 16, "multikey": 16, "multivalue": 48, "multiquery": 48, "vt": 40, "multiturn": 16}
+# fwe: three made-up words (RULER gives it 50); qa: one name or number
+MAX_NEW_TOKENS = {"niah": 16, "multikey": 16, "multivalue": 48, "multiquery": 48, "vt": 40, "fwe": 32, "qa": 16,
+                  "multiturn": 16}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -275,7 +277,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="a packaged model (shadowkv_core.evaluation.models)")
     p.add_argument("--tasks", default="niah", help=f"comma-separated: {','.join(TASKS)}")
     p.add_argument("--lengths", default="4096", help="prompt tokens, comma-separated")
-    p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths for niah/multikey")
+    p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths for niah/multikey/qa")
     p.add_argument("--samples", type=int, default=2, help="samples per (task, length, depth)")
     p.add_argument("--budgets", default="3.125%",
                    help="store budgets, comma-separated: tokens (128) or %% of the prompt (e.g. "

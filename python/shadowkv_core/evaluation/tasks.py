@@ -10,6 +10,16 @@ RULER-style synthetic retrieval tasks over a natural haystack (by default the li
 * ``multiquery``: 4 needles with different keys; one question asks for all 4 numbers.
 * ``vt`` (variable tracking): a chain "VAR A = 12345." "VAR B = VAR A." ... (1 + 4 hops) spread over the context;
   asked for every variable holding 12345.
+* ``fwe`` (frequent-words extraction, RULER's): the context is nothing but words drawn from a Zipf distribution
+  (exponent 2) over a seeded vocabulary of 2000 made-up 6-letter words whose most frequent "word" is the noise
+  "...."; asked for the 3 most frequent words (the ranks after the noise). Word counts are floor(W * k^-2 / H) for
+  rank k (H normalises over the vocabulary), the remainder to W one each to the rarest ranks, in a seeded order; the
+  number of words W is what meets the length (no haystack).
+* ``qa`` (question answering over a long document; RULER's qa reads SQuAD/HotpotQA, here the facts are generated):
+  the context is paragraphs of 3 facts each about a made-up town ("The mayor of Belora is Tikamu."), every name and
+  number distinct; the target town's paragraph goes at the paragraph boundary nearest the depth, the distractor
+  paragraphs about other towns (the same attributes, other values) fill the length; asked one attribute of the
+  target town.
 * ``multiturn``: 8 needles with different keys at depths (i + 0.5) / 8; 8 questions, one per turn, each about a
   different needle, in a shuffled order, in one conversation (the model's own answers stay in the conversation).
 
@@ -18,8 +28,9 @@ the generated text as whole words (case-insensitive; a longer number containing 
 count); 0 or 1 for a single expected string.
 
 Lengths are prompt tokens of the first turn in the model's tokenizer (template, instruction, context and the first
-question included; the haystack is cut to fill the rest). Depth is the needle's position as a fraction of the context
-(0 = its first sentence, 1 = after its last sentence); needles go at sentence boundaries, the one nearest the depth.
+question included; the haystack, fwe's words or qa's distractor paragraphs fill the rest). Depth is the needle's
+position as a fraction of the context (0 = its first sentence, 1 = after its last sentence); needles go at sentence
+boundaries, the one nearest the depth (qa's paragraph at the paragraph boundary nearest it).
 Every sample is a pure function of (task, length, depth, index, seed), so full attention, every store budget and
 every later run see the same prompts.
 """
@@ -46,8 +57,8 @@ __all__ = [
     "score",
 ]
 
-TASKS = ("niah", "multikey", "multivalue", "multiquery", "vt", "multiturn")
-DEPTH_TASKS = ("niah", "multikey")            # tasks whose needle position is the `depth` parameter
+TASKS = ("niah", "multikey", "multivalue", "multiquery", "vt", "fwe", "qa", "multiturn")
+DEPTH_TASKS = ("niah", "multikey", "qa")      # tasks whose needle position is the `depth` parameter
 MULTITURN_TURNS = 8
 
 _ADJECTIVES = (
@@ -74,12 +85,14 @@ class Turn:
 class Sample:
     task: str
     length: int                       # requested first-turn prompt tokens
-    depth: Optional[float]            # requested needle depth (niah, multikey), else None
+    depth: Optional[float]            # requested needle depth (niah, multikey, qa), else None
     index: int
     instruction: str
     context: str
     turns: List[Turn]
-    needles: List[dict] = field(default_factory=list)   # {"text", "depth"}: each needle and its requested depth
+    # {"text", "depth"}: each needle and its requested depth (qa: the target paragraph; fwe: the 3 answer words,
+    # depth None, with "count", their occurrences)
+    needles: List[dict] = field(default_factory=list)
 
 
 def score(output: str, expected: Sequence[str]) -> float:
@@ -268,6 +281,183 @@ def _plan(task: str, depth: Optional[float], rng: random.Random) -> tuple:
     raise ValueError(f"unknown task {task!r}; tasks: {', '.join(TASKS)}")
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# fwe: frequent-words extraction
+# ---------------------------------------------------------------------------------------------------------------------
+
+FWE_VOCAB = 2000        # distinct words, the noise included
+FWE_ALPHA = 2.0         # Zipf exponent (RULER's)
+FWE_NOISE = "...."      # the most frequent "word", which the question says to ignore
+FWE_ANSWERS = 3
+
+_FWE_INSTRUCTION = ("Read the following coded text and track the frequency of each coded word. Find the three most "
+                    "frequently appeared coded words.")
+_FWE_QUESTION = ("Do not provide any explanation. Please ignore the dots '....'. What are the three most frequently "
+                 "appeared words in the above coded text?")
+_FWE_PREFIX = "According to the coded text above, the three most frequently appeared words are:"
+
+
+def _fwe_vocab(rng: random.Random) -> List[str]:
+    """FWE_VOCAB words by rank: the noise, then distinct made-up lowercase 6-letter words."""
+    words: List[str] = []
+    seen = set()
+    while len(words) < FWE_VOCAB - 1:
+        word = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(6))
+        if word not in seen:
+            seen.add(word)
+            words.append(word)
+    return [FWE_NOISE] + words
+
+
+def _fwe_counts(total: int) -> List[int]:
+    """Occurrences of each rank among `total` words: floor(total * k^-alpha / H), the remainder one each to the
+    rarest ranks (each fraction is below 1, so the remainder is below the vocabulary's size)."""
+    weights = [k ** -FWE_ALPHA for k in range(1, FWE_VOCAB + 1)]
+    norm = sum(weights)
+    counts = [int(total * w / norm) for w in weights]
+    for k in range(total - sum(counts)):
+        counts[FWE_VOCAB - 1 - k] += 1
+    return counts
+
+
+def _fwe_text(vocab: Sequence[str], counts: Sequence[int], order_seed: int) -> str:
+    words = [w for w, c in zip(vocab, counts) for _ in range(c)]
+    random.Random(order_seed).shuffle(words)
+    return " ".join(words)
+
+
+def _fwe_sample(length: int, fmt: PromptFormat, index: int, rng: random.Random) -> Sample:
+    vocab = _fwe_vocab(rng)
+    order_seed = rng.getrandbits(64)
+    answers = vocab[1:1 + FWE_ANSWERS]
+    turn = Turn(question=_FWE_QUESTION, answer_prefix=_FWE_PREFIX, expected=list(answers))
+
+    def tokens(total: int) -> int:
+        context = _fwe_text(vocab, _fwe_counts(total), order_seed)
+        return len(fmt.encode_first(fmt.first(_FWE_INSTRUCTION, context, turn)))
+
+    overhead = tokens(0)
+    if length - overhead < 16:
+        raise ValueError(f"length {length} is too short for task 'fwe' (its prompt without words has {overhead} "
+                         "tokens)")
+    # Secant steps on the word count, then word by word to the largest count that does not pass the length.
+    total, got = max(1, (length - overhead) // 2), None
+    for _ in range(12):
+        got = tokens(total)
+        if got == length:
+            break
+        per_word = max(0.5, (got - overhead) / total)
+        step = int(round((length - got) / per_word))
+        if step == 0:
+            break
+        total = max(1, total + step)
+    for _ in range(64):
+        if got <= length or total == 1:
+            break
+        total -= 1
+        got = tokens(total)
+    for _ in range(64):
+        if tokens(total + 1) > length:
+            break
+        total += 1
+    counts = _fwe_counts(total)
+    if min(counts[1:1 + FWE_ANSWERS]) <= max(counts[1 + FWE_ANSWERS:]):
+        raise ValueError(f"length {length} is too short for task 'fwe': its {total} words do not make "
+                         f"{FWE_ANSWERS} words more frequent than every other")
+    context = _fwe_text(vocab, counts, order_seed)
+    return Sample(task="fwe", length=length, depth=None, index=index, instruction=_FWE_INSTRUCTION, context=context,
+                  turns=[turn], needles=[{"text": w, "depth": None, "count": c}
+                                         for w, c in zip(answers, counts[1:1 + FWE_ANSWERS])])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# qa: one fact paragraph among distractor paragraphs of the same form
+# ---------------------------------------------------------------------------------------------------------------------
+
+QA_FACTS = 3            # facts per paragraph
+_QA_ATTRIBUTES = (("mayor", "name"), ("river", "name"), ("twin town", "name"), ("oldest inn", "name"),
+                  ("population", "number"), ("postal code", "number"))
+_QA_INSTRUCTION = ("The following paragraphs describe many towns. Answer the question about one of them based on the "
+                   "given paragraphs. Only give me the answer and do not output any other words.")
+_CONSONANTS, _VOWELS = "bdfgklmnprstvz", "aeiou"
+
+
+class _Unique:
+    """Made-up names and 5-digit numbers, none twice in one sample."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng, self.used = rng, set()
+
+    def _draw(self, make) -> str:
+        while True:
+            value = make()
+            if value not in self.used:
+                self.used.add(value)
+                return value
+
+    def name(self) -> str:
+        syllables = self.rng.randint(2, 3)
+        return self._draw(lambda: "".join(self.rng.choice(_CONSONANTS) + self.rng.choice(_VOWELS)
+                                          for _ in range(syllables)).capitalize())
+
+    def number(self) -> str:
+        return self._draw(lambda: str(self.rng.randint(10000, 99999)))
+
+
+def _qa_paragraph(town: str, unique: _Unique, rng: random.Random, must: Optional[int] = None) -> tuple:
+    """(paragraph text, [(attribute, value)]) of QA_FACTS facts about `town` (attribute index `must` among them)."""
+    picks = rng.sample([i for i in range(len(_QA_ATTRIBUTES)) if i != must], QA_FACTS - (must is not None))
+    if must is not None:
+        picks.insert(rng.randrange(QA_FACTS), must)
+    facts = [(_QA_ATTRIBUTES[i][0], getattr(unique, _QA_ATTRIBUTES[i][1])()) for i in picks]
+    return " ".join(f"The {attribute} of {town} is {value}." for attribute, value in facts), facts
+
+
+def _qa_sample(length: int, fmt: PromptFormat, depth: float, index: int, rng: random.Random) -> Sample:
+    unique = _Unique(rng)
+    town = unique.name()
+    asked = rng.randrange(len(_QA_ATTRIBUTES))
+    golden, facts = _qa_paragraph(town, unique, rng, must=asked)
+    attribute = _QA_ATTRIBUTES[asked][0]
+    value = dict(facts)[attribute]
+    turn = Turn(question=f"What is the {attribute} of {town}?", answer_prefix=f"The {attribute} of {town} is",
+                expected=[value])
+    overhead = len(fmt.encode_first(fmt.first(_QA_INSTRUCTION, "", turn)))
+    overhead += len(fmt.encode_next("\n\n" + golden))
+    filler = length - overhead
+    if filler < 16:
+        raise ValueError(f"length {length} is too short for task 'qa' (its prompt without distractors has "
+                         f"{overhead} tokens)")
+    paragraphs, have = [], 0
+    while have < filler + 64:
+        paragraphs.append(_qa_paragraph(unique.name(), unique, rng)[0])
+        have += len(fmt.encode_next("\n\n" + paragraphs[-1]))
+    text = "\n\n".join(paragraphs)
+    enc = fmt.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    starts = [start for start, _ in enc.offset_mapping]
+    bounds = [0] + [m.end() for m in re.finditer(r"\n\n", text)]
+
+    def cut(tokens: int) -> str:
+        """The distractors cut after `tokens` tokens (mid-sentence, as the haystack windows are) with the target
+        paragraph at the paragraph boundary nearest the depth (in tokens)."""
+        head = text[:starts[tokens]]
+        token = min(tokens - 1, max(0, int(round(depth * tokens))))
+        char = len(head) if depth >= 1.0 else starts[token]
+        at = min([b for b in bounds if b <= len(head)] + [len(head)], key=lambda b: abs(b - char))
+        return "\n\n".join(p for p in (head[:at].rstrip(), golden, head[at:].lstrip()) if p)
+
+    # The golden paragraph's tokens where it lands can differ from its own by one or two: measure, correct.
+    tokens = filler
+    for _ in range(3):
+        context = cut(tokens)
+        miss = len(fmt.encode_first(fmt.first(_QA_INSTRUCTION, context, turn))) - length
+        if miss == 0 or not 16 <= tokens - miss < len(starts):
+            break
+        tokens -= miss
+    return Sample(task="qa", length=length, depth=depth, index=index, instruction=_QA_INSTRUCTION, context=context,
+                  turns=[turn], needles=[{"text": golden, "depth": depth}])
+
+
 def make_sample(task: str, length: int, fmt: PromptFormat, haystack: Haystack, *, depth: Optional[float] = None,
                 index: int = 0, seed: int = 0) -> Sample:
     """One sample of `task` whose first-turn prompt has about `length` tokens in `fmt`'s tokenizer."""
@@ -277,6 +467,10 @@ def make_sample(task: str, length: int, fmt: PromptFormat, haystack: Haystack, *
     else:
         depth = None
     rng = _rng(task, length, depth, index, seed)
+    if task == "fwe":
+        return _fwe_sample(length, fmt, index, rng)
+    if task == "qa":
+        return _qa_sample(length, fmt, depth, index, rng)
     instruction, needles, turns = _plan(task, depth, rng)
     overhead = len(fmt.encode_first(fmt.first(instruction, "", turns[0])))
     overhead += sum(len(fmt.encode_next(" " + text)) for _, text in needles)
