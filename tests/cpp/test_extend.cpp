@@ -176,7 +176,9 @@ class extend_test : public ::testing::TestWithParam<variant> {
     EXPECT_EQ(x.landmarks, y.landmarks);
     EXPECT_EQ(x.exact_tokens, y.exact_tokens);
     EXPECT_EQ(x.value_store, y.value_store);
-    if (journal) EXPECT_EQ(x.fold_journal, y.fold_journal);
+    if (journal) {
+      EXPECT_EQ(x.fold_journal, y.fold_journal);
+    }
     EXPECT_EQ(x.full_attention_equivalent, y.full_attention_equivalent);
   }
 
