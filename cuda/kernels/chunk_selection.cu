@@ -37,12 +37,14 @@
 //      compaction offsets each CTA's ids by the counts of the CTAs before it, and the first CTA updates the cache;
 //      the radix keys live in workspace.radix_keys there (rows for such small launches are always reserved).
 //
-// Several query tokens (prefill's q_last) need one softmax per token before the sum over tokens, i.e. a normaliser
-// per (b, j, t) that only a full pass can give, and the logits buffer has room for one token. So, per token t in
-// order, kernel 1 runs twice: logit_mode::statistics writes only the tile partials of token t (into the partials rows),
-// then logit_mode::accumulate recomputes the logits, normalises them with the merged partials and adds p_{j,t} into
-// logits row j (-1 for non-candidates). Kernel 2 then takes the max over the group. 2*Tq + 1 launches, two landmark
-// passes per token, all fully parallel.
+// Several query tokens (a prefill's q_last, an extend block) need one softmax per token before the sum over tokens,
+// i.e. a normaliser per (b, j, t) that only a full pass can give, and the logits buffer has room for one token. So,
+// per group of up to kScoringTokenGroup tokens, kernel 1 runs twice: logit_mode::statistics writes the tile partials of
+// each token of the group (a partials row per token), then logit_mode::accumulate recomputes the logits, normalises
+// them with the merged partials and adds p_{j,t} into logits row j (-1 for non-candidates), token after token from
+// each staged tile. Kernel 2 then takes the score over the group. 2*ceil(Tq/16) + 1 launches, two landmark passes
+// per group of tokens. (One launch pair per token made an extend block of 32 tokens take ~3 ms at 122K tokens on an
+// H100, at f49271d.)
 //
 // Every chunk's logit is computed by the same sequence of float operations wherever it sits in a tile, so identical
 // landmarks give bit-identical scores and ties are broken by chunk id exactly as the CPU reference does.
@@ -146,7 +148,8 @@ selection_workspace_bytes chunk_selection_workspace(const dims& d, int kv_type, 
   const long long rows = static_cast<long long>(max_batch) * d.kv_heads;
   const logit_geometry logit_geo = selection::plan_logits(d, element_bytes_of(d, kv_type));
   selection_workspace_bytes bytes{};
-  bytes.partials = static_cast<std::size_t>(rows * selection::partial_row_floats(d, logit_geo)) * sizeof(float);
+  bytes.partials = static_cast<std::size_t>(rows * selection::kScoringTokenGroup *
+                                            selection::partial_row_floats(d, logit_geo)) * sizeof(float);
   // One row per (sequence, KV head) of a launch when the keys do not fit in shared memory; else rows for the
   // launches small enough to run in clusters, which keep their radix keys here (plan_select_cluster).
   const device_limits limits = current_device_limits();

@@ -26,10 +26,10 @@ namespace {
 constexpr int kLogitTileBudget = 36 * 1024;  // bytes of one staged tile (two are in flight): 3 CTAs per SM resident
 constexpr int kMaxTilesPerCta = 16;
 
-/// What the kernel writes. Decode: logits (the logits and the tile partials). Several query tokens,
-/// for each token t in order: statistics (the tile partials of token t only), then accumulate (recomputes the logits,
-/// normalises them with the merged partials and adds p_{j,t} into logits row j: the probabilities summed over
-/// tokens). int-sized: it travels in a kernel argument.
+/// What the kernel writes. Decode: logits (the logits and the tile partials). Several query tokens, for each group
+/// of tokens in order: statistics (the tile partials of each token of the group, a partials row per token), then
+/// accumulate (recomputes the logits, normalises them with the merged partials and adds p_{j,t} into logits row j:
+/// the probabilities summed over tokens). int-sized: it travels in a kernel argument.
 enum class logit_mode : int { logits, statistics, accumulate };
 
 /// Rows of row_bytes (a multiple of 16) contiguous in global memory: fully coalesced 16-byte copies that bypass
@@ -75,15 +75,16 @@ __global__ void __launch_bounds__(kLogitThreads) landmark_logits_kernel(const di
                                                                         const int* batch_slots, const int layer,
                                                                         const strided_tensor queries,
                                                                         const logit_geometry geo, const logit_mode mode,
-                                                                        const int token, float* logits,
-                                                                        float* partials) {
+                                                                        const int first_token, const int token_count,
+                                                                        float* logits, float* partials) {
   start_phase_stamps(stamped_kernel::logits);
   wait_for_prior_grids();  // common/dependent_launch.cuh: nothing before the previous kernel is done
   phase_stamp(stamped_kernel::logits, 1);
   constexpr int kElements = vector16<T>::elements;
   extern __shared__ __align__(16) unsigned char logit_shared[];
   __shared__ float warp_partials[kLogitThreads / 32][kHeadBlock][2];
-  __shared__ float token_stats[kHeadBlock][2];  // accumulate: (max, sum exp) of this token's logits per head
+  // accumulate: (max, sum exp) of each token's logits per head
+  __shared__ float token_stats[kScoringTokenGroup][kHeadBlock][2];
 
   const int h = blockIdx.y;
   const int b = blockIdx.z;
@@ -129,7 +130,7 @@ __global__ void __launch_bounds__(kLogitThreads) landmark_logits_kernel(const di
   auto outlier_of = [&](int t) {
     return part == 0 && r < rows_of(t) && head_outliers[t * geo.tile_rows + r] != 0;
   };
-  auto stage_q = [&](int g0) {
+  auto stage_q = [&](int g0, int token) {
     for (int i = threadIdx.x; i < kHeadBlock * padded; i += kLogitThreads) {
       const int gi = i / padded;
       const int e = i - gi * padded;
@@ -143,12 +144,18 @@ __global__ void __launch_bounds__(kLogitThreads) landmark_logits_kernel(const di
     }
   };
   const int used_tiles = (n + geo.tile_rows - 1) / geo.tile_rows;
-  float* const head_partials = partials + (static_cast<long long>(b) * d.kv_heads + h) * partial_row_floats(d, geo);
+  // The partials row of the group's k-th token: rows of all entries for token 0 of the group, then for token 1, ...
+  auto partials_of = [&](int k) {
+    return partials +
+           ((static_cast<long long>(k) * gridDim.z + b) * d.kv_heads + h) * partial_row_floats(d, geo);
+  };
 
   stage_rows(stage(0), tile, rows_of(tile));
   bool outlier = outlier_of(tile);
   const bool single_block = d.group <= kHeadBlock;
-  if (single_block) stage_q(0);
+  // One token with one block of heads: q is staged once; otherwise for each (head block, token) of each tile.
+  const bool restage = !single_block || token_count > 1;
+  if (!restage) stage_q(0, first_token);
 
   for (int i = 0;; ++i) {
     const int next = tile + tile_stride;
@@ -168,9 +175,12 @@ __global__ void __launch_bounds__(kLogitThreads) landmark_logits_kernel(const di
     const bool owner = part == 0 && r < rows;  // the thread that writes row r's results
     const unsigned char* row = stage(i) + r * geo.row_stride;
     for (int g0 = 0; g0 < d.group; g0 += kHeadBlock) {
-      if (!single_block) {
-        if (g0 > 0) __syncthreads();
-        stage_q(g0);
+     for (int k = 0; k < token_count; ++k) {
+      const int token = first_token + k;
+      float* const head_partials = partials_of(k);
+      if (restage) {
+        if (g0 > 0 || k > 0) __syncthreads();  // q_shared, part_sums and warp_partials of the previous round are read
+        stage_q(g0, token);
         __syncthreads();
       }
       if (mode == logit_mode::accumulate && (i == 0 || !single_block)) {
@@ -184,8 +194,8 @@ __global__ void __launch_bounds__(kLogitThreads) landmark_logits_kernel(const di
           }
           warp_merge_partial(m, s);
           if (lane == 0) {
-            token_stats[gi][0] = m;
-            token_stats[gi][1] = s;
+            token_stats[k][gi][0] = m;
+            token_stats[k][gi][1] = s;
           }
         }
         __syncthreads();
@@ -286,7 +296,7 @@ __global__ void __launch_bounds__(kLogitThreads) landmark_logits_kernel(const di
           } else if (outlier) {
             *out = -1.0F;  // marks a non-candidate for kernel 2 (probabilities are >= 0)
           } else {
-            const float p = expf(logit[gi] - token_stats[gi][0]) / token_stats[gi][1];
+            const float p = expf(logit[gi] - token_stats[k][gi][0]) / token_stats[k][gi][1];
             *out = token == 0 ? p : *out + p;
           }
         }
@@ -327,6 +337,7 @@ __global__ void __launch_bounds__(kLogitThreads) landmark_logits_kernel(const di
           partial[1] = tile_s;
         }
       }
+     }
     }
     if (!has_next) {
       finish_phase_stamps(stamped_kernel::logits, 49);
@@ -366,17 +377,18 @@ void launch_logits(const dims& d, const layer_view* views, const int* batch_slot
   const long long per_cta = std::min<long long>(std::max<long long>((work + slots - 1) / slots, 1), kMaxTilesPerCta);
   const dim3 grid(static_cast<unsigned>((geo.tiles + per_cta - 1) / per_cta), static_cast<unsigned>(d.kv_heads),
                   static_cast<unsigned>(batch));
-  auto launch = [&](logit_mode mode, int token) {
+  auto launch = [&](logit_mode mode, int first, int count) {
     launch_after_prior_grid(kernel, grid, dim3(kLogitThreads), static_cast<std::size_t>(shared), stream,
-                            true, d, views, batch_slots, layer, queries, geo, mode, token,
+                            true, d, views, batch_slots, layer, queries, geo, mode, first, count,
                             ws.logits, ws.selection_partials);
   };
   if (tokens == 1) {
-    launch(logit_mode::logits, 0);
+    launch(logit_mode::logits, 0, 1);
   } else {
-    for (int t = 0; t < tokens; ++t) {
-      launch(logit_mode::statistics, t);
-      launch(logit_mode::accumulate, t);
+    for (int first = 0; first < tokens; first += kScoringTokenGroup) {
+      const int count = std::min(kScoringTokenGroup, tokens - first);
+      launch(logit_mode::statistics, first, count);
+      launch(logit_mode::accumulate, first, count);
     }
   }
 }

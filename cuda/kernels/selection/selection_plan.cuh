@@ -42,6 +42,10 @@ struct logit_geometry {
   int tiles;       ///< ceil(max_chunks / tile_rows)
 };
 
+/// Query tokens whose logits one scoring launch computes from each staged tile (several query tokens: a prefill's
+/// q_last, an extend block): step_workspace::selection_partials holds this many rows per (entry, KV head).
+inline constexpr int kScoringTokenGroup = 16;
+
 /// Floats of one (entry, KV head) row of step_workspace::selection_partials: (max, sum exp) per query head and tile.
 __host__ __device__ inline long long partial_row_floats(const dims& d, const logit_geometry& geo) {
   return 2LL * d.group * geo.tiles;
