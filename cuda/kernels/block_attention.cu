@@ -67,23 +67,12 @@ __device__ void load_union_row(const dims& d, const layer_view& view, int b, int
                                                dim * values.stride[3]));
     return;
   }
-  const long long base = b * keys.stride[0] + t * keys.stride[1] + h * keys.stride[2];
-  float key = load_any(keys.data, keys.type, base + dim * keys.stride[3]);
-  if (!keys_post_rope && dim < d.rotary_dim) {
-    const long long position = positions.data == nullptr
-                                   ? view.last_position + 1 + t
-                                   : load_index_any(positions.data, positions_bits,
-                                                    b * positions.stride[0] + t * positions.stride[1]);
-    const int half = d.rotary_dim / 2;
-    const int pair = d.rope_interleaved ? dim / 2 : dim % half;
-    int first;
-    int second;
-    rope_dims(d, pair, first, second);
-    float x1 = load_any(keys.data, keys.type, base + first * keys.stride[3]);
-    float x2 = load_any(keys.data, keys.type, base + second * keys.stride[3]);
-    rope_pair(x1, x2, inv_freq[pair], position, d.attention_scaling, false);
-    key = dim == first ? x1 : x2;
-  }
+  const long long position = positions.data == nullptr
+                                 ? view.last_position + 1 + t
+                                 : load_index_any(positions.data, positions_bits,
+                                                  b * positions.stride[0] + t * positions.stride[1]);
+  const float key = caller_key_element(keys.data, keys.type, b * keys.stride[0] + t * keys.stride[1] + h * keys.stride[2],
+                                       keys.stride[3], dim, d, inv_freq, position, keys_post_rope);
   out = round_through<T>(key);
 }
 

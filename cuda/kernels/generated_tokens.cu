@@ -217,19 +217,8 @@ __device__ void append_one(const dims& d, layer_view* view, int b, strided_tenso
   for (int index = threadIdx.x; index < width; index += blockDim.x) {
     const int h = index / d.head_dim;
     const int dim = index % d.head_dim;
-    const long long base = b * k_new.stride[0] + h * k_new.stride[1];
-    float key = load_any(k_new.data, k_new.type, base + dim * k_new.stride[2]);
-    if (!keys_post_rope && dim < d.rotary_dim) {
-      const int half = d.rotary_dim / 2;
-      const int pair = d.rope_interleaved ? dim / 2 : dim % half;
-      int first;
-      int second;
-      rope_dims(d, pair, first, second);
-      float x1 = load_any(k_new.data, k_new.type, base + first * k_new.stride[2]);
-      float x2 = load_any(k_new.data, k_new.type, base + second * k_new.stride[2]);
-      rope_pair(x1, x2, inv_freq[pair], position, d.attention_scaling, false);
-      key = dim == first ? x1 : x2;
-    }
+    const float key = caller_key_element(k_new.data, k_new.type, b * k_new.stride[0] + h * k_new.stride[1],
+                                         k_new.stride[2], dim, d, inv_freq, position, keys_post_rope);
     const float value = load_any(v_new.data, v_new.type, b * v_new.stride[0] + h * v_new.stride[1] + dim * v_new.stride[2]);
     exact_keys[(h * head_rows + ring_row) * d.head_dim + dim] = from_float<T>(key);
     exact_values[(h * head_rows + ring_row) * d.head_dim + dim] = from_float<T>(value);

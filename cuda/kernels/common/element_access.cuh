@@ -98,6 +98,22 @@ __device__ __forceinline__ void rope_dims(const dims& d, int i, int& first, int&
   }
 }
 
+/// Element `dim` of a caller's key row (element type `type`, the row's element `base`, dims `stride` apart) as the
+/// store keeps it: post-RoPE, rotated here to `position` when the caller gave it pre-RoPE (`keys_post_rope` false).
+__device__ __forceinline__ float caller_key_element(const void* data, int type, long long base, long long stride,
+                                                    int dim, const dims& d, const float* inv_freq, long long position,
+                                                    bool keys_post_rope) {
+  if (keys_post_rope || dim >= d.rotary_dim) return load_any(data, type, base + dim * stride);
+  const int pair = d.rope_interleaved ? dim / 2 : dim % (d.rotary_dim / 2);
+  int first;
+  int second;
+  rope_dims(d, pair, first, second);
+  float x1 = load_any(data, type, base + first * stride);
+  float x2 = load_any(data, type, base + second * stride);
+  rope_pair(x1, x2, inv_freq[pair], position, d.attention_scaling, false);
+  return dim == first ? x1 : x2;
+}
+
 /// 16 bytes of T as floats.
 template <typename T>
 struct vector16;
