@@ -24,6 +24,31 @@ void backend::truncate_generated(int /*layer*/, std::span<const batch_entry> /*e
   throw invalid_argument(detail::format_message("the ", to_string(where()), " backend cannot truncate sequences"));
 }
 
+namespace {
+[[noreturn]] void no_keeping(const backend& b) {
+  throw invalid_argument(detail::format_message("the ", to_string(b.where()),
+                                                " backend cannot fork, park or save sequences"));
+}
+}  // namespace
+
+void backend::fork_sequence(int /*source*/, std::span<const int> /*children*/, std::span<const layer_state> /*layers*/) {
+  no_keeping(*this);
+}
+std::unique_ptr<parked_state> backend::park_sequence(int /*slot*/, std::span<const layer_state> /*layers*/) {
+  no_keeping(*this);
+}
+void backend::resume_sequence(int /*slot*/, parked_state& /*parked*/, std::span<const layer_state> /*layers*/) {
+  no_keeping(*this);
+}
+std::vector<state_section> backend::state_sections(std::span<const layer_state> /*layers*/) const { no_keeping(*this); }
+void backend::write_state(int /*slot*/, std::span<const layer_state> /*layers*/, const state_sink& /*sink*/) const {
+  no_keeping(*this);
+}
+void backend::read_state(int /*slot*/, value_place /*values_on*/, std::span<const layer_state> /*layers*/,
+                         std::span<const std::span<const std::byte>> /*sections*/) {
+  no_keeping(*this);
+}
+
 std::unique_ptr<backend> make_backend(const config& cfg, device where) {
   if (where.type == device_type::cpu) return std::make_unique<detail::cpu_backend>(cfg);
 #ifdef SHADOWKV_WITH_CUDA

@@ -8,9 +8,11 @@
 
 #include <cstdint>
 #include <cstddef>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "shadowkv/config.hpp"
@@ -72,6 +74,29 @@ struct block_inputs {
   tensor_view positions;
   bool keys_post_rope = true;
 };
+
+/// A sequence's state outside the backend's slots: made by backend::park_sequence, taken back by resume_sequence.
+/// Holds host memory (and references to shared state) until it is resumed or destroyed.
+class parked_state {
+ public:
+  parked_state() = default;
+  parked_state(const parked_state&) = delete;
+  parked_state& operator=(const parked_state&) = delete;
+  parked_state(parked_state&&) = delete;
+  parked_state& operator=(parked_state&&) = delete;
+  virtual ~parked_state() = default;
+  /// Host bytes this object holds of its own (not counting state it shares with live sequences).
+  [[nodiscard]] virtual std::int64_t host_bytes() const noexcept = 0;
+};
+
+/// One section of a saved sequence: its name (unique within a file) and its size in bytes.
+struct state_section {
+  std::string name;
+  std::int64_t bytes = 0;
+};
+
+/// Where backend::write_state puts a section's bytes: (section index, bytes), called in section order.
+using state_sink = std::function<void(std::size_t, std::span<const std::byte>)>;
 
 /// Chunk ids per KV head (ascending), as returned for inspection.
 using chunk_ids_per_head = std::vector<std::vector<std::int64_t>>;
@@ -171,6 +196,39 @@ class backend {
     (void)entries;
     (void)targets;
   }
+
+  // --- fork, park and save (docs/semantics.md, "Fork, park and save") ----------------------------------------------
+
+  /// True if the backend implements fork_sequence, park_sequence / resume_sequence and the saved-state sections.
+  [[nodiscard]] virtual bool supports_keeping() const { return false; }
+
+  /// Makes each of `children` (slots not open) a sequence equal to the open, prefilled `source` in every layer
+  /// (`layers`: the source's counters, one per layer): the prompt's compressed state shared by reference where the
+  /// backend can, the rest copied; each child's value store is where the source's is. All or nothing: may throw
+  /// out_of_memory, and then no child is open.
+  virtual void fork_sequence(int source, std::span<const int> children, std::span<const layer_state> layers);
+
+  /// Moves the whole state of `slot` (counters `layers`) out of the slot into host memory held by the returned object;
+  /// the store then calls close_sequence(slot). May throw out_of_memory, changing nothing.
+  [[nodiscard]] virtual std::unique_ptr<parked_state> park_sequence(int slot, std::span<const layer_state> layers);
+  /// Opens `slot` (not open) with the state `parked` holds (made by this backend's park_sequence with these counters)
+  /// and empties `parked`. May throw out_of_memory (e.g. no device room for a value store that was in device memory),
+  /// changing nothing (`parked` keeps its state).
+  virtual void resume_sequence(int slot, parked_state& parked, std::span<const layer_state> layers);
+
+  /// The layout name written into saved files ("cpu", "cuda"): a file loads only into a backend of the same layout.
+  [[nodiscard]] virtual const char* state_layout() const { return "none"; }
+  /// The sections of one sequence's saved state, in file order, with their sizes: from the configuration and the
+  /// counters `layers` alone (load checks a file's table against it before reading any section).
+  [[nodiscard]] virtual std::vector<state_section> state_sections(std::span<const layer_state> layers) const;
+  /// Writes the state of the open `slot` as state_sections(layers) says: sink(section index, bytes) once or more per
+  /// section, in order, the pieces of a section concatenated. Changes nothing.
+  virtual void write_state(int slot, std::span<const layer_state> layers, const state_sink& sink) const;
+  /// Opens `slot` (not open) with its value store in `values_on` and the state `sections` hold (sizes as
+  /// state_sections(layers) says, already checked). All or nothing: may throw out_of_memory, and then the slot is not
+  /// open.
+  virtual void read_state(int slot, value_place values_on, std::span<const layer_state> layers,
+                          std::span<const std::span<const std::byte>> sections);
 
   /// The chunks of the last selection of (layer, slot), per KV head.
   [[nodiscard]] virtual chunk_ids_per_head selected_chunks(int layer, int slot) const = 0;

@@ -60,6 +60,37 @@ struct extend_options {
   std::optional<stream_view> stream;
 };
 
+/// A sequence parked out of a store by kv_store::park: its whole state in host memory (docs/semantics.md, "Fork, park
+/// and save"). Move-only. kv_store::resume puts it back into the store that parked it (once: it is empty afterwards);
+/// destroying it frees its memory.
+class parked_sequence {
+ public:
+  parked_sequence();
+  ~parked_sequence();
+  parked_sequence(parked_sequence&&) noexcept;
+  parked_sequence& operator=(parked_sequence&&) noexcept;
+  parked_sequence(const parked_sequence&) = delete;
+  parked_sequence& operator=(const parked_sequence&) = delete;
+
+  /// True once resumed (or moved from, or default-constructed): nothing to resume.
+  [[nodiscard]] bool empty() const noexcept { return state_ == nullptr; }
+  /// Host bytes held of its own (state shared with live sequences not counted).
+  [[nodiscard]] std::int64_t host_bytes() const noexcept;
+  /// Tokens of the sequence (prompt + generated, as in layer 0).
+  [[nodiscard]] std::int64_t tokens() const noexcept;
+  /// The slot the sequence had when it was parked.
+  [[nodiscard]] int parked_from() const noexcept { return slot_; }
+
+ private:
+  friend class kv_store;
+  std::uint64_t store_id_ = 0;  ///< the store that parked it (kv_store::id_)
+  int slot_ = -1;
+  std::uint64_t family_ = 0;    ///< the prompt family it shares (0: none)
+  value_place values_on_ = value_place::host;
+  std::vector<layer_state> layers_;
+  std::unique_ptr<parked_state> state_;
+};
+
 /// Makes a store's backend from the configuration the store runs with (kv_store's second constructor).
 using backend_maker = std::function<std::unique_ptr<backend>(const config&)>;
 
@@ -116,6 +147,28 @@ class kv_store {
   /// out_of_memory, changing nothing.
   void truncate(std::span<const int> slots, std::span<const std::int64_t> tokens);
 
+  /// Takes `count` free slots (lowest ids first) and makes each a sequence equal to `slot` now, in every layer, that
+  /// shares the prompt's compressed state with it by reference (docs/semantics.md, "Fork, park and save"). Every layer
+  /// of `slot` must be prefilled. Throws invalid_argument (slot not live or not prefilled, count < 1), capacity_error
+  /// (too few free slots) or out_of_memory, changing nothing.
+  std::vector<int> fork(int slot, int count = 1);
+
+  /// Moves each sequence's whole state out of its slot into host memory and frees the slots (for other sequences).
+  /// Throws invalid_argument (a slot not live or repeated) or out_of_memory, changing nothing.
+  std::vector<parked_sequence> park(std::span<const int> slots);
+  /// Restores each parked sequence into a free slot (lowest ids first) and empties it; returns the slots, in order.
+  /// Throws invalid_argument (empty, parked by another store, or repeated), capacity_error (too few free slots) or
+  /// out_of_memory, changing nothing.
+  std::vector<int> resume(std::span<parked_sequence> parked);
+
+  /// Writes the whole state of the live `slot` to the file `path` (docs/api.md, "Saved sequences"). Changes nothing
+  /// in the store; throws invalid_argument (slot not live, a layer not prefilled) or io_error (errors.hpp; OSError in Python: the file cannot be written).
+  void save(int slot, const std::string& path) const;
+  /// Reads a file written by save into a free slot (the lowest) and returns it. Checks everything first: throws
+  /// invalid_argument (not a saved sequence, another version, backend layout or configuration, truncated or corrupted),
+  /// capacity_error (no free slot) or out_of_memory, changing nothing.
+  int load(const std::string& path);
+
   /// Accounts for `steps` decode steps of (layer, slots) that ran without the store seeing them: replays of a CUDA
   /// graph captured around one decode call. Advances the host counters (fold rule included) exactly as that many
   /// decode calls would, in O(1); throws capacity_error (changing nothing) if a sequence would exceed max_seq_len,
@@ -156,6 +209,7 @@ class kv_store {
   struct sequence {
     bool active = false;
     value_place values_on = value_place::host;
+    std::uint64_t family = 0;  ///< sequences with the same non-zero family share their prompt (fork)
     std::vector<layer_state> layers;
   };
 
@@ -172,6 +226,8 @@ class kv_store {
   /// The host counters of entries after an extend block of `tokens` tokens.
   void advance_block(int layer, std::span<const batch_entry> entries, std::int64_t tokens);
 
+  std::uint64_t id_ = 0;            ///< unique per store: a parked_sequence resumes only into its own store
+  std::uint64_t next_family_ = 1;   ///< the next prompt family id (fork)
   config config_;
   // Serialises every public call (see "Thread safety" above); a pointer so that the store stays movable.
   std::unique_ptr<std::mutex> mutex_ = std::make_unique<std::mutex>();
