@@ -299,14 +299,16 @@ void cuda_backend::close_sequence(int slot) noexcept {
   }
 }
 
-memory_report cuda_backend::memory(std::span<const layer_state* const> states) const {
-  // In use by the documented formulas (docs/semantics.md), plus what is reserved for the configured capacity.
+memory_report cuda_backend::memory(std::span<const stored_layer> layers) const {
+  // In use by the documented formulas (docs/semantics.md), plus what is reserved for the configured capacity. Nothing
+  // is shared by reference yet (fork_sequence is not implemented here): `shared` stays 0.
   memory_report report;
   const std::int64_t e = static_cast<std::int64_t>(dtype_size(config_.kv_dtype));
   const std::int64_t width = config_.kv_width();
   const std::int64_t chunk = config_.chunk_size;
   const std::int64_t rank = config_.rank;
-  for (const layer_state* state : states) {
+  for (const stored_layer& entry : layers) {
+    const layer_state* state = entry.state;
     const std::int64_t context_tokens = state->context_chunks * chunk;
     report.low_rank_factors +=
         (context_tokens * rank + rank * width) * static_cast<std::int64_t>(dtype_size(config_.factor_dtype()));

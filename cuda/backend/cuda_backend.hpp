@@ -76,7 +76,7 @@ class cuda_backend final : public backend {
   [[nodiscard]] chunk_ids_per_head selected_chunks(int layer, int slot) const override;
   [[nodiscard]] chunk_ids_per_head outlier_chunks(int layer, int slot) const override;
   [[nodiscard]] std::int64_t last_position(int layer, int slot) const override;
-  [[nodiscard]] memory_report memory(std::span<const layer_state* const> states) const override;
+  [[nodiscard]] memory_report memory(std::span<const stored_layer> layers) const override;
   [[nodiscard]] store_stats selection_stats() const override;
   void reset_selection_stats() noexcept override;
   [[nodiscard]] bool supports_replay() const override { return true; }

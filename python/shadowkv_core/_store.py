@@ -637,6 +637,15 @@ class KVStore:
             counts = _integer_list("tokens", tokens, _INT64)
         self._store.truncate(slot_list, counts)
 
+    def fork(self, slot: int, count: int = 1) -> list:
+        """Takes `count` free slots (lowest ids first) and makes each a sequence equal to `slot` now, in every layer
+        (prompt, generated tokens, positions, fold journal, selection cache), and returns their ids. The prompt's
+        compressed state is shared by reference, not copied (memory_report()["shared"]); afterwards each sequence
+        evolves on its own, and releasing any of them (the source included) leaves the others valid
+        (docs/semantics.md, "Fork, park and save"). Every layer of `slot` must be prefilled (ValueError); too few free
+        slots is a ValueError (capacity) and running out of memory a MemoryError, each changing nothing."""
+        return self._store.fork(_integer("slot", slot), _integer("count", count))
+
     def account_replayed_steps(self, layer: int, slots: Union[int, Iterable[int]], steps: int) -> None:
         """Tells the store that a CUDA graph captured around `decode(layer, slots, ...)` was replayed `steps` times
         (each replay advances the device state by one step). Capture after one eager decode with the same slots;
@@ -660,14 +669,16 @@ class KVStore:
 
     def sequence_info(self, layer: int, slot: int) -> dict:
         """prompt_len, total_len, context_chunks, outlier_chunks, local_len, generated_exact_len, last_position,
-        values_on ("device" or "host": where the sequence's value store is)."""
+        values_on ("device" or "host": where the sequence's value store is), shares_prompt_with (the other live slots
+        that share this sequence's prompt state after a fork, ascending; empty when it shares nothing)."""
         return self._store.sequence_info(_integer("layer", layer), _integer("slot", slot))
 
     def memory_report(self) -> dict:
         """Bytes by kind (docs/semantics.md): low_rank_factors, landmarks, outliers, exact_tokens, value_store
         (= value_store_device + value_store_host), selection_cache, fold_journal (exact rows of folded generated chunks,
         kept for truncate), total (the seven kinds), full_attention_equivalent
-        (a plain KV cache of the same tokens), device_reserved and host_reserved (CUDA reservations; 0 on the CPU)."""
+        (a plain KV cache of the same tokens), device_reserved and host_reserved (CUDA reservations; 0 on the CPU),
+        shared (bytes several live sequences share by reference after a fork: counted once in their kinds, and here)."""
         return self._store.memory_report()
 
     def layer_memory_after_prefill(self, prompt_tokens: int) -> dict:

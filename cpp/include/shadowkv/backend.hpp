@@ -46,6 +46,13 @@ struct batch_entry {
   const layer_state* state = nullptr;
 };
 
+/// One prefilled (sequence, layer) of a memory report: its slot, its layer and its counters.
+struct stored_layer {
+  int slot = 0;
+  int layer = 0;
+  const layer_state* state = nullptr;
+};
+
 /// Inputs of a prefill call. Tensors are [B, S, Hkv, D]; positions [B, S] (may be empty: 0..S-1);
 /// q_last [B, Tq, Hq, D] (may be empty).
 struct prefill_inputs {
@@ -205,8 +212,18 @@ class backend {
   /// Makes each of `children` (slots not open) a sequence equal to the open, prefilled `source` in every layer
   /// (`layers`: the source's counters, one per layer): the prompt's compressed state shared by reference where the
   /// backend can, the rest copied; each child's value store is where the source's is. All or nothing: may throw
-  /// out_of_memory, and then no child is open.
+  /// out_of_memory, and then no child is open. Shared state lives while any sequence holding it is open: closing any
+  /// of them (the source included) leaves the others valid.
   virtual void fork_sequence(int source, std::span<const int> children, std::span<const layer_state> layers);
+  /// Bytes the value store of one child that fork_sequence makes of a source with counters `layers` takes in its
+  /// place, counted as value_bytes_per_sequence() is (all layers, at max_seq_len): what the store charges against
+  /// device_value_budget for a child whose values are on the device. The default, a whole value store; a backend that
+  /// shares the prompt's value runs returns value_bytes_per_sequence() less those runs (the CPU backend). The shared
+  /// runs stay charged to one live sequence of the family (kv_store::fork, kv_store::release).
+  [[nodiscard]] virtual std::int64_t forked_value_bytes(std::span<const layer_state> layers) const {
+    (void)layers;
+    return value_bytes_per_sequence();
+  }
 
   /// Moves the whole state of `slot` (counters `layers`) out of the slot into host memory held by the returned object;
   /// the store then calls close_sequence(slot). May throw out_of_memory, changing nothing.
@@ -237,8 +254,10 @@ class backend {
   /// Position of the last token stored for (layer, slot), -1 if none.
   [[nodiscard]] virtual std::int64_t last_position(int layer, int slot) const = 0;
 
-  /// Bytes held, by kind, over the prefilled (sequence, layer)s whose counters are `states`.
-  [[nodiscard]] virtual memory_report memory(std::span<const layer_state* const> states) const = 0;
+  /// Bytes held, by kind, over the prefilled (sequence, layer)s of live sequences `layers` (slot, layer, counters). A
+  /// byte that several of them share by reference (fork) is counted once in its kind and once more in
+  /// memory_report::shared (docs/semantics.md, "Memory report").
+  [[nodiscard]] virtual memory_report memory(std::span<const stored_layer> layers) const = 0;
   /// True while the current call's stream is being captured into a CUDA graph: the work is recorded, not run, so
   /// the store leaves its host counters alone (each replay is accounted with kv_store::account_replayed_steps).
   [[nodiscard]] virtual bool capturing() const { return false; }

@@ -210,6 +210,10 @@ class kv_store {
     bool active = false;
     value_place values_on = value_place::host;
     std::uint64_t family = 0;  ///< sequences with the same non-zero family share their prompt (fork)
+    /// Bytes of device_value_budget this sequence holds (its value store in device memory): value_bytes_per_sequence()
+    /// for a sequence added on the device; backend::forked_value_bytes() for a fork's child, plus the prompt's shared
+    /// runs for the one live member of a family that carries them (the source, until it is released).
+    std::int64_t device_value_bytes = 0;
     std::vector<layer_state> layers;
   };
 
