@@ -235,6 +235,15 @@ std::size_t cuda_backend::value_scales_offset(int chunks) const {
   return align_up(runs * static_cast<std::size_t>(config_.chunk_size) * config_.head_dim);
 }
 
+std::int64_t cuda_backend::forked_value_bytes(std::span<const layer_state> layers) const {
+  // What allocate_values takes for a child (keeping.cpp): each layer's runs of the chunks it can still fold.
+  std::int64_t bytes = 0;
+  for (const layer_state& state : layers) {
+    bytes += static_cast<std::int64_t>(value_runs_bytes(dims_.max_chunks - static_cast<int>(state.prompt_context_chunks)));
+  }
+  return bytes;
+}
+
 std::shared_ptr<cuda_backend::value_allocation> cuda_backend::allocate_values(value_place where,
                                                                               std::span<const int> own_chunks) const {
   std::size_t bytes = 0;
@@ -300,9 +309,18 @@ void cuda_backend::close_sequence(int slot) noexcept {
 }
 
 memory_report cuda_backend::memory(std::span<const stored_layer> layers) const {
-  // In use by the documented formulas (docs/semantics.md), plus what is reserved for the configured capacity. Nothing
-  // is shared by reference yet (fork_sequence is not implemented here): `shared` stays 0.
+  // In use by the documented formulas (docs/semantics.md), plus what is reserved for the configured capacity. Of a
+  // fork family only the value store's prompt runs are shared (keeping.cpp): counted once per (family, layer), and
+  // in `shared` when more than one live sequence reads them.
   memory_report report;
+  struct family_layer {
+    const value_allocation* family;
+    int layer;
+    int readers;
+    std::int64_t bytes;
+    value_place place;
+  };
+  std::vector<family_layer> families;
   const std::int64_t e = static_cast<std::int64_t>(dtype_size(config_.kv_dtype));
   const std::int64_t width = config_.kv_width();
   const std::int64_t chunk = config_.chunk_size;
@@ -317,12 +335,28 @@ memory_report cuda_backend::memory(std::span<const stored_layer> layers) const {
                             : state->context_chunks * width * e;
     report.outliers += state->outlier_chunks * chunk * width * 2 * e;
     report.exact_tokens += (state->local_len + state->generated_exact_len) * width * 2 * e;
-    const std::int64_t values = state->context_chunks * config_.num_kv_heads * config_.value_run_bytes();
-    report.value_store += values;
-    (state->values_on == value_place::device ? report.value_store_device : report.value_store_host) += values;
+    const std::int64_t run_bytes = config_.num_kv_heads * config_.value_run_bytes();
+    const std::int64_t own = (state->context_chunks - state->prompt_context_chunks) * run_bytes;
+    report.value_store += own;
+    (state->values_on == value_place::device ? report.value_store_device : report.value_store_host) += own;
+    const auto slot = static_cast<std::size_t>(entry.slot);
+    const value_allocation* family = prompt_values_[slot] != nullptr ? prompt_values_[slot].get() : values_[slot].get();
+    auto known = std::find_if(families.begin(), families.end(), [&](const family_layer& f) {
+      return f.family == family && f.layer == entry.layer;
+    });
+    if (known == families.end()) {
+      families.push_back({family, entry.layer, 1, state->prompt_context_chunks * run_bytes, state->values_on});
+    } else {
+      ++known->readers;
+    }
     report.selection_cache += config_.cache_slots() * chunk * width * 2 * e;
     report.fold_journal += state->journal_chunks * chunk * width * 2 * e;
     report.full_attention_equivalent += state->total_len() * width * 2 * e;
+  }
+  for (const family_layer& f : families) {
+    report.value_store += f.bytes;
+    (f.place == value_place::device ? report.value_store_device : report.value_store_host) += f.bytes;
+    if (f.readers > 1) report.shared += f.bytes;
   }
   report.device_reserved = static_cast<std::int64_t>(arena_.size() + views_.size() + workspace_memory_.size());
   // Each value store once, however many sequences of a fork family hold it.

@@ -100,6 +100,7 @@ class cuda_backend final : public backend {
   /// Copies the source's arenas into each child's (they are reserved per slot anyway) and shares the value store's
   /// prompt runs by reference; each child gets a value store for its own chunks only.
   void fork_sequence(int source, std::span<const int> children, std::span<const layer_state> layers) override;
+  [[nodiscard]] std::int64_t forked_value_bytes(std::span<const layer_state> layers) const override;
   [[nodiscard]] std::unique_ptr<parked_state> park_sequence(int slot, std::span<const layer_state> layers) override;
   void resume_sequence(int slot, parked_state& parked, std::span<const layer_state> layers) override;
   [[nodiscard]] const char* state_layout() const override { return "cuda"; }

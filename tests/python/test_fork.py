@@ -95,12 +95,17 @@ def _expect_same_sequences(a, b, kw, slots):
             assert a.outlier_chunks(layer, slot) == b.outlier_chunks(layer, slot), (layer, slot)
 
 
+PROMPT_KINDS = ("low_rank_factors", "landmarks", "outliers", "value_store")
+
+
 def _prompt_bytes(store, kw):
-    """The prompt state of one sequence (all layers) by kind: what a fork shares. Right after a prefill a sequence holds
-    its prompt state, its local window and its selection cache; layer_memory_after_prefill gives them by kind."""
+    """The prompt state of one sequence (all layers) by kind, as far as a fork shares it: all of it on the CPU, the
+    value store's runs on CUDA (which copies the rest into the child's arena, reserved per slot anyway; semantics.md).
+    Right after a prefill a sequence holds its prompt state, its local window and its selection cache;
+    layer_memory_after_prefill gives them by kind."""
     one = store.layer_memory_after_prefill(PROMPT)
-    kinds = ("low_rank_factors", "landmarks", "outliers", "value_store")
-    return {kind: kw["num_layers"] * one[kind] for kind in kinds}
+    kinds = ("value_store",) if str(store.device).startswith("cuda") else PROMPT_KINDS
+    return {kind: kw["num_layers"] * one[kind] if kind in kinds else 0 for kind in PROMPT_KINDS}
 
 
 def _expect_shared_once(a, b, kw, holders):
