@@ -72,6 +72,42 @@ inline shadowkv::config twin_config() {
   return cfg;
 }
 
+/// Variants of the store that change what a fold, a selection or the value store holds: the tests of each sequence
+/// operation (extend, truncate, fork, park, save) run on every one.
+enum class store_variant { plain, two_centroids, lru_cache, fp8_values, float32 };
+
+inline std::string store_variant_name(const ::testing::TestParamInfo<store_variant>& info) {
+  switch (info.param) {
+    case store_variant::plain: return "plain";
+    case store_variant::two_centroids: return "two_centroids";
+    case store_variant::lru_cache: return "lru_cache";
+    case store_variant::fp8_values: return "fp8_values";
+    case store_variant::float32: return "float32";
+  }
+  return "unknown";
+}
+
+/// twin_config() with room for 400 tokens, extend blocks of 8 and the variant's setting.
+inline shadowkv::config variant_config(store_variant v) {
+  shadowkv::config cfg = twin_config();
+  cfg.max_seq_len = 400;
+  cfg.extend_block = 8;
+  switch (v) {
+    case store_variant::plain: break;
+    case store_variant::two_centroids: cfg.chunk_score = shadowkv::chunk_score_rule::two_centroids; break;
+    case store_variant::lru_cache: cfg.cache_tokens = 2 * cfg.budget; break;
+    case store_variant::fp8_values: cfg.values_as = shadowkv::value_format::fp8_e4m3; break;
+    case store_variant::float32: cfg.kv_dtype = shadowkv::dtype::float32; break;
+  }
+  return cfg;
+}
+
+/// Every variant, for INSTANTIATE_TEST_SUITE_P(..., every_variant(), store_variant_name).
+inline auto every_variant() {
+  return ::testing::Values(store_variant::plain, store_variant::two_centroids, store_variant::lru_cache,
+                           store_variant::fp8_values, store_variant::float32);
+}
+
 /// Random inputs of one prefill or decode call, shared by both twins.
 struct prefill_data {
   std::vector<float> keys, values, q_last;

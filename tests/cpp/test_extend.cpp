@@ -22,33 +22,12 @@ using shadowkv_test::mutable_view_of;
 using shadowkv_test::random_source;
 using shadowkv_test::view_of;
 
-/// Variants of the store that change what a fold, a selection or the value store does.
-enum class variant { plain, two_centroids, lru_cache, fp8_values, float32 };
-
-std::string variant_name(const ::testing::TestParamInfo<variant>& info) {
-  switch (info.param) {
-    case variant::plain: return "plain";
-    case variant::two_centroids: return "two_centroids";
-    case variant::lru_cache: return "lru_cache";
-    case variant::fp8_values: return "fp8_values";
-    case variant::float32: return "float32";
-  }
-  return "unknown";
-}
+using variant = shadowkv_test::store_variant;
 
 /// One layer (two for truncate), GQA 4/2, D 64, window 16 (folds every 8 tokens once full), blocks of 8.
 config extend_config(variant v, int layers = 1) {
-  config cfg = shadowkv_test::twin_config();
+  config cfg = shadowkv_test::variant_config(v);
   cfg.num_layers = layers;
-  cfg.max_seq_len = 400;
-  cfg.extend_block = 8;
-  switch (v) {
-    case variant::plain: break;
-    case variant::two_centroids: cfg.chunk_score = shadowkv::chunk_score_rule::two_centroids; break;
-    case variant::lru_cache: cfg.cache_tokens = 2 * cfg.budget; break;
-    case variant::fp8_values: cfg.values_as = shadowkv::value_format::fp8_e4m3; break;
-    case variant::float32: cfg.kv_dtype = shadowkv::dtype::float32; break;
-  }
   return cfg;
 }
 
@@ -375,9 +354,7 @@ TEST_P(extend_test, is_exact_at_full_rank_and_budget) {
 }
 
 INSTANTIATE_TEST_SUITE_P(variants, extend_test,
-                         ::testing::Values(variant::plain, variant::two_centroids, variant::lru_cache,
-                                           variant::fp8_values, variant::float32),
-                         variant_name);
+                         shadowkv_test::every_variant(), shadowkv_test::store_variant_name);
 
 /// A store, its bytes, counters and sequences as one comparable snapshot.
 struct snapshot {

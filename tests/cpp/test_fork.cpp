@@ -22,34 +22,10 @@ using shadowkv_test::mutable_view_of;
 using shadowkv_test::random_source;
 using shadowkv_test::view_of;
 
-/// Variants of the store that change what a fold, a selection or the value store holds.
-enum class variant { plain, two_centroids, lru_cache, fp8_values, float32 };
-
-std::string variant_name(const ::testing::TestParamInfo<variant>& info) {
-  switch (info.param) {
-    case variant::plain: return "plain";
-    case variant::two_centroids: return "two_centroids";
-    case variant::lru_cache: return "lru_cache";
-    case variant::fp8_values: return "fp8_values";
-    case variant::float32: return "float32";
-  }
-  return "unknown";
-}
+using variant = shadowkv_test::store_variant;
 
 /// Two layers, GQA 4/2, D 64, chunks of 8, window 16 (folds every 8 tokens once full), blocks of 8, four slots.
-config fork_config(variant v) {
-  config cfg = shadowkv_test::twin_config();
-  cfg.max_seq_len = 400;
-  cfg.extend_block = 8;
-  switch (v) {
-    case variant::plain: break;
-    case variant::two_centroids: cfg.chunk_score = shadowkv::chunk_score_rule::two_centroids; break;
-    case variant::lru_cache: cfg.cache_tokens = 2 * cfg.budget; break;
-    case variant::fp8_values: cfg.values_as = shadowkv::value_format::fp8_e4m3; break;
-    case variant::float32: cfg.kv_dtype = shadowkv::dtype::float32; break;
-  }
-  return cfg;
-}
+config fork_config(variant v) { return shadowkv_test::variant_config(v); }
 
 constexpr std::int64_t prompt_len = 100;
 
@@ -364,9 +340,7 @@ TEST_P(fork_test, a_fork_of_a_child_joins_its_family) {
 }
 
 INSTANTIATE_TEST_SUITE_P(variants, fork_test,
-                         ::testing::Values(variant::plain, variant::two_centroids, variant::lru_cache,
-                                           variant::fp8_values, variant::float32),
-                         variant_name);
+                         shadowkv_test::every_variant(), shadowkv_test::store_variant_name);
 
 // With N children the prompt's bytes are not multiplied: the store holds one prompt state and N + 1 copies of the
 // rest (docs/semantics.md, "Memory report").
