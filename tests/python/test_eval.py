@@ -19,6 +19,12 @@ built from configs (as in test_hf_adapter.py).
   unknown ``--model`` is a one-line error naming the known models in every command line tool, not a traceback.
 * The demo prints both answers whole, each with the reason it ended.
 * The budget-sweep plot: Wilson intervals, one tick label a budget, none overlapping.
+* Many questions per prefill: a document carries every question's needles once (the depth tasks' targets at their
+  spread depths) and its split tokens are the prompt's; asked on forks of one seeded store (and copies of one
+  DynamicCache) the questions get the answers, memory and statistics of re-prefilling the document for each, with one
+  prefill per document and one fork per question and budget; at full budget and rank the store answers as full
+  attention; a copy of full attention's cache answers as the whole prompt prefilled at once. `--resume` after a cut
+  continues to the uninterrupted run's records and refuses another configuration.
 """
 
 from __future__ import annotations
