@@ -660,10 +660,17 @@ def test_resume_continues_an_interrupted_run(tokenizer, tmp_path, monkeypatch, c
                 for r in results["records"]]
 
     assert answers(got) == answers(expected)
+    # more samples: only the new index runs (a document and a vt sample)
+    more = list(argv)
+    more[more.index("--samples") + 1] = "3"
+    assert ev.main(more + ["--out", str(part), "--resume"], model=model, tokenizer=tokenizer) == 0
+    assert len(counts["prefills"]) == 5
+    grown = json.loads((part / "results.json").read_text())
+    assert grown["complete"] and answers(grown)[:len(answers(expected))] == answers(expected)
+    assert {r["index"] for r in grown["records"]} == {0, 1, 2}
     # another configuration: refused, one line
     with pytest.raises(SystemExit) as exc:
-        ev.main(argv[:-1] + ["--budgets", "32", "--no-plots", "--out", str(part), "--resume"], model=model,
-                tokenizer=tokenizer)
+        ev.main(more + ["--budgets", "32", "--out", str(part), "--resume"], model=model, tokenizer=tokenizer)
     assert exc.value.code == 2 and "budgets=['16']" in capsys.readouterr().err
     # a results.json written before records named their document: its samples are found by task, length, depth, index
     old = json.loads((whole / "results.json").read_text())

@@ -177,8 +177,8 @@ def _check_resumable(previous: dict, results: dict, path: Path) -> None:
     now = json.loads(json.dumps(results["config"], default=float))
     before = previous.get("config", {})
     for key in sorted(set(now) | set(before)):
-        if key == "time_limit":
-            continue
+        if key == "time_limit" or (key == "samples" and before.get(key, 0) <= now[key]):
+            continue   # more samples: the first ones are the same prompts (index-major, a function of the index)
         old = before.get(key, defaults.get(key))
         if old != now.get(key, defaults.get(key)):
             raise ResumeMismatch(f"--resume: {path} was run with {key}={old!r}, this run has {key}="
@@ -504,8 +504,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --questions-per-document: prefill the document again for every question instead of "
                         "copying it (the check that sharing changes no answer; Q times the prefill cost)")
     p.add_argument("--resume", action="store_true",
-                   help="continue the run whose results.json is in --out (same model and settings): its samples "
-                        "and documents are kept, the rest run")
+                   help="continue the run whose results.json is in --out (same model and settings; --samples may "
+                        "grow): its samples and documents are kept, the rest run")
     p.add_argument("--store-dtype", default=None, help="store precision (default: the model's)")
     p.add_argument("--dtype", default="float32", help="model weights dtype")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: per task (16 for needles)")
