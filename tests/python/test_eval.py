@@ -19,6 +19,12 @@ built from configs (as in test_hf_adapter.py).
   unknown ``--model`` is a one-line error naming the known models in every command line tool, not a traceback.
 * The demo prints both answers whole, each with the reason it ended.
 * The budget-sweep plot: Wilson intervals, one tick label a budget, none overlapping.
+* Many questions per prefill: a document carries every question's needles once (the depth tasks' targets at their
+  spread depths) and its split tokens are the prompt's; asked on forks of one seeded store (and copies of one
+  DynamicCache) the questions get the answers, memory and statistics of re-prefilling the document for each, with one
+  prefill per document and one fork per question and budget; at full budget and rank the store answers as full
+  attention; a copy of full attention's cache answers as the whole prompt prefilled at once. `--resume` after a cut
+  continues to the uninterrupted run's records and refuses another configuration.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import random
+import re
 
 import pytest
 import torch
@@ -44,7 +51,8 @@ from shadowkv_core.evaluation import accuracy as ev  # noqa: E402
 from shadowkv_core.evaluation import decoding, haystack, models  # noqa: E402
 from shadowkv_core.evaluation.haystack import Haystack  # noqa: E402
 from shadowkv_core.evaluation.tasks import (  # noqa: E402
-    DEPTH_TASKS, FWE_NOISE, MULTITURN_TURNS, TASKS, PromptFormat, make_sample, score)
+    DEPTH_TASKS, DOCUMENT_TASKS, FWE_NOISE, MULTITURN_TURNS, TASKS, PromptFormat, make_document, make_sample,
+    question_prompt, score, spread_depths)
 
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
@@ -468,6 +476,212 @@ def test_store_options_reach_the_store(tokenizer, tmp_path, monkeypatch, argv, s
         ev.EvalConfig(group_score="sum")
     with pytest.raises(ValueError, match="chunk_score"):
         ev.EvalConfig(chunk_score="three_centroids")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# many questions per prefill: documents, forks and copies
+# ---------------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("chat", [False, True], ids=["base", "chat"])
+def test_documents_carry_every_question(tokenizer, chat_tokenizer, chat):
+    tok = chat_tokenizer if chat else tokenizer
+    fmt, hay = PromptFormat(tok), Haystack(tok, HAYSTACK, min_tokens=1300)
+    for task in DOCUMENT_TASKS:
+        doc = make_document(task, 1100, fmt, hay, questions=4, index=2, seed=1)
+        assert doc == make_document(task, 1100, fmt, hay, questions=4, index=2, seed=1), f"{task}: not deterministic"
+        assert doc.context != make_document(task, 1100, fmt, hay, questions=4, index=3, seed=1).context
+        assert len(doc.questions) == len(doc.needles) == len(doc.depths) == 4
+        texts = [n["text"] for mine in doc.needles for n in mine]
+        assert len(set(texts)) == len(texts), f"{task}: a needle twice"
+        expected = [e for turn in doc.questions for e in turn.expected]
+        assert len(set(expected)) == len(expected), f"{task}: two questions share an answer"
+        for text in texts:
+            assert doc.context.count(text) == 1, f"{task}: needle {text[:40]!r} not in the context exactly once"
+        for e in expected:
+            assert len(re.findall(rf"(?<![0-9A-Za-z]){e}(?![0-9A-Za-z])", doc.context)) == 1, f"{task}: {e} not once"
+        if task in DEPTH_TASKS:
+            assert doc.depths == spread_depths(4) == [0.0, 0.3333, 0.6667, 1.0]
+            targets = [mine[0]["text"] for mine in doc.needles]
+            for depth, target in zip(doc.depths, targets):
+                got = _token_depth(tok, doc.context, target, texts)
+                assert abs(got - depth) <= 0.05, f"{task}: target at token depth {got:.3f}, asked {depth}"
+        else:
+            assert doc.depths == [None] * 4
+        for q, turn in enumerate(doc.questions):
+            head, tail = question_prompt(fmt, doc, q)
+            assert head == question_prompt(fmt, doc, 0)[0], "every question shares the document's tokens"
+            text = fmt.first(doc.instruction, doc.context, turn)
+            assert fmt.document(doc.instruction, doc.context) + fmt.question(turn) == text
+            assert head + tail == fmt.encode_first(text), "the split tokens differ from the prompt's own"
+            for mine in doc.needles[q]:
+                assert any(e in mine["text"] for e in turn.expected) or task == "multikey"
+        assert abs(sum(map(len, question_prompt(fmt, doc, 0))) - 1100) <= 8
+    multikey = make_document("multikey", 1100, fmt, hay, questions=4)
+    assert all(len(mine) == 4 and turn.expected[0] in mine[0]["text"]
+               for mine, turn in zip(multikey.needles, multikey.questions)), "multikey: target and 3 distractors"
+    for task in ("vt", "fwe", "multiturn"):
+        with pytest.raises(ValueError, match="one question per sample"):
+            make_document(task, 1100, fmt, hay, questions=4)
+    with pytest.raises(ValueError, match="too short"):
+        make_document("multikey", 300, fmt, hay, questions=4)
+
+
+def _count_calls(monkeypatch):
+    """Counts dense prefills (a forward into an empty cache), store seeds and store forks of the harness."""
+    from shadowkv_core._store import KVStore
+
+    counts = {"prefills": [], "seeds": 0, "forks": 0}
+    forward, seed, fork = decoding.GreedyDecoder.forward, ev.seed_store_cache, KVStore.fork
+
+    def counted_forward(self, ids, cache):
+        if cache.get_seq_length() == 0:
+            counts["prefills"].append(len(ids))
+        return forward(self, ids, cache)
+
+    def counted_seed(*args, **kwargs):
+        counts["seeds"] += 1
+        return seed(*args, **kwargs)
+
+    def counted_fork(self, slot, count=1):
+        counts["forks"] += count
+        return fork(self, slot, count)
+
+    monkeypatch.setattr(decoding.GreedyDecoder, "forward", counted_forward)
+    monkeypatch.setattr(ev, "seed_store_cache", counted_seed)
+    monkeypatch.setattr(KVStore, "fork", counted_fork)
+    return counts
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_many_questions_per_prefill(tokenizer, tmp_path, family, monkeypatch):
+    """Q questions on one prefill equal Q re-prefills of the document (answers token for token, the store's memory
+    and statistics); one prefill per document, one fork per question and budget; at full budget and rank the store
+    answers as full attention."""
+    monkeypatch.setattr(haystack, "haystack_text", lambda *a, **k: HAYSTACK)
+    model = (_llama if family == "llama" else _gemma3)(len(tokenizer))
+    tasks = "niah,multikey,multivalue,multiquery,qa,vt" if family == "llama" else "niah,qa"
+    base = ["--tasks", tasks, "--lengths", "640", "--samples", "2", "--questions-per-document", "3",
+            "--budgets", "16,200%", "--rank", "full", "--max-new-tokens", "5", "--no-plots"]
+    documents = 2 * len([t for t in tasks.split(",") if t in DOCUMENT_TASKS])
+    singles = 2 * len([t for t in tasks.split(",") if t not in DOCUMENT_TASKS])
+    runs = {}
+    for mode, extra in (("shared", []), ("reprefilled", ["--reprefill-documents"])):
+        counts = _count_calls(monkeypatch)
+        out = tmp_path / mode
+        assert ev.main(base + extra + ["--out", str(out)], model=model, tokenizer=tokenizer) == 0
+        runs[mode] = (json.loads((out / "results.json").read_text()), counts, (out / "summary.md").read_text())
+        monkeypatch.undo()
+        monkeypatch.setattr(haystack, "haystack_text", lambda *a, **k: HAYSTACK)
+
+    shared, counts, summary = runs["shared"]
+    assert shared["complete"] and len(shared["records"]) == 3 * documents + singles
+    assert len(counts["prefills"]) == documents + singles, "one prefill per document"
+    assert counts["seeds"] == 2 * (documents + singles), "one seeded store per document and budget"
+    assert counts["forks"] == 2 * 3 * documents, "one fork per question and budget"
+    assert f"questions on {documents} documents (one prefill each)" in summary
+    again, counts_again, _ = runs["reprefilled"]
+    assert len(counts_again["prefills"]) == 3 * documents + singles and counts_again["forks"] == 0
+    assert len(again["records"]) == len(shared["records"])
+
+    for rec, fresh in zip(shared["records"], again["records"]):
+        assert (rec["document"], rec["question"]) == (fresh["document"], fresh["question"])
+        where = f"{rec['document']} question {rec['question']}"
+        if rec["task"] in DOCUMENT_TASKS:
+            assert rec["questions_per_document"] == 3 and rec["prefill_shared"] and not fresh["prefill_shared"]
+            assert rec["depth"] == (spread_depths(3)[rec["question"]] if rec["task"] in DEPTH_TASKS else None)
+            assert rec["prompt_tokens"] > rec["document_tokens"]
+        # full attention on a copy of the document's cache answers as on a fresh prefill of the document
+        assert rec["full"]["answers"] == fresh["full"]["answers"], where
+        for run, other in zip(rec["store"], fresh["store"]):
+            # the store on a fork of the seeded document answers as on a fresh seed, with the same memory and stats
+            assert run["answers"] == other["answers"], (where, run["budget"])
+            assert run["memory"] == other["memory"], (where, run["budget"])
+            assert run["stats"] == other["stats"], (where, run["budget"])
+        assert rec["store"][1]["answers"] == rec["full"]["answers"], f"{where}: full budget and rank"
+        assert rec["store"][0]["stats"]["decode_steps"] > 0
+    ids = [(r["document"], r["question"]) for r in shared["records"]]
+    assert len(set(ids)) == len(ids)
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["base", "chat"])
+def test_full_attention_copies_do_not_disturb(tokenizer, chat_tokenizer, chat):
+    """A document's question on a copy of its DynamicCache answers as the prompt prefilled whole (document and
+    question in one forward), whatever was asked before; asked on the cache itself, the earlier questions change
+    the later ones' logits (what the copies prevent)."""
+    import copy
+
+    tok = chat_tokenizer if chat else tokenizer
+    model = _llama(len(tok))
+    model.set_attn_implementation(decoding.register_attention())
+    fmt = PromptFormat(tok)
+    decoder = decoding.GreedyDecoder(model, tok, fmt)
+    doc = make_document("niah", 600, fmt, Haystack(tok, HAYSTACK, min_tokens=800), questions=3)
+    head = question_prompt(fmt, doc, 0)[0]
+    tails = [question_prompt(fmt, doc, q)[1] for q in range(3)]
+    with torch.no_grad():
+        dense = transformers.DynamicCache(config=model.config)
+        decoder.forward(head, dense)
+        copies = [decoder.ask(copy.deepcopy(dense), tail, 6)["answers"] for tail in tails]
+        assert dense.get_seq_length() == len(head), "asking a copy changed the document's cache"
+        for tail, answers in zip(tails, copies):
+            whole = transformers.DynamicCache(config=model.config)
+            logits = decoder.forward(head + tail, whole)
+            assert answers == [tok.decode(decoder.answer(whole, logits, 6)[0], skip_special_tokens=True)]
+        on_copy = decoder.forward(tails[2], copy.deepcopy(dense))
+        for tail in tails[:2]:
+            decoder.ask(dense, tail, 6)
+        on_cache = decoder.forward(tails[2], dense)
+    assert (on_copy - on_cache).abs().max().item() > 1e-3, "the earlier questions changed nothing: the check is blind"
+
+
+def test_resume_continues_an_interrupted_run(tokenizer, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(haystack, "haystack_text", lambda *a, **k: HAYSTACK)
+    model = _llama(len(tokenizer))
+    argv = ["--tasks", "niah,vt", "--lengths", "500", "--samples", "2", "--questions-per-document", "2",
+            "--budgets", "16", "--rank", "16", "--max-new-tokens", "3", "--no-plots"]
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    assert ev.main(argv + ["--out", str(whole)], model=model, tokenizer=tokenizer) == 0
+    expected = json.loads((whole / "results.json").read_text())
+    # cut short after its first document (time limit), then resumed twice (the second finds nothing to do)
+    assert ev.main(argv + ["--out", str(part), "--time-limit", "1e-9"], model=model, tokenizer=tokenizer) == 0
+    cut = json.loads((part / "results.json").read_text())
+    assert not cut["complete"] and [(r["document"], r["question"]) for r in cut["records"]] == [
+        ("niah:500:q2:0", 0), ("niah:500:q2:0", 1)]
+    counts = _count_calls(monkeypatch)
+    assert ev.main(argv + ["--out", str(part), "--resume"], model=model, tokenizer=tokenizer) == 0
+    assert len(counts["prefills"]) == 3, "the resumed run prefilled the finished document again"
+    assert ev.main(argv + ["--out", str(part), "--resume"], model=model, tokenizer=tokenizer) == 0
+    assert len(counts["prefills"]) == 3
+    got = json.loads((part / "results.json").read_text())
+    assert got["complete"] and got["resumed"] == 2
+
+    def answers(results):
+        return [(r["document"], r["question"], r["full"]["answers"], [s["answers"] for s in r["store"]])
+                for r in results["records"]]
+
+    assert answers(got) == answers(expected)
+    # more samples: only the new index runs (a document and a vt sample)
+    more = list(argv)
+    more[more.index("--samples") + 1] = "3"
+    assert ev.main(more + ["--out", str(part), "--resume"], model=model, tokenizer=tokenizer) == 0
+    assert len(counts["prefills"]) == 5
+    grown = json.loads((part / "results.json").read_text())
+    assert grown["complete"] and answers(grown)[:len(answers(expected))] == answers(expected)
+    assert {r["index"] for r in grown["records"]} == {0, 1, 2}
+    # another configuration: refused, one line
+    with pytest.raises(SystemExit) as exc:
+        ev.main(more + ["--budgets", "32", "--out", str(part), "--resume"], model=model, tokenizer=tokenizer)
+    assert exc.value.code == 2 and "budgets=['16']" in capsys.readouterr().err
+    # a results.json written before records named their document: its samples are found by task, length, depth, index
+    old = json.loads((whole / "results.json").read_text())
+    for rec in old["records"]:
+        if rec["task"] == "vt":
+            del rec["document"], rec["question"]
+    old["records"] = [r for r in old["records"] if r["task"] == "vt"]
+    (part / "results.json").write_text(json.dumps(old))
+    counts = _count_calls(monkeypatch)
+    assert ev.main(argv + ["--out", str(part), "--resume"], model=model, tokenizer=tokenizer) == 0
+    assert len(counts["prefills"]) == 2, "only the two niah documents run again"
 
 
 # ---------------------------------------------------------------------------------------------------------------------

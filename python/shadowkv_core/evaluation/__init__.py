@@ -8,7 +8,8 @@ and gguf/accelerate for the one-time GGUF conversion of the packaged models).
 * `haystack`: the one haystack (licence texts under /usr/share/common-licenses) and its two cuts: token windows with
   needles (`Haystack`) and a prompt prefix of a given length (`haystack_ids`).
 * `rope`: the one half-split RoPE / un-RoPE helper (`rope`, `unrope`).
-* `tasks`: RULER-style tasks (niah, multikey, multivalue, multiquery, vt, fwe, qa, multiturn) and their scoring.
+* `tasks`: RULER-style tasks (niah, multikey, multivalue, multiquery, vt, fwe, qa, multiturn), documents of many
+  questions (`make_document`) and their scoring.
 * `decoding`: greedy decoding through a cache, and seeding a ShadowKVCache from a shared dense prefill.
 * `accuracy` (`python -m shadowkv_core.evaluation.accuracy`): full attention vs the store on the tasks;
   `accuracy_report`: its summary, Markdown tables and plots.

@@ -6,7 +6,8 @@ a dense prefill that full attention shares.
 * `seed_store_cache(cache, dense, queries, modules, length)`: fills a fresh ShadowKVCache from a DynamicCache that holds
   the prompt, exactly as the adapter does during the model's own prefill (tests/python/test_eval.py checks that it
   decodes token for token like a cache filled by the model's prefill).
-* `GreedyDecoder`: argmax decoding of one answer or a whole conversation (`tasks.Sample`) on one cache.
+* `GreedyDecoder`: argmax decoding of one answer or a whole conversation (`tasks.Sample`) on one cache, or of one
+  question of a document (`tasks.Document`) fed to a cache that holds the document.
 """
 
 from __future__ import annotations
@@ -153,6 +154,17 @@ class GreedyDecoder:
             if on_token:
                 on_token()
         return tokens, seconds, steps
+
+    def ask(self, cache, question: List[int], max_new: int) -> dict:
+        """Feeds a question's tokens (`tasks.question_prompt`) to a cache that holds the document (one forward: the
+        store's `extend`) and answers it; shaped like `converse`'s result (one answer; turn_prefill_seconds: the
+        question's forward)."""
+        started = time.perf_counter()
+        logits = self.forward(question, cache)
+        question_seconds = time.perf_counter() - started
+        tokens, seconds, steps = self.answer(cache, logits, max_new)
+        return dict(answers=[self.tokenizer.decode(tokens, skip_special_tokens=True)], decode_seconds=seconds,
+                    decode_steps=steps, turn_prefill_seconds=question_seconds)
 
     def converse(self, cache, first_logits, sample: Sample, max_new: int) -> dict:
         """Answers every turn of `sample`, the first from `first_logits` (the prompt's last position)."""

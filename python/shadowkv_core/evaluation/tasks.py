@@ -33,6 +33,18 @@ position as a fraction of the context (0 = its first sentence, 1 = after its las
 boundaries, the one nearest the depth (qa's paragraph at the paragraph boundary nearest it).
 Every sample is a pure function of (task, length, depth, index, seed), so full attention, every store budget and
 every later run see the same prompts.
+
+Documents (`make_document`, the harness's `--questions-per-document Q`): one haystack carrying the needles of Q
+questions, prefilled once and asked each question on its own copy. For niah, multikey, multivalue, multiquery and qa
+(`DOCUMENT_TASKS`): question i's needles are those of one sample of the task (multikey: its needle and 3 distractor
+keys; multivalue: 4 numbers of its key; multiquery: 4 keys; qa: its town's paragraph among the distractor
+paragraphs), with its own keys, numbers and names (none twice in a document); the depth tasks put question i's needle
+(qa: its paragraph) at depth i / (Q - 1) (`spread_depths`), the rest at random depths as a sample does. So the other
+questions' needles are more distractors. The prompt of question i is `PromptFormat.document` (template head,
+instruction, context) then `PromptFormat.question` (the question and the answer prefix); the two texts together are
+`PromptFormat.first`'s, and the tokens are those of the document then those of the question (`question_prompt`), the
+document's shared by every question. The length is question 0's prompt tokens. vt and fwe (one chain, one word count
+per context) and multiturn (already a conversation) stay one question per sample.
 """
 
 from __future__ import annotations
@@ -48,17 +60,23 @@ from .haystack import Haystack
 
 __all__ = [
     "DEPTH_TASKS",
+    "DOCUMENT_TASKS",
     "MULTITURN_TURNS",
     "TASKS",
+    "Document",
     "PromptFormat",
     "Sample",
     "Turn",
+    "make_document",
     "make_sample",
+    "question_prompt",
     "score",
+    "spread_depths",
 ]
 
 TASKS = ("niah", "multikey", "multivalue", "multiquery", "vt", "fwe", "qa", "multiturn")
 DEPTH_TASKS = ("niah", "multikey", "qa")      # tasks whose needle position is the `depth` parameter
+DOCUMENT_TASKS = ("niah", "multikey", "multivalue", "multiquery", "qa")   # tasks with many questions per document
 MULTITURN_TURNS = 8
 
 _ADJECTIVES = (
@@ -93,6 +111,19 @@ class Sample:
     # {"text", "depth"}: each needle and its requested depth (qa: the target paragraph; fwe: the 3 answer words,
     # depth None, with "count", their occurrences)
     needles: List[dict] = field(default_factory=list)
+
+
+@dataclass
+class Document:
+    """One context asked `len(questions)` questions, each on its own copy of the prefilled document."""
+    task: str
+    length: int                       # requested prompt tokens of question 0 (document + question)
+    index: int
+    instruction: str
+    context: str
+    questions: List[Turn]
+    depths: List[Optional[float]]     # per question: its needle's requested depth (niah, multikey, qa), else None
+    needles: List[List[dict]]         # per question: its needles {"text", "depth"} (targets and distractors)
 
 
 def score(output: str, expected: Sequence[str]) -> float:
@@ -148,6 +179,19 @@ class PromptFormat:
         if self.chat:
             return f"{self.to_user}{turn.question}{self.generation_prompt}{turn.answer_prefix}"
         return f"\nQuestion: {turn.question}\nAnswer: {turn.answer_prefix}"
+
+    def document(self, instruction: str, context: str) -> str:
+        """The shared head of `first`'s text: everything before the question (`document(i, c) + question(t)` is
+        `first(i, c, t)`)."""
+        if self.chat:
+            return f"{self.head}{instruction}\n\n{context}"
+        return f"{instruction}\n\n{context}"
+
+    def question(self, turn: Turn) -> str:
+        """The rest of `first`'s text after `document`: the question and the answer prefix."""
+        if self.chat:
+            return f"\n\n{turn.question}{self.to_assistant}{turn.answer_prefix}"
+        return f"\n\nQuestion: {turn.question}\nAnswer: {turn.answer_prefix}"
 
     def encode_first(self, text: str) -> List[int]:
         return list(self.tokenizer(text, add_special_tokens=self._add_special).input_ids)
@@ -482,3 +526,157 @@ def make_sample(task: str, length: int, fmt: PromptFormat, haystack: Haystack, *
     context = _insert(text, starts, needles)
     return Sample(task=task, length=length, depth=depth, index=index, instruction=instruction, context=context,
                   turns=turns, needles=[{"text": t, "depth": d} for d, t in needles])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# documents: many questions on one prefilled context
+# ---------------------------------------------------------------------------------------------------------------------
+
+def spread_depths(questions: int) -> List[float]:
+    """Depths of a document's questions' needles (depth tasks): i / (Q - 1) for i < Q, rounded to 4 decimals (0.5
+    for one question)."""
+    if questions < 1:
+        raise ValueError(f"a document needs at least one question, got {questions}")
+    if questions == 1:
+        return [0.5]
+    return [round(i / (questions - 1), 4) for i in range(questions)]
+
+
+def question_prompt(fmt: PromptFormat, document: Document, question: int) -> tuple:
+    """(document tokens, question tokens) of `document`'s question `question`: the first are every question's, the
+    prompt is both in order."""
+    head = fmt.encode_first(fmt.document(document.instruction, document.context))
+    return head, fmt.encode_next(fmt.question(document.questions[question]))
+
+
+def _plan_document(task: str, depths: Sequence[float], rng: random.Random) -> tuple:
+    """(instruction, [(depth, needle)], [Turn], [[needle indices] per question]) of one document."""
+    count = len(depths)
+    needles: List[tuple] = []
+    turns: List[Turn] = []
+    owned: List[List[int]] = []
+
+    def add(question_needles) -> None:
+        owned.append(list(range(len(needles), len(needles) + len(question_needles))))
+        needles.extend(question_needles)
+
+    if task == "niah":
+        keys, values = _keys(rng, count), _numbers(rng, count)
+        for i in range(count):
+            add([(depths[i], _needle(keys[i], values[i]))])
+            turns.append(_single_turn(keys[i], values[i]))
+    elif task == "multikey":
+        keys, values = _keys(rng, 4 * count), _numbers(rng, 4 * count)
+        for i in range(count):
+            others = range(count + 3 * i, count + 3 * i + 3)
+            add([(depths[i], _needle(keys[i], values[i]))] + [(rng.random(), _needle(keys[j], values[j]))
+                                                              for j in others])
+            turns.append(_single_turn(keys[i], values[i]))
+    elif task == "multivalue":
+        keys, values = _keys(rng, count), _numbers(rng, 4 * count)
+        for i in range(count):
+            mine = values[4 * i:4 * i + 4]
+            add([(rng.random(), _needle(keys[i], v)) for v in mine])
+            turns.append(Turn(question=f"What are all the special magic numbers for {keys[i]} mentioned in the "
+                                       "provided text?",
+                              answer_prefix=f"The special magic numbers for {keys[i]} mentioned in the provided text "
+                                            "are", expected=mine))
+    elif task == "multiquery":
+        keys, values = _keys(rng, 4 * count), _numbers(rng, 4 * count)
+        for i in range(count):
+            mine_keys, mine = keys[4 * i:4 * i + 4], values[4 * i:4 * i + 4]
+            add([(rng.random(), _needle(k, v)) for k, v in zip(mine_keys, mine)])
+            turns.append(Turn(question=f"What are all the special magic numbers for {_join_keys(mine_keys)} "
+                                       "mentioned in the provided text?",
+                              answer_prefix=f"The special magic numbers for {_join_keys(mine_keys)} mentioned in the "
+                                            "provided text are", expected=mine))
+    else:
+        raise ValueError(f"task {task!r} has one question per sample; documents: {', '.join(DOCUMENT_TASKS)}")
+    return _NIAH_INSTRUCTION, needles, turns, owned
+
+
+def _document_tokens(fmt: PromptFormat, instruction: str, context: str, turn: Turn) -> int:
+    return (len(fmt.encode_first(fmt.document(instruction, context)))
+            + len(fmt.encode_next(fmt.question(turn))))
+
+
+def _qa_document(length: int, fmt: PromptFormat, depths: Sequence[float], index: int,
+                 rng: random.Random) -> Document:
+    """qa with one target town per question, each paragraph at the paragraph boundary nearest its depth."""
+    unique = _Unique(rng)
+    towns = [unique.name() for _ in depths]
+    goldens, turns = [], []
+    for town in towns:
+        asked = rng.randrange(len(_QA_ATTRIBUTES))
+        golden, facts = _qa_paragraph(town, unique, rng, must=asked)
+        attribute = _QA_ATTRIBUTES[asked][0]
+        goldens.append(golden)
+        turns.append(Turn(question=f"What is the {attribute} of {town}?",
+                          answer_prefix=f"The {attribute} of {town} is", expected=[dict(facts)[attribute]]))
+    overhead = _document_tokens(fmt, _QA_INSTRUCTION, "", turns[0])
+    overhead += sum(len(fmt.encode_next("\n\n" + g)) for g in goldens)
+    filler = length - overhead
+    if filler < 16:
+        raise ValueError(f"length {length} is too short for a qa document of {len(depths)} questions (its prompt "
+                         f"without distractors has {overhead} tokens)")
+    paragraphs, have = [], 0
+    while have < filler + 64:
+        paragraphs.append(_qa_paragraph(unique.name(), unique, rng)[0])
+        have += len(fmt.encode_next("\n\n" + paragraphs[-1]))
+    text = "\n\n".join(paragraphs)
+    enc = fmt.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    starts = [start for start, _ in enc.offset_mapping]
+    bounds = [0] + [m.end() for m in re.finditer(r"\n\n", text)]
+
+    def cut(tokens: int) -> str:
+        """The distractors cut after `tokens` tokens, each target paragraph at the paragraph boundary nearest its
+        depth (in tokens); paragraphs at one boundary keep the questions' order."""
+        head = text[:starts[tokens]]
+        places = []
+        for order, (depth, golden) in enumerate(zip(depths, goldens)):
+            token = min(tokens - 1, max(0, int(round(depth * tokens))))
+            char = len(head) if depth >= 1.0 else starts[token]
+            at = min([b for b in bounds if b <= len(head)] + [len(head)], key=lambda b: abs(b - char))
+            places.append((at, order, golden))
+        pieces, previous = [], 0
+        for at, _, golden in sorted(places):
+            pieces += [head[previous:at].strip(), golden]
+            previous = at
+        pieces.append(head[previous:].strip())
+        return "\n\n".join(p for p in pieces if p)
+
+    tokens = filler
+    for _ in range(3):
+        context = cut(tokens)
+        miss = _document_tokens(fmt, _QA_INSTRUCTION, context, turns[0]) - length
+        if miss == 0 or not 16 <= tokens - miss < len(starts):
+            break
+        tokens -= miss
+    return Document(task="qa", length=length, index=index, instruction=_QA_INSTRUCTION, context=context,
+                    questions=turns, depths=list(depths),
+                    needles=[[{"text": g, "depth": d}] for d, g in zip(depths, goldens)])
+
+
+def make_document(task: str, length: int, fmt: PromptFormat, haystack: Haystack, *, questions: int,
+                  index: int = 0, seed: int = 0) -> Document:
+    """One document of `task` (DOCUMENT_TASKS) carrying the needles of `questions` questions, whose question 0's
+    prompt (`question_prompt`) has about `length` tokens in `fmt`'s tokenizer. A pure function of (task, length,
+    questions, index, seed)."""
+    if task not in DOCUMENT_TASKS:
+        raise ValueError(f"task {task!r} has one question per sample; documents: {', '.join(DOCUMENT_TASKS)}")
+    depths = spread_depths(questions)
+    rng = _rng("document", task, length, questions, index, seed)
+    if task == "qa":
+        return _qa_document(length, fmt, depths, index, rng)
+    instruction, needles, turns, owned = _plan_document(task, depths, rng)
+    overhead = _document_tokens(fmt, instruction, "", turns[0])
+    overhead += sum(len(fmt.encode_next(" " + text)) for _, text in needles)
+    filler = length - overhead
+    if filler < 16:
+        raise ValueError(f"length {length} is too short for a {task!r} document of {questions} questions (its "
+                         f"prompt without haystack has {overhead} tokens)")
+    text, starts = haystack.window(filler, rng)
+    context = _insert(text, starts, needles)
+    return Document(task=task, length=length, index=index, instruction=instruction, context=context,
+                    questions=turns, depths=[depths[i] if task in DEPTH_TASKS else None for i in range(questions)],
+                    needles=[[{"text": needles[j][1], "depth": needles[j][0]} for j in mine] for mine in owned])
