@@ -108,6 +108,24 @@ inline auto every_variant() {
                            store_variant::fp8_values, store_variant::float32);
 }
 
+/// Inputs of `tokens` new tokens for each of `batch` sequences (extend): q [B, T, Hq, D], k and v [B, T, Hkv, D].
+struct token_data {
+  std::int64_t batch = 0;
+  std::int64_t tokens = 0;
+  std::vector<float> q, k, v;
+};
+
+inline token_data make_tokens(random_source& rng, const shadowkv::config& cfg, std::int64_t batch,
+                              std::int64_t tokens) {
+  token_data d;
+  d.batch = batch;
+  d.tokens = tokens;
+  d.q = rng.normals(static_cast<std::size_t>(batch * tokens * cfg.num_q_heads * cfg.head_dim));
+  d.k = rng.normals(static_cast<std::size_t>(batch * tokens * cfg.kv_width()));
+  d.v = rng.normals(static_cast<std::size_t>(batch * tokens * cfg.kv_width()));
+  return d;
+}
+
 /// Random inputs of one prefill or decode call, shared by both twins.
 struct prefill_data {
   std::vector<float> keys, values, q_last;

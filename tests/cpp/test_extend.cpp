@@ -31,22 +31,8 @@ config extend_config(variant v, int layers = 1) {
   return cfg;
 }
 
-/// Inputs of `tokens` new tokens for `batch` sequences: q [B, T, Hq, D], k and v [B, T, Hkv, D].
-struct token_data {
-  std::int64_t batch = 0;
-  std::int64_t tokens = 0;
-  std::vector<float> q, k, v;
-};
-
-token_data make_tokens(random_source& rng, const config& cfg, std::int64_t batch, std::int64_t tokens) {
-  token_data d;
-  d.batch = batch;
-  d.tokens = tokens;
-  d.q = rng.normals(static_cast<std::size_t>(batch * tokens * cfg.num_q_heads * cfg.head_dim));
-  d.k = rng.normals(static_cast<std::size_t>(batch * tokens * cfg.kv_width()));
-  d.v = rng.normals(static_cast<std::size_t>(batch * tokens * cfg.kv_width()));
-  return d;
-}
+using shadowkv_test::make_tokens;
+using shadowkv_test::token_data;
 
 /// Token t of row b of `data` (whose rows hold `per_row` floats each over `tokens` tokens), as one row.
 std::vector<float> token_rows(const std::vector<float>& data, std::int64_t batch, std::int64_t tokens, std::int64_t t,

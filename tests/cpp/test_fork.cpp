@@ -29,22 +29,8 @@ config fork_config(variant v) { return shadowkv_test::variant_config(v); }
 
 constexpr std::int64_t prompt_len = 100;
 
-/// Inputs of `tokens` new tokens for each of `batch` sequences: q [B, T, Hq, D], k and v [B, T, Hkv, D].
-struct token_data {
-  std::int64_t batch = 0;
-  std::int64_t tokens = 0;
-  std::vector<float> q, k, v;
-};
-
-token_data make_tokens(random_source& rng, const config& cfg, std::int64_t batch, std::int64_t tokens) {
-  token_data d;
-  d.batch = batch;
-  d.tokens = tokens;
-  d.q = rng.normals(static_cast<std::size_t>(batch * tokens * cfg.num_q_heads * cfg.head_dim));
-  d.k = rng.normals(static_cast<std::size_t>(batch * tokens * cfg.kv_width()));
-  d.v = rng.normals(static_cast<std::size_t>(batch * tokens * cfg.kv_width()));
-  return d;
-}
+using shadowkv_test::make_tokens;
+using shadowkv_test::token_data;
 
 /// `d` with its one row repeated `batch` times: every sequence gets the same tokens.
 token_data repeated(const token_data& d, std::int64_t batch) {
