@@ -448,6 +448,20 @@ class _Unique:
         return self._draw(lambda: str(self.rng.randint(10000, 99999)))
 
 
+def _qa_distractors(fmt, unique, rng, filler: int):
+    """Distractor paragraphs of at least `filler` + 64 tokens: their text, each token's first character, and the
+    paragraph boundaries (characters) where a target paragraph may go."""
+    paragraphs, have = [], 0
+    while have < filler + 64:
+        paragraphs.append(_qa_paragraph(unique.name(), unique, rng)[0])
+        have += len(fmt.encode_next("\n\n" + paragraphs[-1]))
+    text = "\n\n".join(paragraphs)
+    enc = fmt.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    starts = [start for start, _ in enc.offset_mapping]
+    bounds = [0] + [m.end() for m in re.finditer(r"\n\n", text)]
+    return text, starts, bounds
+
+
 def _qa_paragraph(town: str, unique: _Unique, rng: random.Random, must: Optional[int] = None) -> tuple:
     """(paragraph text, [(attribute, value)]) of QA_FACTS facts about `town` (attribute index `must` among them)."""
     picks = rng.sample([i for i in range(len(_QA_ATTRIBUTES)) if i != must], QA_FACTS - (must is not None))
@@ -472,14 +486,7 @@ def _qa_sample(length: int, fmt: PromptFormat, depth: float, index: int, rng: ra
     if filler < 16:
         raise ValueError(f"length {length} is too short for task 'qa' (its prompt without distractors has "
                          f"{overhead} tokens)")
-    paragraphs, have = [], 0
-    while have < filler + 64:
-        paragraphs.append(_qa_paragraph(unique.name(), unique, rng)[0])
-        have += len(fmt.encode_next("\n\n" + paragraphs[-1]))
-    text = "\n\n".join(paragraphs)
-    enc = fmt.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    starts = [start for start, _ in enc.offset_mapping]
-    bounds = [0] + [m.end() for m in re.finditer(r"\n\n", text)]
+    text, starts, bounds = _qa_distractors(fmt, unique, rng, filler)
 
     def cut(tokens: int) -> str:
         """The distractors cut after `tokens` tokens (mid-sentence, as the haystack windows are) with the target
@@ -619,14 +626,7 @@ def _qa_document(length: int, fmt: PromptFormat, depths: Sequence[float], index:
     if filler < 16:
         raise ValueError(f"length {length} is too short for a qa document of {len(depths)} questions (its prompt "
                          f"without distractors has {overhead} tokens)")
-    paragraphs, have = [], 0
-    while have < filler + 64:
-        paragraphs.append(_qa_paragraph(unique.name(), unique, rng)[0])
-        have += len(fmt.encode_next("\n\n" + paragraphs[-1]))
-    text = "\n\n".join(paragraphs)
-    enc = fmt.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    starts = [start for start, _ in enc.offset_mapping]
-    bounds = [0] + [m.end() for m in re.finditer(r"\n\n", text)]
+    text, starts, bounds = _qa_distractors(fmt, unique, rng, filler)
 
     def cut(tokens: int) -> str:
         """The distractors cut after `tokens` tokens, each target paragraph at the paragraph boundary nearest its
