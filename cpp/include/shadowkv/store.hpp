@@ -153,20 +153,26 @@ class kv_store {
   /// (too few free slots) or out_of_memory, changing nothing.
   std::vector<int> fork(int slot, int count = 1);
 
-  /// Moves each sequence's whole state out of its slot into host memory and frees the slots (for other sequences).
-  /// Throws invalid_argument (a slot not live or repeated) or out_of_memory, changing nothing.
+  /// Moves each sequence's whole state out of its slot into host memory and frees the slots (for other sequences);
+  /// a decode on a freed slot then names it parked until a sequence takes it. Every layer must be prefilled. Throws
+  /// invalid_argument (a slot not live, repeated or not prefilled in every layer; a backend that cannot park) or
+  /// out_of_memory, changing nothing.
   std::vector<parked_sequence> park(std::span<const int> slots);
   /// Restores each parked sequence into a free slot (lowest ids first) and empties it; returns the slots, in order.
-  /// Throws invalid_argument (empty, parked by another store, or repeated), capacity_error (too few free slots) or
-  /// out_of_memory, changing nothing.
+  /// A sequence whose values were in device memory gets them there again (with value_store = "auto", within
+  /// device_value_budget). Throws invalid_argument (none given, an empty object, parked by another store),
+  /// capacity_error (too few free slots) or out_of_memory (no device room), changing nothing.
   std::vector<int> resume(std::span<parked_sequence> parked);
 
-  /// Writes the whole state of the live `slot` to the file `path` (docs/api.md, "Saved sequences"). Changes nothing
-  /// in the store; throws invalid_argument (slot not live, a layer not prefilled) or io_error (errors.hpp; OSError in Python: the file cannot be written).
+  /// Writes the whole state of the live `slot` to the file `path` (docs/api.md, "Saved sequences"): to `path` +
+  /// ".tmp" first, renamed to `path` once complete, so that a failed save leaves no partial file under `path`.
+  /// Changes nothing in the store; throws invalid_argument (slot not live, a layer not prefilled, a backend that
+  /// cannot save) or io_error (errors.hpp; OSError in Python: the file cannot be written).
   void save(int slot, const std::string& path) const;
-  /// Reads a file written by save into a free slot (the lowest) and returns it. Checks everything first: throws
-  /// invalid_argument (not a saved sequence, another version, backend layout or configuration, truncated or corrupted),
-  /// capacity_error (no free slot) or out_of_memory, changing nothing.
+  /// Reads a file written by save into a free slot (the lowest) and returns it; its value store is placed as
+  /// add_sequences places a new sequence's. Checks everything first: throws io_error (the file cannot be read),
+  /// invalid_argument (not a saved sequence, another version, backend layout or configuration, truncated or
+  /// corrupted), capacity_error (no free slot, or more tokens than max_seq_len) or out_of_memory, changing nothing.
   int load(const std::string& path);
 
   /// Accounts for `steps` decode steps of (layer, slots) that ran without the store seeing them: replays of a CUDA
@@ -210,6 +216,8 @@ class kv_store {
     bool active = false;
     value_place values_on = value_place::host;
     std::uint64_t family = 0;  ///< sequences with the same non-zero family share their prompt (fork)
+    /// Inactive because its sequence was parked (and no sequence has taken the slot since): check_slot says so.
+    bool parked = false;
     std::vector<layer_state> layers;
   };
 
