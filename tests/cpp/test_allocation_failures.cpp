@@ -2,21 +2,25 @@
 // "Capacity and errors") and reaches the caller as std::bad_alloc, never as std::terminate. This executable replaces
 // the global operator new with one that can be told to fail. For every call and path — decode (two sequences, a fold,
 // the first step of a layer, pre-RoPE k_new with positions), prefill (with and without the warm-up selection, ragged
-// lengths, positions, several query tokens), add_sequences and release — on the default configuration and on each
-// variant that takes other code (fp8 value store, "auto"-placed values (device and host), two-centroid chunk
-// scores, a selection cache larger than the budget, float32 factors), it counts the allocations of a clean call, then
-// for every k makes the k-th one fail (alone, and together with every later one) and checks that the call threw
-// std::bad_alloc (or completed) and that the store still equals a twin that never saw the call: memory report, stats,
-// every sequence's counters and selections now, and the same decode outputs, bit for bit, for more steps (folds
-// included). A std::terminate anywhere ends the executable, which CTest reports as a failure.
+// lengths, positions, several query tokens), add_sequences, release, park, resume, save (which must leave no file)
+// and load — on the default configuration and on each variant that takes other code (fp8 value store, "auto"-placed
+// values (device and host), two-centroid chunk scores, a selection cache larger than the budget, float32 factors),
+// it counts the allocations of a clean call, then for every k makes the k-th one fail (alone, and together with every
+// later one) and checks that the call threw std::bad_alloc (or completed) and that the store still equals a twin that
+// never saw the call: memory report, stats, every sequence's counters and selections now, and the same decode outputs,
+// bit for bit, for more steps (folds included). A std::terminate anywhere ends the executable, which CTest reports as a
+// failure.
 #include <gtest/gtest.h>
 
 #include <atomic>
 #include <cctype>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <functional>
 #include <limits>
+#include <memory>
 #include <new>
 #include <string>
 #include <vector>
@@ -236,6 +240,65 @@ operation release_slots(std::vector<int> slots) {
   return [slots](twins&) { return [slots](kv_store& s) { s.release(slots); }; };
 }
 
+// park of slots 0 and 1 (slot 1's layer 1 prefilled first: park takes sequences prefilled in every layer). The parked
+// objects are dropped: the future is the remaining sequences'.
+operation park_two() {
+  return [](twins& t) {
+    t.prefill_both(1, {1}, 77);
+    return [](kv_store& s) { (void)s.park(std::vector<int>{0, 1}); };
+  };
+}
+
+// resume of slots 1 and 0, parked (in that order) on both stores before the call; slot 2 is released first, so that
+// the sequences come back into slots 1 and 2 (the future then decodes them against the twin's).
+operation resume_two() {
+  return [](twins& t) {
+    t.prefill_both(1, {1}, 77);
+    auto parked = std::make_shared<std::vector<std::vector<shadowkv::parked_sequence>>>();
+    t.both([&](kv_store& s) {
+      s.release(std::vector<int>{2});
+      parked->push_back(s.park(std::vector<int>{1, 0}));
+      (void)s.add_sequences(1);  // slot 0 taken by a sequence never prefilled
+    });
+    return [&t, parked](kv_store& s) {
+      std::vector<shadowkv::parked_sequence>& mine = (*parked)[&s == &t.subject ? 0 : 1];
+      EXPECT_EQ(s.resume(mine), (std::vector<int>{1, 2}));
+    };
+  };
+}
+
+std::string scratch_file(const std::string& name) {
+  return ::testing::TempDir() + "shadowkv_allocation_failures_" + name;
+}
+
+// save of slot 0; a failed save leaves no file (nor its temporary).
+operation save_slot() {
+  return [](twins&) {
+    const std::string path = scratch_file("save.skv");
+    std::remove(path.c_str());
+    return [path](kv_store& s) {
+      try {
+        s.save(0, path);
+      } catch (...) {
+        EXPECT_FALSE(std::ifstream(path).good()) << "a failed save left " << path;
+        EXPECT_FALSE(std::ifstream(path + ".tmp").good()) << "a failed save left " << path << ".tmp";
+        throw;
+      }
+    };
+  };
+}
+
+// load of slot 0's saved state (written before the call, with slot 1's layer 1 prefilled: both are loaded in turn
+// by the variants) into the free slot 3.
+operation load_saved(int slot) {
+  return [slot](twins& t) {
+    t.prefill_both(1, {1}, 77);
+    const std::string path = scratch_file("load.skv");
+    t.twin.save(slot, path);
+    return [path](kv_store& s) { EXPECT_EQ(s.load(path), 3); };
+  };
+}
+
 // --- the configurations ---------------------------------------------------------------------------------------------
 
 struct variant {
@@ -280,6 +343,10 @@ std::vector<operation_case> operations() {
       {"add_sequences", 3, base, 20, add_one_sequence()},
       {"release", 3, base, 20, release_slots({2, 1})},
       {"release of a decoded sequence", 3, base, 12, release_slots({0})},
+      {"park", 3, base, 12, park_two()},
+      {"resume", 3, base, 12, resume_two()},
+      {"save", 3, base, 12, save_slot()},
+      {"load", 3, base, 12, load_saved(0)},
   };
   // Every variant's own code: its prefill (with the warm-up selection, ragged), its decode with a fold, release.
   for (const variant& v : variants()) {
@@ -287,6 +354,7 @@ std::vector<operation_case> operations() {
     result.push_back({v.name + ": ragged prefill with two query tokens", 3, v.cfg, 10, ragged_prefill(true)});
     result.push_back({v.name + ": add_sequences", 3, v.cfg, 10, add_one_sequence()});
     result.push_back({v.name + ": release", 3, v.cfg, 10, release_slots({0, 2})});
+    result.push_back({v.name + ": load", 16, v.cfg, 10, load_saved(1)});
   }
   return result;
 }
