@@ -30,7 +30,7 @@ class cpu_parked_state final : public parked_state {
   [[nodiscard]] std::int64_t host_bytes() const noexcept override { return bytes; }
 };
 
-cpu_parked_state &as_cpu(parked_state &parked) noexcept { return static_cast<cpu_parked_state &>(parked); }
+cpu_parked_state& as_cpu(parked_state& parked) noexcept { return static_cast<cpu_parked_state&>(parked); }
 
 using piece_sink = std::function<void(std::span<const std::byte>)>;
 
@@ -38,45 +38,45 @@ using piece_sink = std::function<void(std::span<const std::byte>)>;
 /// the configuration and the counters), how it is written (one or more pieces)
 /// and how it is rebuilt from its section's bytes.
 struct layer_field {
-  const char *name;
+  const char* name;
   std::int64_t bytes;
-  std::function<void(const cpu_layer_data &, const piece_sink &)> write;
-  std::function<void(cpu_layer_data &, std::span<const std::byte>)> read;
+  std::function<void(const cpu_layer_data&, const piece_sink&)> write;
+  std::function<void(cpu_layer_data&, std::span<const std::byte>)> read;
 };
 
 template <typename T>
-std::span<const std::byte> bytes_of(const std::vector<T> &values) noexcept {
+std::span<const std::byte> bytes_of(const std::vector<T>& values) noexcept {
   return std::as_bytes(std::span(values));
 }
 
 template <typename T>
-void assign_bytes(std::vector<T> &values, std::span<const std::byte> raw) {
+void assign_bytes(std::vector<T>& values, std::span<const std::byte> raw) {
   values.resize(raw.size() / sizeof(T));
   if (!raw.empty()) std::memcpy(values.data(), raw.data(), values.size() * sizeof(T));
 }
 
-layer_field array_field(const char *name, std::int64_t bytes, host_array cpu_layer_data::*member) {
-  return {name, bytes, [member](const cpu_layer_data &d, const piece_sink &sink) { sink((d.*member).raw_bytes()); },
-          [member](cpu_layer_data &d, std::span<const std::byte> raw) { (d.*member).assign_raw_bytes(raw); }};
+layer_field array_field(const char* name, std::int64_t bytes, host_array cpu_layer_data::*member) {
+  return {name, bytes, [member](const cpu_layer_data& d, const piece_sink& sink) { sink((d.*member).raw_bytes()); },
+          [member](cpu_layer_data& d, std::span<const std::byte> raw) { (d.*member).assign_raw_bytes(raw); }};
 }
 
 template <typename T>
-layer_field vector_field(const char *name, std::int64_t bytes, std::vector<T> cpu_layer_data::*member) {
-  return {name, bytes, [member](const cpu_layer_data &d, const piece_sink &sink) { sink(bytes_of(d.*member)); },
-          [member](cpu_layer_data &d, std::span<const std::byte> raw) { assign_bytes(d.*member, raw); }};
+layer_field vector_field(const char* name, std::int64_t bytes, std::vector<T> cpu_layer_data::*member) {
+  return {name, bytes, [member](const cpu_layer_data& d, const piece_sink& sink) { sink(bytes_of(d.*member)); },
+          [member](cpu_layer_data& d, std::span<const std::byte> raw) { assign_bytes(d.*member, raw); }};
 }
 
 /// A [heads][count] array of vectors, head after head.
 template <typename T>
-layer_field per_head_field(const char *name, std::int64_t heads, std::int64_t count,
+layer_field per_head_field(const char* name, std::int64_t heads, std::int64_t count,
                            std::vector<std::vector<T>> cpu_layer_data::*member) {
   const auto row_bytes = static_cast<std::size_t>(count) * sizeof(T);
   return {name, heads * static_cast<std::int64_t>(row_bytes),
-          [member](const cpu_layer_data &d, const piece_sink &sink) {
-            for (const std::vector<T> &row : d.*member) sink(bytes_of(row));
+          [member](const cpu_layer_data& d, const piece_sink& sink) {
+            for (const std::vector<T>& row : d.*member) sink(bytes_of(row));
           },
-          [member, heads, row_bytes](cpu_layer_data &d, std::span<const std::byte> raw) {
-            std::vector<std::vector<T>> &rows = d.*member;
+          [member, heads, row_bytes](cpu_layer_data& d, std::span<const std::byte> raw) {
+            std::vector<std::vector<T>>& rows = d.*member;
             rows.assign(static_cast<std::size_t>(heads), {});
             for (std::size_t h = 0; h < rows.size(); ++h) assign_bytes(rows[h], raw.subspan(h * row_bytes, row_bytes));
           }};
@@ -84,7 +84,7 @@ layer_field per_head_field(const char *name, std::int64_t heads, std::int64_t co
 
 /// Every array of one (sequence, layer) with counters `s`, in file order
 /// (docs/api.md, "Saved sequences", lists them).
-std::vector<layer_field> layer_fields(const config &c, const layer_state &s) {
+std::vector<layer_field> layer_fields(const config& c, const layer_state& s) {
   const std::int64_t heads = c.num_kv_heads;
   const std::int64_t dim = c.head_dim;
   const std::int64_t width = c.kv_width();
@@ -112,15 +112,15 @@ std::vector<layer_field> layer_fields(const config &c, const layer_state &s) {
   }
   if (c.values_as == value_format::fp8_e4m3) {
     out.push_back({"value_codes", chunks * heads * chunk * dim,
-                   [](const d &x, const piece_sink &sink) { sink(x.value_store.raw_codes()); },
-                   [](d &x, std::span<const std::byte> raw) { x.value_store.assign_raw_codes(raw); }});
+                   [](const d& x, const piece_sink& sink) { sink(x.value_store.raw_codes()); },
+                   [](d& x, std::span<const std::byte> raw) { x.value_store.assign_raw_codes(raw); }});
     out.push_back({"value_scales", chunks * heads * 4,
-                   [](const d &x, const piece_sink &sink) { sink(x.value_store.raw_scales()); },
-                   [](d &x, std::span<const std::byte> raw) { x.value_store.assign_raw_scales(raw); }});
+                   [](const d& x, const piece_sink& sink) { sink(x.value_store.raw_scales()); },
+                   [](d& x, std::span<const std::byte> raw) { x.value_store.assign_raw_scales(raw); }});
   } else {
     out.push_back({"values", chunks * heads * chunk * dim * e,
-                   [](const d &x, const piece_sink &sink) { sink(x.value_store.raw_values()); },
-                   [](d &x, std::span<const std::byte> raw) { x.value_store.assign_raw_values(raw); }});
+                   [](const d& x, const piece_sink& sink) { sink(x.value_store.raw_values()); },
+                   [](d& x, std::span<const std::byte> raw) { x.value_store.assign_raw_values(raw); }});
   }
   out.push_back(per_head_field("outliers", heads, outliers, &d::outliers));
   out.push_back(per_head_field("is_outlier", heads, chunks, &d::is_outlier));
@@ -142,11 +142,11 @@ std::vector<layer_field> layer_fields(const config &c, const layer_state &s) {
     out.push_back(vector_field("cache_selected", heads * slots, &d::cache_selected));
   }
   out.push_back({"scalars", 3 * i64,
-                 [](const d &x, const piece_sink &sink) {
+                 [](const d& x, const piece_sink& sink) {
                    const std::int64_t values[3] = {x.last_position, x.prompt_last_position, x.selection_steps};
                    sink(std::as_bytes(std::span(values)));
                  },
-                 [](d &x, std::span<const std::byte> raw) {
+                 [](d& x, std::span<const std::byte> raw) {
                    std::int64_t values[3];
                    std::memcpy(values, raw.data(), sizeof(values));
                    x.last_position = values[0];
@@ -158,11 +158,11 @@ std::vector<layer_field> layer_fields(const config &c, const layer_state &s) {
 
 /// A (sequence, layer) with no arrays yet, each array of its element type (as
 /// prefill makes them).
-cpu_layer_data empty_layer(const config &c) {
+cpu_layer_data empty_layer(const config& c) {
   cpu_layer_data d;
   d.basis = host_array(c.factor_dtype());
   d.coefficients = host_array(c.factor_dtype());
-  for (host_array *array : {&d.landmarks, &d.outlier_keys, &d.outlier_values, &d.exact_keys, &d.exact_values,
+  for (host_array* array : {&d.landmarks, &d.outlier_keys, &d.outlier_values, &d.exact_keys, &d.exact_values,
                             &d.journal_keys, &d.journal_values, &d.cache_keys, &d.cache_values}) {
     *array = host_array(c.kv_dtype);
   }
@@ -175,14 +175,14 @@ cpu_layer_data empty_layer(const config &c) {
 /// ids and flags, cached chunk ids and the cache's flags. (A file written by
 /// save passes; one that does not was made by hand, since the checksum
 /// matched.)
-void expect_consistent_layer(const config &c, const layer_state &s, const cpu_layer_data &d, std::size_t layer) {
-  const auto fail = [layer](const auto &...parts) {
+void expect_consistent_layer(const config& c, const layer_state& s, const cpu_layer_data& d, std::size_t layer) {
+  const auto fail = [layer](const auto&... parts) {
     throw invalid_argument(format_message("corrupted: layer ", layer, ": ", parts...));
   };
   const std::int64_t chunks = s.context_chunks;
   for (std::size_t h = 0; h < d.outliers.size(); ++h) {
-    const std::vector<std::int64_t> &ids = d.outliers[h];
-    const std::vector<std::uint8_t> &flags = d.is_outlier[h];
+    const std::vector<std::int64_t>& ids = d.outliers[h];
+    const std::vector<std::uint8_t>& flags = d.is_outlier[h];
     for (std::size_t i = 0; i < ids.size(); ++i) {
       if (ids[i] < 0 || ids[i] >= s.prompt_context_chunks || (i > 0 && ids[i] <= ids[i - 1])) {
         fail("the outlier ids of KV head ", h, " are not ascending ids of prompt chunks in [0, ",
@@ -236,9 +236,9 @@ void expect_consistent_layer(const config &c, const layer_state &s, const cpu_la
 }
 
 /// Bytes the arrays of `d` hold (its sections' sizes).
-std::int64_t held_bytes(const config &c, const layer_state &s) {
+std::int64_t held_bytes(const config& c, const layer_state& s) {
   std::int64_t total = 0;
-  for (const layer_field &field : layer_fields(c, s)) total += field.bytes;
+  for (const layer_field& field : layer_fields(c, s)) total += field.bytes;
   return total;
 }
 
@@ -246,7 +246,7 @@ std::int64_t held_bytes(const config &c, const layer_state &s) {
 
 std::unique_ptr<parked_state> cpu_backend::park_sequence(int slot, std::span<const layer_state> layers) {
   auto parked = std::make_unique<cpu_parked_state>();
-  for (const layer_state &s : layers) parked->bytes += held_bytes(config_, s);
+  for (const layer_state& s : layers) parked->bytes += held_bytes(config_, s);
   parked->values_on = values_on_[static_cast<std::size_t>(slot)];
   // Nothing below can fail: the layers move (no array is copied), leaving the
   // slot with none (as closed).
@@ -255,21 +255,21 @@ std::unique_ptr<parked_state> cpu_backend::park_sequence(int slot, std::span<con
   return parked;
 }
 
-void cpu_backend::unpark_sequence(int slot, parked_state &parked) noexcept {
-  cpu_parked_state &p = as_cpu(parked);
+void cpu_backend::unpark_sequence(int slot, parked_state& parked) noexcept {
+  cpu_parked_state& p = as_cpu(parked);
   layers_[static_cast<std::size_t>(slot)] = std::move(p.layers);
   p.layers.clear();
 }
 
-void cpu_backend::resume_sequence(int slot, parked_state &parked, std::span<const layer_state> /*layers*/) {
-  cpu_parked_state &p = as_cpu(parked);
+void cpu_backend::resume_sequence(int slot, parked_state& parked, std::span<const layer_state> /*layers*/) {
+  cpu_parked_state& p = as_cpu(parked);
   layers_[static_cast<std::size_t>(slot)] = std::move(p.layers);
   p.layers.clear();
   values_on_[static_cast<std::size_t>(slot)] = p.values_on;
 }
 
-void cpu_backend::unresume_sequence(int slot, parked_state &parked) noexcept {
-  cpu_parked_state &p = as_cpu(parked);
+void cpu_backend::unresume_sequence(int slot, parked_state& parked) noexcept {
+  cpu_parked_state& p = as_cpu(parked);
   p.layers = std::move(layers_[static_cast<std::size_t>(slot)]);
   layers_[static_cast<std::size_t>(slot)].clear();
 }
@@ -277,18 +277,18 @@ void cpu_backend::unresume_sequence(int slot, parked_state &parked) noexcept {
 std::vector<state_section> cpu_backend::state_sections(std::span<const layer_state> layers) const {
   std::vector<state_section> sections;
   for (std::size_t layer = 0; layer < layers.size(); ++layer) {
-    for (const layer_field &field : layer_fields(config_, layers[layer])) {
+    for (const layer_field& field : layer_fields(config_, layers[layer])) {
       sections.push_back({format_message("layer", layer, ".", field.name), field.bytes});
     }
   }
   return sections;
 }
 
-void cpu_backend::write_state(int slot, std::span<const layer_state> layers, const state_sink &sink) const {
+void cpu_backend::write_state(int slot, std::span<const layer_state> layers, const state_sink& sink) const {
   std::size_t index = 0;
   for (std::size_t layer = 0; layer < layers.size(); ++layer) {
-    const cpu_layer_data &d = data(slot, static_cast<int>(layer));
-    for (const layer_field &field : layer_fields(config_, layers[layer])) {
+    const cpu_layer_data& d = data(slot, static_cast<int>(layer));
+    for (const layer_field& field : layer_fields(config_, layers[layer])) {
       field.write(d, [&](std::span<const std::byte> bytes) {
         if (!bytes.empty()) sink(index, bytes);
       });
@@ -305,7 +305,7 @@ void cpu_backend::read_state(int slot, value_place values_on, std::span<const la
   std::size_t index = 0;
   for (std::size_t layer = 0; layer < layers.size(); ++layer) {
     cpu_layer_data d = empty_layer(config_);
-    for (const layer_field &field : layer_fields(config_, layers[layer])) {
+    for (const layer_field& field : layer_fields(config_, layers[layer])) {
       SHADOWKV_ASSERT(index < sections.size() && static_cast<std::int64_t>(sections[index].size()) == field.bytes);
       field.read(d, sections[index]);
       ++index;

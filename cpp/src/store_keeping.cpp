@@ -8,9 +8,11 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <set>
 #include <string>
 #include <string_view>
+#include <system_error>
 #include <utility>
 #include <vector>
 
@@ -28,8 +30,8 @@ namespace shadowkv {
 
 parked_sequence::parked_sequence() = default;
 parked_sequence::~parked_sequence() = default;
-parked_sequence::parked_sequence(parked_sequence &&) noexcept = default;
-parked_sequence &parked_sequence::operator=(parked_sequence &&) noexcept = default;
+parked_sequence::parked_sequence(parked_sequence&&) noexcept = default;
+parked_sequence& parked_sequence::operator=(parked_sequence&&) noexcept = default;
 
 std::int64_t parked_sequence::host_bytes() const noexcept { return state_ ? state_->host_bytes() : 0; }
 
@@ -45,14 +47,14 @@ static_assert(std::endian::native == std::endian::little,
 
 // Throws invalid_argument unless every layer of `layers` (a live sequence in
 // `slot`) is prefilled.
-void expect_every_layer_prefilled(const std::vector<layer_state> &layers, int slot, const char *call) {
+void expect_every_layer_prefilled(const std::vector<layer_state>& layers, int slot, const char* call) {
   for (std::size_t layer = 0; layer < layers.size(); ++layer) {
     SHADOWKV_EXPECTS(layers[layer].prefilled, call, ": layer ", layer, " of slot ", slot,
                      " has no prompt yet; only a sequence prefilled in every layer can be ", call, "d");
   }
 }
 
-void expect_keeping(const backend &b) {
+void expect_keeping(const backend& b) {
   SHADOWKV_EXPECTS(b.supports_keeping(), "the ", to_string(b.where()), " backend cannot fork, park or save sequences");
 }
 
@@ -89,20 +91,20 @@ class fnv1a64 {
 };
 
 template <typename T>
-void put(std::string &out, T value) {
+void put(std::string& out, T value) {
   char bytes[sizeof(T)];
   std::memcpy(bytes, &value, sizeof(T));
   out.append(bytes, sizeof(T));
 }
 
-void put_text(std::string &out, std::string_view text) {
+void put_text(std::string& out, std::string_view text) {
   put(out, static_cast<std::uint32_t>(text.size()));
   out.append(text);
 }
 
 // One "name=value" line of the configuration's fingerprint.
 template <typename... Parts>
-void fingerprint_line(std::string &out, const char *name, const Parts &...value) {
+void fingerprint_line(std::string& out, const char* name, const Parts&... value) {
   out += name;
   out += '=';
   out += detail::format_message(value...);
@@ -115,7 +117,7 @@ void fingerprint_line(std::string &out, const char *name, const Parts &...value)
 // or where a sequence lives, not its state: max_batch, max_seq_len (checked
 // against the file's tokens instead), extend_block, value_store,
 // device_value_budget, decode_pipeline_parts, check_finite.
-std::string fingerprint_of(const config &c) {
+std::string fingerprint_of(const config& c) {
   std::string out;
   fingerprint_line(out, "num_layers", c.num_layers);
   fingerprint_line(out, "num_q_heads", c.num_q_heads);
@@ -172,7 +174,7 @@ std::vector<std::pair<std::string_view, std::string_view>> fingerprint_fields(st
 
 // Throws invalid_argument naming the first field where the file's fingerprint
 // differs from the store's.
-void expect_same_fingerprint(std::string_view file, std::string_view store, const std::string &path) {
+void expect_same_fingerprint(std::string_view file, std::string_view store, const std::string& path) {
   if (file == store) return;
   const auto theirs = fingerprint_fields(file);
   const auto ours = fingerprint_fields(store);
@@ -196,14 +198,14 @@ void expect_same_fingerprint(std::string_view file, std::string_view store, cons
 
 // The bytes before the sections: magic, version, layout, fingerprint, counters,
 // values_on, the section table.
-std::string file_header(const char *layout, const std::string &fingerprint, const std::vector<layer_state> &layers,
-                        value_place values_on, const std::vector<state_section> &sections) {
+std::string file_header(const char* layout, const std::string& fingerprint, const std::vector<layer_state>& layers,
+                        value_place values_on, const std::vector<state_section>& sections) {
   std::string out(kMagic);
   put(out, kFormatVersion);
   put_text(out, layout);
   put_text(out, fingerprint);
   put(out, static_cast<std::uint32_t>(layers.size()));
-  for (const layer_state &s : layers) {
+  for (const layer_state& s : layers) {
     for (const std::int64_t counter : {s.prompt_len, s.prompt_context_chunks, s.context_chunks, s.outlier_chunks,
                                        s.local_len, s.generated_total, s.generated_exact_len, s.journal_chunks}) {
       put(out, counter);
@@ -211,7 +213,7 @@ std::string file_header(const char *layout, const std::string &fingerprint, cons
   }
   put(out, static_cast<std::uint8_t>(values_on == value_place::device ? 1 : 0));
   put(out, static_cast<std::uint32_t>(sections.size()));
-  for (const state_section &section : sections) {
+  for (const state_section& section : sections) {
     put_text(out, section.name);
     put(out, section.bytes);
   }
@@ -224,7 +226,7 @@ std::string errno_text(int code) { return code == 0 ? std::string("no error code
 // commit, it removes the temporary file.
 class file_writer {
  public:
-  explicit file_writer(const std::string &path) : path_(path), temporary_(path + ".tmp") {
+  explicit file_writer(const std::string& path) : path_(path), temporary_(path + ".tmp") {
     file_ = std::fopen(temporary_.c_str(), "wb");
     if (file_ == nullptr) {
       const int code = errno;
@@ -232,8 +234,8 @@ class file_writer {
                      detail::format_message("save: cannot create '", temporary_, "': ", errno_text(code)));
     }
   }
-  file_writer(const file_writer &) = delete;
-  file_writer &operator=(const file_writer &) = delete;
+  file_writer(const file_writer&) = delete;
+  file_writer& operator=(const file_writer&) = delete;
   ~file_writer() {
     if (file_ != nullptr) std::fclose(file_);
     if (!committed_) std::remove(temporary_.c_str());
@@ -244,7 +246,7 @@ class file_writer {
     if (bytes.empty()) return;
     if (std::fwrite(bytes.data(), 1, bytes.size(), file_) != bytes.size()) fail("cannot write");
   }
-  void write(const std::string &bytes) { write(std::as_bytes(std::span(bytes.data(), bytes.size()))); }
+  void write(const std::string& bytes) { write(std::as_bytes(std::span(bytes.data(), bytes.size()))); }
 
   // Appends the checksum, flushes the file to the disk and renames it to
   // `path`.
@@ -256,7 +258,7 @@ class file_writer {
 #if defined(__unix__) || defined(__APPLE__)
     if (::fsync(fileno(file_)) != 0) fail("cannot flush");
 #endif
-    std::FILE *file = file_;
+    std::FILE* file = file_;
     file_ = nullptr;
     if (std::fclose(file) != 0) fail("cannot close");
     if (std::rename(temporary_.c_str(), path_.c_str()) != 0) {
@@ -269,30 +271,35 @@ class file_writer {
   }
 
  private:
-  [[noreturn]] void fail(const char *what) const {
+  [[noreturn]] void fail(const char* what) const {
     const int code = errno;
     throw io_error(code, temporary_, detail::format_message("save: ", what, " '", temporary_, "': ", errno_text(code)));
   }
 
   std::string path_;
   std::string temporary_;
-  std::FILE *file_ = nullptr;
+  std::FILE* file_ = nullptr;
   bool committed_ = false;
   fnv1a64 checksum_;
 };
 
 // The whole file, read before anything is checked.
-std::vector<std::byte> read_file(const std::string &path) {
-  std::FILE *file = std::fopen(path.c_str(), "rb");
+std::vector<std::byte> read_file(const std::string& path) {
+  // fopen opens a directory for reading on Linux (its reads then fail, its size is no file's): refuse it first.
+  std::error_code status;
+  if (std::filesystem::is_directory(path, status)) {
+    throw io_error(EISDIR, path, detail::format_message("load: cannot read '", path, "': ", errno_text(EISDIR)));
+  }
+  std::FILE* file = std::fopen(path.c_str(), "rb");
   if (file == nullptr) {
     const int code = errno;
     throw io_error(code, path, detail::format_message("load: cannot open '", path, "': ", errno_text(code)));
   }
   struct closer {
-    std::FILE *file;
+    std::FILE* file;
     ~closer() { std::fclose(file); }
   } close_at_exit{file};
-  const auto fail = [&](const char *what) {
+  const auto fail = [&](const char* what) {
     const int code = errno;
     throw io_error(code, path, detail::format_message("load: cannot ", what, " '", path, "': ", errno_text(code)));
   };
@@ -319,12 +326,12 @@ struct parsed_file {
 // size and the checksum.
 class file_reader {
  public:
-  file_reader(std::span<const std::byte> bytes, const std::string &path) : bytes_(bytes), path_(path) {}
+  file_reader(std::span<const std::byte> bytes, const std::string& path) : bytes_(bytes), path_(path) {}
 
   parsed_file parse() {
     parsed_file out;
     need(kMagic.size(), "the magic");
-    const std::string_view magic(reinterpret_cast<const char *>(bytes_.data()), kMagic.size());
+    const std::string_view magic(reinterpret_cast<const char*>(bytes_.data()), kMagic.size());
     SHADOWKV_EXPECTS(magic == kMagic, "load '", path_, "': not a saved sequence (the file does not start with \"",
                      kMagic, "\")");
     position_ = kMagic.size();
@@ -336,9 +343,9 @@ class file_reader {
     const auto layers = get<std::uint32_t>("the layer count");
     need(static_cast<std::uint64_t>(layers) * kCountersPerLayer * sizeof(std::int64_t), "the layers' counters");
     out.layers.resize(layers);
-    for (layer_state &s : out.layers) {
+    for (layer_state& s : out.layers) {
       s.prefilled = true;
-      for (std::int64_t *counter : {&s.prompt_len, &s.prompt_context_chunks, &s.context_chunks, &s.outlier_chunks,
+      for (std::int64_t* counter : {&s.prompt_len, &s.prompt_context_chunks, &s.context_chunks, &s.outlier_chunks,
                                     &s.local_len, &s.generated_total, &s.generated_exact_len, &s.journal_chunks}) {
         *counter = get<std::int64_t>("the layers' counters");
       }
@@ -351,7 +358,7 @@ class file_reader {
     need(static_cast<std::uint64_t>(count) * (sizeof(std::uint32_t) + sizeof(std::int64_t)), "the section table");
     out.sections.resize(count);
     std::uint64_t payload = 0;
-    for (state_section &section : out.sections) {
+    for (state_section& section : out.sections) {
       section.name = std::string(text("a section name", kMaxSectionNameBytes));
       section.bytes = get<std::int64_t>("the section table");
       SHADOWKV_EXPECTS(section.bytes >= 0 && static_cast<std::uint64_t>(section.bytes) <= bytes_.size(), "load '",
@@ -373,7 +380,7 @@ class file_reader {
     SHADOWKV_EXPECTS(stored == checksum.value(), "load '", path_, "': corrupted: checksum mismatch (the file says ",
                      stored, ", its bytes give ", checksum.value(), ")");
     out.payloads.reserve(out.sections.size());
-    for (const state_section &section : out.sections) {
+    for (const state_section& section : out.sections) {
       out.payloads.push_back(bytes_.subspan(position_, static_cast<std::size_t>(section.bytes)));
       position_ += static_cast<std::size_t>(section.bytes);
     }
@@ -382,39 +389,39 @@ class file_reader {
 
  private:
   // The file must hold `bytes` more bytes at the current position.
-  void need(std::uint64_t bytes, const char *what) const {
+  void need(std::uint64_t bytes, const char* what) const {
     SHADOWKV_EXPECTS(bytes <= bytes_.size() - position_, "load '", path_, "': truncated: ", what, " needs bytes [",
                      position_, ", ", position_ + bytes, "), the file has ", bytes_.size());
   }
   template <typename T>
-  T get(const char *what) {
+  T get(const char* what) {
     need(sizeof(T), what);
     T value;
     std::memcpy(&value, bytes_.data() + position_, sizeof(T));
     position_ += sizeof(T);
     return value;
   }
-  std::string_view text(const char *what, std::uint32_t most) {
+  std::string_view text(const char* what, std::uint32_t most) {
     const auto length = get<std::uint32_t>(what);
     SHADOWKV_EXPECTS(length <= most, "load '", path_, "': corrupted: ", what, " of ", length, " bytes (at most ", most,
                      ")");
     need(length, what);
-    const std::string_view result(reinterpret_cast<const char *>(bytes_.data() + position_), length);
+    const std::string_view result(reinterpret_cast<const char*>(bytes_.data() + position_), length);
     position_ += length;
     return result;
   }
 
   std::span<const std::byte> bytes_;
-  const std::string &path_;
+  const std::string& path_;
   std::size_t position_ = 0;
 };
 
 // Throws unless `s` (layer `layer` of a file) are counters a store of `c` could
 // hold: the prefill's rule for the prompt, the fold rule for the generated
 // tokens (docs/semantics.md), and capacity (capacity_error past max_seq_len).
-void expect_consistent_counters(const config &c, const layer_state &s, std::size_t layer, const std::string &path) {
+void expect_consistent_counters(const config& c, const layer_state& s, std::size_t layer, const std::string& path) {
   const auto chunk = static_cast<std::int64_t>(c.chunk_size);
-  const auto inconsistent = [&](const char *what, std::int64_t found, std::int64_t expected) {
+  const auto inconsistent = [&](const char* what, std::int64_t found, std::int64_t expected) {
     throw invalid_argument(detail::format_message("load '", path, "': corrupted: layer ", layer, "'s ", what, " is ",
                                                   found, " where its other counters and the configuration give ",
                                                   expected));
@@ -461,8 +468,8 @@ std::vector<parked_sequence> kv_store::park(std::span<const int> slots) {
   // the states back, which cannot fail).
   std::vector<parked_sequence> result(slots.size());
   for (std::size_t i = 0; i < slots.size(); ++i) {
-    const sequence &seq = sequences_[static_cast<std::size_t>(slots[i])];
-    parked_sequence &p = result[i];
+    const sequence& seq = sequences_[static_cast<std::size_t>(slots[i])];
+    parked_sequence& p = result[i];
     p.store_id_ = id_;
     p.slot_ = slots[i];
     p.family_ = seq.family;
@@ -481,7 +488,7 @@ std::vector<parked_sequence> kv_store::park(std::span<const int> slots) {
   }
   for (const int slot : slots) {
     backend_->close_sequence(slot);
-    sequence &seq = sequences_[static_cast<std::size_t>(slot)];
+    sequence& seq = sequences_[static_cast<std::size_t>(slot)];
     if (seq.values_on == value_place::device) device_value_bytes_ -= backend_->value_bytes_per_sequence();
     seq.active = false;
     seq.parked = true;
@@ -496,7 +503,7 @@ std::vector<int> kv_store::resume(std::span<parked_sequence> parked) {
   SHADOWKV_EXPECTS(!parked.empty(), "resume needs at least one parked sequence");
   std::int64_t device_sequences = 0;
   for (std::size_t i = 0; i < parked.size(); ++i) {
-    const parked_sequence &p = parked[i];
+    const parked_sequence& p = parked[i];
     SHADOWKV_EXPECTS(!p.empty(), "resume: parked sequence ", i,
                      " holds no sequence (it was resumed already, or never "
                      "parked): a parked sequence resumes once");
@@ -535,8 +542,8 @@ std::vector<int> kv_store::resume(std::span<parked_sequence> parked) {
     throw;
   }
   for (std::size_t i = 0; i < parked.size(); ++i) {
-    parked_sequence &p = parked[i];
-    sequence &seq = sequences_[static_cast<std::size_t>(free_slots[i])];
+    parked_sequence& p = parked[i];
+    sequence& seq = sequences_[static_cast<std::size_t>(free_slots[i])];
     seq.active = true;
     seq.parked = false;
     seq.values_on = p.values_on_;
@@ -552,10 +559,10 @@ std::vector<int> kv_store::resume(std::span<parked_sequence> parked) {
 // --- save and load
 // ---------------------------------------------------------------------------------------------------
 
-void kv_store::save(int slot, const std::string &path) const {
+void kv_store::save(int slot, const std::string& path) const {
   const std::lock_guard lock(*mutex_);
   check_slot(slot);
-  const sequence &seq = sequences_[static_cast<std::size_t>(slot)];
+  const sequence& seq = sequences_[static_cast<std::size_t>(slot)];
   expect_every_layer_prefilled(seq.layers, slot, "save");
   expect_keeping(*backend_);
   SHADOWKV_EXPECTS(!path.empty(), "save: the path is empty");
@@ -580,7 +587,7 @@ void kv_store::save(int slot, const std::string &path) const {
   backend_->finish_call();
 }
 
-int kv_store::load(const std::string &path) {
+int kv_store::load(const std::string& path) {
   SHADOWKV_EXPECTS(!path.empty(), "load: the path is empty");
   // Read outside the lock: the file is not the store's.
   const std::vector<std::byte> bytes = read_file(path);
@@ -604,7 +611,7 @@ int kv_store::load(const std::string &path) {
     const bool same = i < expected.size() && i < file.sections.size() && expected[i].name == file.sections[i].name &&
                       expected[i].bytes == file.sections[i].bytes;
     if (same) continue;
-    const auto describe = [](const std::vector<state_section> &list, std::size_t index) {
+    const auto describe = [](const std::vector<state_section>& list, std::size_t index) {
       return index < list.size() ? detail::format_message("'", list[index].name, "' of ", list[index].bytes, " bytes")
                                  : std::string("nothing");
     };
@@ -621,17 +628,17 @@ int kv_store::load(const std::string &path) {
   }
   SHADOWKV_EXPECTS_CAPACITY(slot >= 0, "load '", path, "': no free slot (all max_batch=", config_.max_batch,
                             " slots hold sequences)");
-  sequence &seq = sequences_[static_cast<std::size_t>(slot)];
+  sequence& seq = sequences_[static_cast<std::size_t>(slot)];
   seq.layers.reserve(static_cast<std::size_t>(config_.num_layers));  // so that the commit below cannot fail
 
   // The value store goes where add_sequences would put a new sequence's.
   const std::int64_t value_bytes = backend_->value_bytes_per_sequence();
   value_place place = config_.value_store == value_store_policy::device ? value_place::device : value_place::host;
   const auto read = [&](value_place where) {
-    for (layer_state &s : file.layers) s.values_on = where;
+    for (layer_state& s : file.layers) s.values_on = where;
     try {
       backend_->read_state(slot, where, file.layers, file.payloads);
-    } catch (const invalid_argument &error) {
+    } catch (const invalid_argument& error) {
       throw invalid_argument(detail::format_message("load '", path, "': ", error.what()));
     }
   };
@@ -643,7 +650,7 @@ int kv_store::load(const std::string &path) {
       try {
         read(value_place::device);
         on_device = true;
-      } catch (const out_of_memory &) {
+      } catch (const out_of_memory&) {
       }
     }
     if (on_device) {
@@ -651,7 +658,7 @@ int kv_store::load(const std::string &path) {
     } else {
       try {
         read(value_place::host);
-      } catch (const out_of_memory &error) {
+      } catch (const out_of_memory& error) {
         throw out_of_memory(detail::format_message(
             "load '", path, "': the value store of the sequence (", value_bytes, " bytes) fits neither on the device (",
             within_budget ? "no device memory left" : "device_value_budget exhausted", ": ", device_value_bytes_,

@@ -36,7 +36,7 @@ using shadowkv_test::view_of;
 /// "Saved sequences").
 enum class variant { plain, two_centroids, lru_cache, fp8_values, float32 };
 
-std::string variant_name(const ::testing::TestParamInfo<variant> &info) {
+std::string variant_name(const ::testing::TestParamInfo<variant>& info) {
   switch (info.param) {
     case variant::plain:
       return "plain";
@@ -79,27 +79,27 @@ config keeping_config(variant v) {
 
 /// A sequence: a store and a slot of it.
 struct sequence_ref {
-  kv_store *store;
+  kv_store* store;
   int slot;
 };
 
-std::string temporary_path(const std::string &name) {
+std::string temporary_path(const std::string& name) {
   const std::filesystem::path dir = std::filesystem::path(::testing::TempDir()) / "shadowkv_test_keeping";
   std::filesystem::create_directories(dir);
-  const auto *test = ::testing::UnitTest::GetInstance()->current_test_info();
+  const auto* test = ::testing::UnitTest::GetInstance()->current_test_info();
   std::string stem = std::string(test->test_suite_name()) + "." + test->name() + "." + name;
-  for (char &c : stem) {
+  for (char& c : stem) {
     if (c == '/') c = '_';
   }
   return (dir / stem).string();
 }
 
-std::vector<char> file_bytes(const std::string &path) {
+std::vector<char> file_bytes(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
 }
 
-void write_bytes(const std::string &path, const std::vector<char> &bytes) {
+void write_bytes(const std::string& path, const std::vector<char>& bytes) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
   out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
 }
@@ -108,10 +108,10 @@ void write_bytes(const std::string &path, const std::vector<char> &bytes) {
 /// report, stats, every sequence's counters.
 struct snapshot {
   std::vector<std::int64_t> numbers;
-  bool operator==(const snapshot &) const = default;
+  bool operator==(const snapshot&) const = default;
 };
 
-snapshot take_snapshot(const kv_store &s) {
+snapshot take_snapshot(const kv_store& s) {
   snapshot out;
   const shadowkv::memory_report m = s.memory();
   const shadowkv::store_stats st = s.stats();
@@ -130,7 +130,7 @@ snapshot take_snapshot(const kv_store &s) {
   return out;
 }
 
-bool same_stats(const shadowkv::store_stats &x, const shadowkv::store_stats &y) {
+bool same_stats(const shadowkv::store_stats& x, const shadowkv::store_stats& y) {
   return x.decode_steps == y.decode_steps && x.selections == y.selections && x.hits == y.hits && x.misses == y.misses &&
          x.chunks_rebuilt == y.chunks_rebuilt && x.bytes_fetched == y.bytes_fetched && x.folds == y.folds;
 }
@@ -139,11 +139,11 @@ bool same_stats(const shadowkv::store_stats &x, const shadowkv::store_stats &y) 
 /// equalities.
 class keeping_base : public ::testing::Test {
  protected:
-  std::unique_ptr<kv_store> new_store(const config &cfg) const { return std::make_unique<kv_store>(cfg); }
+  std::unique_ptr<kv_store> new_store(const config& cfg) const { return std::make_unique<kv_store>(cfg); }
 
   /// Prefills `slots` of `s` (every layer) with prompts of 100 and 77 tokens
   /// from `seed`, with a warm-up query.
-  void prefill(kv_store &s, const std::vector<int> &slots, std::uint64_t seed) const {
+  void prefill(kv_store& s, const std::vector<int>& slots, std::uint64_t seed) const {
     random_source rng(seed);
     const auto batch = static_cast<std::int64_t>(slots.size());
     for (int layer = 0; layer < cfg_.num_layers; ++layer) {
@@ -163,7 +163,7 @@ class keeping_base : public ::testing::Test {
   /// One extend of `tokens` tokens of every layer on each of `sequences` (one
   /// call per sequence), with the same data for all; returns the outputs
   /// concatenated.
-  std::vector<float> extend(const std::vector<sequence_ref> &sequences, std::int64_t tokens, std::uint64_t seed,
+  std::vector<float> extend(const std::vector<sequence_ref>& sequences, std::int64_t tokens, std::uint64_t seed,
                             bool compare) const {
     random_source rng(seed);
     std::vector<float> all;
@@ -172,7 +172,7 @@ class keeping_base : public ::testing::Test {
       const auto k = rng.normals(static_cast<std::size_t>(tokens * cfg_.kv_width()));
       const auto v = rng.normals(static_cast<std::size_t>(tokens * cfg_.kv_width()));
       std::vector<float> first;
-      for (const sequence_ref &ref : sequences) {
+      for (const sequence_ref& ref : sequences) {
         std::vector<float> out(q.size(), -7.0F);
         ref.store->extend(layer, std::vector<int>{ref.slot}, view_of(q, {1, tokens, cfg_.num_q_heads, cfg_.head_dim}),
                           view_of(k, {1, tokens, cfg_.num_kv_heads, cfg_.head_dim}),
@@ -191,7 +191,7 @@ class keeping_base : public ::testing::Test {
 
   /// `steps` decode steps of every layer on each of `sequences` with the same
   /// data; with `compare`, their outputs and selections must agree bit for bit.
-  void decode(const std::vector<sequence_ref> &sequences, std::int64_t steps, std::uint64_t seed,
+  void decode(const std::vector<sequence_ref>& sequences, std::int64_t steps, std::uint64_t seed,
               bool compare = true) const {
     random_source rng(seed);
     for (std::int64_t step = 0; step < steps; ++step) {
@@ -200,7 +200,7 @@ class keeping_base : public ::testing::Test {
         const auto k = rng.normals(static_cast<std::size_t>(cfg_.kv_width()));
         const auto v = rng.normals(static_cast<std::size_t>(cfg_.kv_width()));
         std::vector<float> first;
-        for (const sequence_ref &ref : sequences) {
+        for (const sequence_ref& ref : sequences) {
           std::vector<float> out(q.size(), -7.0F);
           ref.store->decode(layer, std::vector<int>{ref.slot}, view_of(q, {1, cfg_.num_q_heads, cfg_.head_dim}),
                             view_of(k, {1, cfg_.num_kv_heads, cfg_.head_dim}),
@@ -220,9 +220,9 @@ class keeping_base : public ::testing::Test {
 
   /// Removes generation_window tokens from each sequence (undoing folds: the
   /// journal's rows come back) and checks that they agree afterwards.
-  void truncate(const std::vector<sequence_ref> &sequences) const {
+  void truncate(const std::vector<sequence_ref>& sequences) const {
     const std::int64_t folds_before = sequences[0].store->info(0, sequences[0].slot).context_chunks;
-    for (const sequence_ref &ref : sequences) {
+    for (const sequence_ref& ref : sequences) {
       ref.store->truncate(std::vector<int>{ref.slot}, std::vector<std::int64_t>{cfg_.generation_window});
     }
     EXPECT_LT(sequences[0].store->info(0, sequences[0].slot).context_chunks, folds_before) << "no fold was undone";
@@ -252,18 +252,18 @@ class keeping_base : public ::testing::Test {
   /// Equal now, and for a future of decode steps (folds on the way) and extends
   /// (one of several blocks, one of one token): outputs and selections bit for
   /// bit.
-  void expect_same_future(const std::vector<sequence_ref> &sequences, std::uint64_t seed) const {
+  void expect_same_future(const std::vector<sequence_ref>& sequences, std::uint64_t seed) const {
     // Hits and misses (and so the bytes fetched and the chunks rebuilt) depend
     // on the selection cache's slots and their LRU stamps, which no output
     // shows: each store's counters must grow by the same amounts per sequence.
-    std::map<kv_store *, std::pair<shadowkv::store_stats, std::int64_t>> before;
-    for (const sequence_ref &ref : sequences) {
+    std::map<kv_store*, std::pair<shadowkv::store_stats, std::int64_t>> before;
+    for (const sequence_ref& ref : sequences) {
       auto entry = before.try_emplace(ref.store, ref.store->stats(), 0).first;
       entry->second.second += 1;
     }
-    const auto growth = [&](kv_store *store) {
+    const auto growth = [&](kv_store* store) {
       const shadowkv::store_stats now = store->stats();
-      const shadowkv::store_stats &then = before.at(store).first;
+      const shadowkv::store_stats& then = before.at(store).first;
       const std::int64_t n = before.at(store).second;
       return std::vector<std::int64_t>{(now.decode_steps - then.decode_steps) / n,
                                        (now.selections - then.selections) / n,
@@ -286,7 +286,7 @@ class keeping_base : public ::testing::Test {
     truncate(sequences);
     decode(sequences, 9, seed + 4);
     for (std::size_t i = 1; i < sequences.size(); ++i) expect_same(sequences[i], sequences[0]);
-    for (const sequence_ref &ref : sequences) {
+    for (const sequence_ref& ref : sequences) {
       EXPECT_EQ(growth(ref.store), growth(sequences[0].store)) << "stats of slot " << ref.slot;
     }
   }
@@ -301,7 +301,7 @@ class keeping_base : public ::testing::Test {
   void make_twins() {
     a_ = new_store(cfg_);
     b_ = new_store(cfg_);
-    for (kv_store *s : {a_.get(), b_.get()}) {
+    for (kv_store* s : {a_.get(), b_.get()}) {
       ASSERT_EQ(s->add_sequences(2), (std::vector<int>{0, 1}));
       prefill(*s, {0, 1}, 17);
     }
@@ -350,7 +350,7 @@ TEST_P(keeping_test, park_then_resume_continues_bit_for_bit) {
   try {
     decode({{a_.get(), 0}}, 1, 5, false);
     ADD_FAILURE() << "decode on a parked slot did not throw";
-  } catch (const shadowkv::invalid_argument &error) {
+  } catch (const shadowkv::invalid_argument& error) {
     EXPECT_NE(std::string(error.what()).find("parked"), std::string::npos) << error.what();
   }
   ASSERT_EQ(a_->add_sequences(1), std::vector<int>{0});
@@ -381,7 +381,7 @@ TEST_P(keeping_test, park_of_several_and_resume_in_another_order) {
   try {
     a_->release(std::vector<int>{0});
     ADD_FAILURE() << "release of a parked slot did not throw";
-  } catch (const shadowkv::invalid_argument &error) {
+  } catch (const shadowkv::invalid_argument& error) {
     EXPECT_NE(std::string(error.what()).find("parked"), std::string::npos) << error.what();
   }
   std::vector<parked_sequence> reversed;
@@ -395,7 +395,7 @@ TEST_P(keeping_test, park_of_several_and_resume_in_another_order) {
   try {
     decode({{a_.get(), 0}}, 1, 5, false);
     ADD_FAILURE() << "decode on a released slot did not throw";
-  } catch (const shadowkv::invalid_argument &error) {
+  } catch (const shadowkv::invalid_argument& error) {
     EXPECT_EQ(std::string(error.what()).find("parked"), std::string::npos) << error.what();
   }
 }
@@ -488,7 +488,7 @@ TEST_F(keeping_errors, park_and_resume_refusals_change_nothing) {
   try {
     (void)a_->park(std::vector<int>{0, 3});
     ADD_FAILURE() << "park of a sequence without its layer 1 did not throw";
-  } catch (const shadowkv::invalid_argument &error) {
+  } catch (const shadowkv::invalid_argument& error) {
     EXPECT_NE(std::string(error.what()).find("layer 1 of slot 3"), std::string::npos) << error.what();
   }
   EXPECT_EQ(take_snapshot(*a_), with_three);
@@ -504,7 +504,7 @@ TEST_F(keeping_errors, park_and_resume_refusals_change_nothing) {
   try {
     (void)a_->resume(from_b);
     ADD_FAILURE() << "resume into another store did not throw";
-  } catch (const shadowkv::invalid_argument &error) {
+  } catch (const shadowkv::invalid_argument& error) {
     EXPECT_NE(std::string(error.what()).find("another store"), std::string::npos) << error.what();
   }
   EXPECT_FALSE(from_b[0].empty());
@@ -527,8 +527,8 @@ TEST_F(keeping_errors, park_and_resume_refusals_change_nothing) {
                shadowkv::invalid_argument);  // resumed already
   EXPECT_EQ(b_->resume(std::span(mixed).subspan(1)), std::vector<int>{1});
   // b parked and resumed its slot 1 as well: both continue as they were.
-  kv_store &a = *a_;
-  kv_store &b = *b_;
+  kv_store& a = *a_;
+  kv_store& b = *b_;
   expect_same_future({&a, 0}, {&b, 0}, 81);
   expect_same_future({&a, 1}, {&b, 1}, 82);
 }
@@ -549,7 +549,7 @@ class load_errors : public keeping_base {
   /// Loading `bytes` into a_ throws `Error` whose message holds `expected`, and
   /// changes nothing.
   template <typename Error>
-  void expect_refused(const std::vector<char> &bytes, const std::string &expected, const std::string &what) {
+  void expect_refused(const std::vector<char>& bytes, const std::string& expected, const std::string& what) {
     SCOPED_TRACE(what);
     const std::string path = temporary_path("bad.skv");
     write_bytes(path, bytes);
@@ -557,7 +557,7 @@ class load_errors : public keeping_base {
     try {
       (void)a_->load(path);
       ADD_FAILURE() << "load did not throw";
-    } catch (const Error &error) {
+    } catch (const Error& error) {
       EXPECT_NE(std::string(error.what()).find(expected), std::string::npos) << error.what();
     }
     EXPECT_EQ(take_snapshot(*a_), before);
@@ -587,15 +587,15 @@ class load_errors : public keeping_base {
 };
 
 TEST_F(load_errors, another_configuration_names_the_field) {
-  for (const auto &[field, change] : std::vector<std::pair<std::string, std::function<void(config &)>>>{
-           {"rank", [](config &c) { c.rank = 16; }},
-           {"chunk_size", [](config &c) { c.chunk_size = 4; }},
-           {"dtype", [](config &c) { c.kv_dtype = shadowkv::dtype::float16; }},
-           {"generation_window", [](config &c) { c.generation_window = 32; }},
-           {"num_layers", [](config &c) { c.num_layers = 3; }},
-           {"rope_theta", [](config &c) { c.rope_theta = 500000.0; }},
-           {"value_format", [](config &c) { c.values_as = shadowkv::value_format::fp8_e4m3; }},
-           {"cache_tokens", [](config &c) { c.cache_tokens = 2 * c.budget; }},
+  for (const auto& [field, change] : std::vector<std::pair<std::string, std::function<void(config&)>>>{
+           {"rank", [](config& c) { c.rank = 16; }},
+           {"chunk_size", [](config& c) { c.chunk_size = 4; }},
+           {"dtype", [](config& c) { c.kv_dtype = shadowkv::dtype::float16; }},
+           {"generation_window", [](config& c) { c.generation_window = 32; }},
+           {"num_layers", [](config& c) { c.num_layers = 3; }},
+           {"rope_theta", [](config& c) { c.rope_theta = 500000.0; }},
+           {"value_format", [](config& c) { c.values_as = shadowkv::value_format::fp8_e4m3; }},
+           {"cache_tokens", [](config& c) { c.cache_tokens = 2 * c.budget; }},
        }) {
     SCOPED_TRACE(field);
     config other = cfg_;
@@ -604,7 +604,7 @@ TEST_F(load_errors, another_configuration_names_the_field) {
     try {
       (void)c.load(path_);
       ADD_FAILURE() << "load into another configuration did not throw";
-    } catch (const shadowkv::invalid_argument &error) {
+    } catch (const shadowkv::invalid_argument& error) {
       const std::string message = error.what();
       EXPECT_NE(message.find("another configuration: " + field + " is"), std::string::npos) << message;
     }
@@ -664,7 +664,7 @@ TEST_F(load_errors, files_that_cannot_be_read_or_written) {
   try {
     (void)a_->load(path_ + ".missing");
     ADD_FAILURE() << "load of a missing file did not throw";
-  } catch (const shadowkv::io_error &error) {
+  } catch (const shadowkv::io_error& error) {
     EXPECT_EQ(error.code(), ENOENT);
     EXPECT_EQ(error.path(), path_ + ".missing");
   }
