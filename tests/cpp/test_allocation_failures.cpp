@@ -11,18 +11,21 @@
 // bit for bit, for more steps (folds included). A std::terminate anywhere ends the executable, which CTest reports as a
 // failure.
 #include <gtest/gtest.h>
+#include <unistd.h>  // getpid
 
 #include <atomic>
 #include <cctype>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <limits>
 #include <memory>
 #include <new>
 #include <string>
+#include <system_error>
 #include <vector>
 
 #include "shadowkv/store.hpp"
@@ -267,8 +270,25 @@ operation resume_two() {
   };
 }
 
+// Scratch files of save and load: one directory per process (CTest runs the tests of this executable in parallel
+// processes, and other builds may run them at the same time), removed when the process ends.
+std::filesystem::path scratch_directory() {
+  return std::filesystem::path(::testing::TempDir()) / ("shadowkv_allocation_failures_" + std::to_string(::getpid()));
+}
+
+class scratch_cleanup : public ::testing::Environment {
+ public:
+  void TearDown() override {
+    std::error_code ignored;
+    std::filesystem::remove_all(scratch_directory(), ignored);
+  }
+};
+const ::testing::Environment* const scratch_cleanup_registered =
+    ::testing::AddGlobalTestEnvironment(new scratch_cleanup);
+
 std::string scratch_file(const std::string& name) {
-  return ::testing::TempDir() + "shadowkv_allocation_failures_" + name;
+  std::filesystem::create_directories(scratch_directory());
+  return (scratch_directory() / name).string();
 }
 
 // save of slot 0; a failed save leaves no file (nor its temporary).

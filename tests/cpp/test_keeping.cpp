@@ -5,6 +5,7 @@
 // counters. Plus the refusals, each of which changes nothing, and stats() that
 // none of the calls moves.
 #include <gtest/gtest.h>
+#include <unistd.h>  // getpid
 
 #include <cerrno>
 #include <cstdint>
@@ -16,6 +17,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <system_error>
 #include <utility>
 #include <vector>
 
@@ -83,8 +85,24 @@ struct sequence_ref {
   int slot;
 };
 
+// Files of the tests: one directory per process (other builds on the host may run these tests at the same time),
+// removed when the process ends.
+std::filesystem::path temporary_directory() {
+  return std::filesystem::path(::testing::TempDir()) / ("shadowkv_test_keeping_" + std::to_string(::getpid()));
+}
+
+class temporary_cleanup : public ::testing::Environment {
+ public:
+  void TearDown() override {
+    std::error_code ignored;
+    std::filesystem::remove_all(temporary_directory(), ignored);
+  }
+};
+const ::testing::Environment* const temporary_cleanup_registered =
+    ::testing::AddGlobalTestEnvironment(new temporary_cleanup);
+
 std::string temporary_path(const std::string& name) {
-  const std::filesystem::path dir = std::filesystem::path(::testing::TempDir()) / "shadowkv_test_keeping";
+  const std::filesystem::path dir = temporary_directory();
   std::filesystem::create_directories(dir);
   const auto* test = ::testing::UnitTest::GetInstance()->current_test_info();
   std::string stem = std::string(test->test_suite_name()) + "." + test->name() + "." + name;
