@@ -256,12 +256,13 @@ class ParkedSequence:
     tokens: the sequence's tokens (prompt + generated, as in layer 0; 0 once resumed). host_bytes: the host memory it
     holds (0 once resumed). parked_from: the slot it had when it was parked."""
 
-    __slots__ = ("_parked",)
+    __slots__ = ("_parked", "__weakref__")
 
     def __init__(self, native: Any) -> None:
         if not isinstance(native, _core.ParkedSequence):
             raise TypeError("ParkedSequence objects are made by KVStore.park")
         self._parked = native
+        _live_parked.add(self)
 
     @property
     def tokens(self) -> int:
@@ -313,8 +314,9 @@ def _footprint_message(store: "KVStore", report: dict) -> str:
         f"cache_tokens: the store saves memory on long contexts (MemoryFootprintWarning, docs/api.md)")
 
 
-# Live stores, so that their native objects are freed at interpreter exit (see _close_at_exit).
+# Live stores and parked sequences, so that their native objects are freed at interpreter exit (see _close_at_exit).
 _live_stores: "weakref.WeakSet" = weakref.WeakSet()
+_live_parked: "weakref.WeakSet" = weakref.WeakSet()
 
 
 class _Closed:
@@ -332,6 +334,8 @@ def _close_at_exit() -> None:
     freeing them here also runs the store's destructor while the CUDA runtime is still loaded."""
     for store in list(_live_stores):
         store._store = store._config = _Closed()
+    for parked in list(_live_parked):  # likewise the parked sequences' native objects (ParkedSequence)
+        parked._parked = _Closed()
 
 
 class KVStore:
