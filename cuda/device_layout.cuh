@@ -110,7 +110,26 @@ struct layer_view {
   long long* journal_positions;   ///< [journal_chunks * C]
   int journal_head;               ///< journal chunk of the oldest fold kept
   int journal_count;              ///< folds kept (<= journal_chunks)
+  // A forked sequence's value store (docs/semantics.md, "Fork, park and save"): the runs of its first
+  // shared_value_chunks context chunks (the prompt's) are read from the family's value store at shared_value_store,
+  // which nothing writes after the prefill; its own chunks are at value_store, chunk c at c - shared_value_chunks.
+  // 0 for a sequence that shares nothing: value_store holds every chunk at its id.
+  const void* shared_value_store;
+  const float* shared_value_scales;  ///< fp8 only
+  int shared_value_chunks;
 };
+
+/// Where the value runs of context chunk `chunk` are read: the store (codes for fp8), its fp8 scales, and the chunk's
+/// index in them (see layer_view::shared_value_chunks).
+struct value_runs {
+  const void* store;
+  const float* scales;
+  long long chunk;
+};
+__host__ __device__ inline value_runs value_runs_of(const layer_view& view, long long chunk) {
+  if (chunk < view.shared_value_chunks) return {view.shared_value_store, view.shared_value_scales, chunk};
+  return {view.value_store, view.value_scales, chunk - view.shared_value_chunks};
+}
 
 /// Ring row of the i-th oldest generated token (0 <= i < generated_exact_len) in the exact region.
 __host__ __device__ inline int generated_row(const layer_view& view, const dims& d, int i) {

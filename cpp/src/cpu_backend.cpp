@@ -5,6 +5,7 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <unordered_map>
 
 #include "capacity.hpp"
 #include "factorization.hpp"
@@ -111,6 +112,10 @@ cpu_layer_data cpu_backend::prefill_one(const batch_entry& entry, const prefill_
   const dtype type = config_.kv_dtype;
   const std::int64_t b = entry.row;
 
+  // The prompt's compressed state (shared by the sequences a fork makes), then the sequence's own part.
+  auto prompt = std::make_shared<cpu_prompt_state>();
+  cpu_prompt_state& p = *prompt;
+  p.chunks = chunks;
   cpu_layer_data out;
   // Positions.
   std::vector<std::int64_t> positions(static_cast<std::size_t>(length));
@@ -149,28 +154,28 @@ cpu_layer_data cpu_backend::prefill_one(const batch_entry& entry, const prefill_
   // B is rounded to the factor dtype first and A is the projection onto B as held, so that a prefill and a later
   // fold project onto the same basis; A is then rounded too (docs/semantics.md, "Low-rank factors").
   const dtype factor_type = config_.factor_dtype();
-  out.basis = host_array(factor_type);
+  p.basis = host_array(factor_type);
   const std::vector<float> exact_basis =
       leading_right_singular_vectors(keys_pre.data(), length, width, rank, config_.factorization);
-  out.basis.append(static_cast<std::int64_t>(exact_basis.size()), exact_basis.data());
+  p.basis.append(static_cast<std::int64_t>(exact_basis.size()), exact_basis.data());
   std::vector<float> basis(exact_basis.size());
-  out.basis.load(0, out.basis.size(), basis.data());
+  p.basis.load(0, p.basis.size(), basis.data());
   const std::vector<float> coefficients =
       project_onto_basis(keys_pre.data(), context_tokens, width, basis.data(), rank);
-  out.coefficients = host_array(factor_type);
-  out.coefficients.append(static_cast<std::int64_t>(coefficients.size()), coefficients.data());
-  out.context_positions.assign(positions.begin(), positions.begin() + context_tokens);
+  p.coefficients = host_array(factor_type);
+  p.coefficients.append(static_cast<std::int64_t>(coefficients.size()), coefficients.data());
+  p.context_positions.assign(positions.begin(), positions.begin() + context_tokens);
 
   // Landmarks (means of the stored post-RoPE keys) and each chunk's minimum cosine to its own keys. With
   // chunk_score = two_centroids the landmark serves the outlier rule only and the chunk's two centroids are stored.
   const bool centroids = config_.chunk_score == chunk_score_rule::two_centroids;
-  out.landmarks = host_array(type);
+  p.landmarks = host_array(type);
   if (centroids) {
-    out.centroid_codes.resize(static_cast<std::size_t>(chunks * heads * 2 * dim));
-    out.centroid_scales.resize(static_cast<std::size_t>(chunks * heads * 2));
-    out.first_counts.resize(static_cast<std::size_t>(chunks * heads));
+    p.centroid_codes.resize(static_cast<std::size_t>(chunks * heads * 2 * dim));
+    p.centroid_scales.resize(static_cast<std::size_t>(chunks * heads * 2));
+    p.first_counts.resize(static_cast<std::size_t>(chunks * heads));
   } else {
-    out.landmarks.resize(chunks * width);
+    p.landmarks.resize(chunks * width);
   }
   std::vector<double> centroid_work(static_cast<std::size_t>(2 * dim));
   std::vector<double> min_cosine(static_cast<std::size_t>(chunks * heads));
@@ -185,14 +190,14 @@ cpu_layer_data cpu_backend::prefill_one(const batch_entry& entry, const prefill_
       if (centroids) {
         const float* first_key = keys_post.data() + (c * chunk) * width + h * dim;
         const auto key = [&](int i, int d) { return first_key[static_cast<std::int64_t>(i) * width + d]; };
-        const rules::chunk_centroids made = rules::two_means(
-            key, static_cast<int>(chunk), static_cast<int>(dim), centroid_work.data(),
-            out.centroid_codes.data() + (c * heads + h) * 2 * dim);
-        out.centroid_scales[static_cast<std::size_t>((c * heads + h) * 2)] = made.scale[0];
-        out.centroid_scales[static_cast<std::size_t>((c * heads + h) * 2 + 1)] = made.scale[1];
-        out.first_counts[static_cast<std::size_t>(c * heads + h)] = made.first_count;
+        const rules::chunk_centroids made =
+            rules::two_means(key, static_cast<int>(chunk), static_cast<int>(dim), centroid_work.data(),
+                             p.centroid_codes.data() + (c * heads + h) * 2 * dim);
+        p.centroid_scales[static_cast<std::size_t>((c * heads + h) * 2)] = made.scale[0];
+        p.centroid_scales[static_cast<std::size_t>((c * heads + h) * 2 + 1)] = made.scale[1];
+        p.first_counts[static_cast<std::size_t>(c * heads + h)] = made.first_count;
       } else {
-        out.landmarks.store((c * heads + h) * dim, dim, landmark.data());
+        p.landmarks.store((c * heads + h) * dim, dim, landmark.data());
       }
       double lowest = std::numeric_limits<double>::infinity();
       for (std::int64_t i = 0; i < chunk; ++i) {
@@ -210,43 +215,43 @@ cpu_layer_data cpu_backend::prefill_one(const batch_entry& entry, const prefill_
 
   // Outliers: per head the chunks with the lowest minimum cosine (ties: smaller id).
   const std::int64_t outliers = state.outlier_chunks;
-  out.outliers.assign(static_cast<std::size_t>(heads), {});
-  out.is_outlier.assign(static_cast<std::size_t>(heads), std::vector<std::uint8_t>(static_cast<std::size_t>(chunks), 0));
-  out.outlier_keys = host_array(type);
-  out.outlier_values = host_array(type);
-  out.outlier_keys.resize(heads * outliers * chunk * dim);
-  out.outlier_values.resize(heads * outliers * chunk * dim);
+  p.outliers.assign(static_cast<std::size_t>(heads), {});
+  p.is_outlier.assign(static_cast<std::size_t>(heads), std::vector<std::uint8_t>(static_cast<std::size_t>(chunks), 0));
+  p.outlier_keys = host_array(type);
+  p.outlier_values = host_array(type);
+  p.outlier_keys.resize(heads * outliers * chunk * dim);
+  p.outlier_values.resize(heads * outliers * chunk * dim);
   std::vector<std::int64_t> order(static_cast<std::size_t>(chunks));
   for (std::int64_t h = 0; h < heads; ++h) {
     std::iota(order.begin(), order.end(), 0);
     std::stable_sort(order.begin(), order.end(), [&](std::int64_t x, std::int64_t y) {
       return min_cosine[static_cast<std::size_t>(x * heads + h)] < min_cosine[static_cast<std::size_t>(y * heads + h)];
     });
-    std::vector<std::int64_t>& ids = out.outliers[static_cast<std::size_t>(h)];
+    std::vector<std::int64_t>& ids = p.outliers[static_cast<std::size_t>(h)];
     ids.assign(order.begin(), order.begin() + outliers);
     std::sort(ids.begin(), ids.end());
     for (std::size_t o = 0; o < ids.size(); ++o) {
       const std::int64_t c = ids[o];
-      out.is_outlier[static_cast<std::size_t>(h)][static_cast<std::size_t>(c)] = 1;
+      p.is_outlier[static_cast<std::size_t>(h)][static_cast<std::size_t>(c)] = 1;
       for (std::int64_t i = 0; i < chunk; ++i) {
         const std::int64_t t = c * chunk + i;
         const std::int64_t row = (h * outliers + static_cast<std::int64_t>(o)) * chunk + i;
-        out.outlier_keys.store(row * dim, dim, keys_post.data() + t * width + h * dim);
-        for (std::int64_t d = 0; d < dim; ++d) out.outlier_values.set(row * dim + d, value_at(t, h, d));
+        p.outlier_keys.store(row * dim, dim, keys_post.data() + t * width + h * dim);
+        for (std::int64_t d = 0; d < dim; ++d) p.outlier_values.set(row * dim + d, value_at(t, h, d));
       }
     }
   }
 
   // Value store of all context chunks, chunk-major.
-  out.value_store = value_store_array(type, config_.values_as, chunk * dim);
-  out.value_store.reserve_runs(chunks * heads);
+  p.value_store = value_store_array(type, config_.values_as, chunk * dim);
+  p.value_store.reserve_runs(chunks * heads);
   std::vector<float> run(static_cast<std::size_t>(chunk * dim));
   for (std::int64_t c = 0; c < chunks; ++c) {
     for (std::int64_t h = 0; h < heads; ++h) {
       for (std::int64_t i = 0; i < chunk; ++i) {
         for (std::int64_t d = 0; d < dim; ++d) run[static_cast<std::size_t>(i * dim + d)] = value_at(c * chunk + i, h, d);
       }
-      out.value_store.append_run(run.data());
+      p.value_store.append_run(run.data());
     }
   }
 
@@ -264,6 +269,11 @@ cpu_layer_data cpu_backend::prefill_one(const batch_entry& entry, const prefill_
     out.exact_positions.push_back(positions[static_cast<std::size_t>(t)]);
   }
   out.last_position = positions.back();
+  out.prompt = std::move(prompt);
+  // Folded chunks go to the sequence's own arrays, in the prompt's formats.
+  out.coefficients = host_array(factor_type);
+  out.landmarks = host_array(type);
+  out.value_store = value_store_array(type, config_.values_as, chunk * dim);
   out.prompt_last_position = out.last_position;
   out.journal_keys = host_array(type);
   out.journal_values = host_array(type);
@@ -327,8 +337,9 @@ void cpu_backend::fold_oldest_generated_chunk(int layer, std::span<const batch_e
         d.exact_values.load(token * width + h * dim, dim, folded[e].values.data() + (h * chunk + i) * dim);
       }
     }
-    std::vector<float> basis(static_cast<std::size_t>(d.basis.size()));
-    d.basis.load(0, d.basis.size(), basis.data());
+    const host_array& held_basis = d.prompt->basis;
+    std::vector<float> basis(static_cast<std::size_t>(held_basis.size()));
+    held_basis.load(0, held_basis.size(), basis.data());
     folded[e].coefficients = project_onto_basis(keys_pre.data(), chunk, width, basis.data(), rank);
     if (centroids) {
       folded[e].centroid_codes.resize(static_cast<std::size_t>(heads * 2 * dim));
@@ -353,7 +364,7 @@ void cpu_backend::fold_oldest_generated_chunk(int layer, std::span<const batch_e
     // Room for a generation window's worth of folds at once (one reallocation per W generated tokens, not one per
     // fold), up to the most chunks a sequence can hold.
     const std::int64_t ahead = config_.generation_window / chunk;
-    const std::int64_t most = max_chunks_per_sequence(config_);
+    const std::int64_t most = max_chunks_per_sequence(config_) - d.prompt_chunks();  // folded chunks it can hold
     reserve_more(d.coefficients, chunk * rank, ahead * chunk * rank, most * chunk * rank);
     reserve_more(d.context_positions, chunk, ahead * chunk, most * chunk);
     if (centroids) {
@@ -365,7 +376,6 @@ void cpu_backend::fold_oldest_generated_chunk(int layer, std::span<const batch_e
     }
     d.value_store.reserve_runs(
         grown_capacity(d.value_store.capacity_runs(), d.value_store.runs() + heads, ahead * heads, most * heads));
-    for (auto& flags : d.is_outlier) reserve_more(flags, 1, ahead, most);
     reserve_more(d.journal_keys, chunk * width, ahead * chunk * width, most * chunk * width);
     reserve_more(d.journal_values, chunk * width, ahead * chunk * width, most * chunk * width);
     reserve_more(d.journal_positions, chunk, ahead * chunk, most * chunk);
@@ -386,7 +396,6 @@ void cpu_backend::fold_oldest_generated_chunk(int layer, std::span<const batch_e
       d.landmarks.append(width, folded[e].landmark.data());
     }
     for (std::int64_t h = 0; h < heads; ++h) d.value_store.append_run(folded[e].values.data() + h * chunk * dim);
-    for (auto& flags : d.is_outlier) flags.push_back(0);
     // The exact rows go to the fold journal (truncate brings them back), then leave the exact region.
     d.journal_keys.append_copy(d.exact_keys, first * width, chunk * width);
     d.journal_values.append_copy(d.exact_values, first * width, chunk * width);
@@ -442,11 +451,10 @@ void cpu_backend::select_chunks(int layer, std::span<const batch_entry> entries,
     cpu_layer_data& d = data(entry.slot, layer);
     const std::int64_t chunks = entry.state->context_chunks;
     for (std::int64_t h = 0; h < heads; ++h) {
-      const std::vector<std::uint8_t>& outlier = d.is_outlier[static_cast<std::size_t>(h)];
       std::vector<std::int64_t>& candidates = workspace_.candidates;
       candidates.clear();
       for (std::int64_t c = 0; c < chunks; ++c) {
-        if (outlier[static_cast<std::size_t>(c)] == 0) candidates.push_back(c);
+        if (!d.is_outlier(h, c)) candidates.push_back(c);
       }
       const auto count = static_cast<std::int64_t>(candidates.size());
       // score(c) = max (or mean: config group_score) over the group's query heads of the softmax probability, summed
@@ -461,13 +469,13 @@ void cpu_backend::select_chunks(int layer, std::span<const batch_entry> entries,
       logits.resize(static_cast<std::size_t>(group * count));
       probability.assign(static_cast<std::size_t>(group * count), 0.0);
       const auto landmark_at = [&](std::int64_t i, float* room) {
-        return d.landmarks.floats((candidates[static_cast<std::size_t>(i)] * heads + h) * dim, dim, room);
+        return d.landmark(candidates[static_cast<std::size_t>(i)], h, heads, dim, room);
       };
       // two_centroids: row 2i + m is candidate i's decoded centroid m (shadowkv/chunk_centroids.hpp).
       const auto centroid_at = [&](std::int64_t row, float* room) {
-        const std::int64_t at = (candidates[static_cast<std::size_t>(row / 2)] * heads + h) * 2 + row % 2;
-        const std::uint8_t* codes = d.centroid_codes.data() + at * dim;
-        const float centroid_scale = d.centroid_scales[static_cast<std::size_t>(at)];
+        const std::int64_t c = candidates[static_cast<std::size_t>(row / 2)];
+        const std::uint8_t* codes = d.centroid_codes_of(c, h, row % 2, heads, dim);
+        const float centroid_scale = d.centroid_scale_of(c, h, row % 2, heads);
         for (std::int64_t j = 0; j < dim; ++j) room[j] = rules::centroid_element(codes[j], centroid_scale);
         return static_cast<const float*>(room);
       };
@@ -483,8 +491,7 @@ void cpu_backend::select_chunks(int layer, std::span<const batch_entry> entries,
                    pair_logits.data(), 2 * count);
           // x = log(w1 exp(s q.c1) + w2 exp(s q.c2)) = logaddexp(s q.c1 + log w1, s q.c2 + log w2).
           for (std::int64_t i = 0; i < count; ++i) {
-            const std::int64_t n1 =
-                d.first_counts[static_cast<std::size_t>(candidates[static_cast<std::size_t>(i)] * heads + h)];
+            const std::int64_t n1 = d.first_count_of(candidates[static_cast<std::size_t>(i)], h, heads);
             const double log_w1 = n1 > 0 ? std::log(static_cast<double>(n1) / static_cast<double>(chunk_size))
                                          : -std::numeric_limits<double>::infinity();
             const double log_w2 = n1 < chunk_size
@@ -601,7 +608,7 @@ void cpu_backend::fetch_values(int layer, std::span<const batch_entry> entries) 
         const std::size_t index = static_cast<std::size_t>(h * cache_slots + s);
         if (d.pending_fetch[index] == 0) continue;
         const std::int64_t c = d.cache_chunks[index];
-        d.value_store.read_run(c * heads + h, d.cache_values, static_cast<std::int64_t>(index) * run);
+        d.read_value_run(c, h, heads, d.cache_values, static_cast<std::int64_t>(index) * run);
         d.pending_fetch[index] = 0;
         stats_.bytes_fetched += d.value_store.run_bytes();
       }
@@ -622,18 +629,19 @@ void cpu_backend::rebuild_keys(int layer, std::span<const batch_entry> entries) 
   float* keys = workspace_.rebuilt.data();
   for (const batch_entry& entry : entries) {
     cpu_layer_data& d = data(entry.slot, layer);
-    workspace_.basis.resize(static_cast<std::size_t>(d.basis.size()));
-    const float* basis = d.basis.floats(0, d.basis.size(), workspace_.basis.data());
+    const host_array& held_basis = d.prompt->basis;
+    workspace_.basis.resize(static_cast<std::size_t>(held_basis.size()));
+    const float* basis = held_basis.floats(0, held_basis.size(), workspace_.basis.data());
     for (std::int64_t h = 0; h < heads; ++h) {
       for (std::int64_t s = 0; s < cache_slots; ++s) {
         const auto index = static_cast<std::size_t>(h * cache_slots + s);
         if (d.pending_rebuild[index] == 0) continue;
         const std::int64_t c = d.cache_chunks[index];
-        const float* a = d.coefficients.floats(c * chunk * rank, chunk * rank, workspace_.gathered.data());
+        const float* a = d.coefficient_rows(c, chunk, rank, workspace_.gathered.data());
         low_rank_rows(a, chunk, rank, basis + h * dim, width, dim, keys);
         for (std::int64_t i = 0; i < chunk; ++i) {
           float* key = keys + i * dim;
-          rope_.apply(key, d.context_positions[static_cast<std::size_t>(c * chunk + i)]);
+          rope_.apply(key, d.context_position(c, i, chunk));
           d.cache_keys.store(((h * cache_slots + s) * chunk + i) * dim, dim, key);
         }
         d.pending_rebuild[index] = 0;
@@ -766,7 +774,7 @@ void cpu_backend::attend_token(int layer, std::span<const batch_entry> entries, 
       std::vector<source>& union_rows = workspace_.union_rows;
       union_rows.clear();
       for (std::int64_t i = 0; i < outlier_rows; ++i) {
-        union_rows.push_back({&d.outlier_keys, &d.outlier_values, (h * outlier_rows + i) * dim});
+        union_rows.push_back({&d.prompt->outlier_keys, &d.prompt->outlier_values, (h * outlier_rows + i) * dim});
       }
       for (std::int64_t i = 0; i < exact_rows; ++i) {
         union_rows.push_back({&d.exact_keys, &d.exact_values, i * width + h * dim});
@@ -939,7 +947,6 @@ void cpu_backend::reserve_extend(int layer, std::span<const batch_entry> entries
       d.landmarks.reserve(d.landmarks.size() + folds * width);
     }
     d.value_store.reserve_runs(d.value_store.runs() + folds * heads);
-    for (auto& flags : d.is_outlier) flags.reserve(flags.size() + static_cast<std::size_t>(folds));
     d.journal_keys.reserve(d.journal_keys.size() + folds * chunk * width);
     d.journal_values.reserve(d.journal_values.size() + folds * chunk * width);
     d.journal_positions.reserve(d.journal_positions.size() + static_cast<std::size_t>(folds * chunk));
@@ -998,17 +1005,17 @@ void cpu_backend::truncate_generated(int layer, std::span<const batch_entry> ent
       d.journal_values.resize(first * width);
       d.journal_positions.resize(static_cast<std::size_t>(first));
       const std::int64_t chunks = target.context_chunks;
-      d.coefficients.resize(chunks * chunk * rank);
-      d.context_positions.resize(static_cast<std::size_t>(chunks * chunk));
+      const std::int64_t folded_chunks = chunks - d.prompt_chunks();  // the own arrays hold the folded chunks
+      d.coefficients.resize(folded_chunks * chunk * rank);
+      d.context_positions.resize(static_cast<std::size_t>(folded_chunks * chunk));
       if (centroids) {
-        d.centroid_codes.resize(static_cast<std::size_t>(chunks * heads * 2 * dim));
-        d.centroid_scales.resize(static_cast<std::size_t>(chunks * heads * 2));
-        d.first_counts.resize(static_cast<std::size_t>(chunks * heads));
+        d.centroid_codes.resize(static_cast<std::size_t>(folded_chunks * heads * 2 * dim));
+        d.centroid_scales.resize(static_cast<std::size_t>(folded_chunks * heads * 2));
+        d.first_counts.resize(static_cast<std::size_t>(folded_chunks * heads));
       } else {
-        d.landmarks.resize(chunks * width);
+        d.landmarks.resize(folded_chunks * width);
       }
       d.value_store.pop_runs(undone * heads);
-      for (auto& flags : d.is_outlier) flags.resize(static_cast<std::size_t>(chunks));
       // Undone chunks leave the selection cache; the chunks kept there are unchanged.
       for (std::size_t slot = 0; slot < d.cache_chunks.size(); ++slot) {
         if (d.cache_chunks[slot] < chunks) continue;
@@ -1048,35 +1055,71 @@ chunk_ids_per_head cpu_backend::selected_chunks(int layer, int slot) const {
 
 chunk_ids_per_head cpu_backend::outlier_chunks(int layer, int slot) const {
   const cpu_layer_data& d = data(slot, layer);
-  if (d.outliers.empty()) return chunk_ids_per_head(static_cast<std::size_t>(config_.num_kv_heads));
-  return d.outliers;
+  if (!d.prefilled()) return chunk_ids_per_head(static_cast<std::size_t>(config_.num_kv_heads));
+  return d.prompt->outliers;
 }
 
 std::int64_t cpu_backend::last_position(int layer, int slot) const { return data(slot, layer).last_position; }
 
-// Reports what the containers really hold (not the formulas): the tests compare it with docs/semantics.md.
-memory_report cpu_backend::memory(std::span<const layer_state* const> /*states*/) const {
+// Reports what the containers really hold (not the formulas): the tests compare it with docs/semantics.md. A prompt
+// state that several of `layers` share (a fork's family) is counted once, and its bytes once more in `shared`.
+memory_report cpu_backend::memory(std::span<const stored_layer> layers) const {
   memory_report report;
   const std::int64_t token_bytes = config_.kv_width() * 2 * static_cast<std::int64_t>(dtype_size(config_.kv_dtype));
-  for (std::size_t slot = 0; slot < layers_.size(); ++slot) {
-    for (const cpu_layer_data& d : layers_[slot]) {
-      if (d.basis.size() == 0) continue;
-      report.low_rank_factors += d.basis.bytes() + d.coefficients.bytes();
-      report.landmarks += d.landmarks.bytes() + static_cast<std::int64_t>(d.centroid_codes.size()) +
-                          static_cast<std::int64_t>(d.centroid_scales.size() * sizeof(float)) +
-                          static_cast<std::int64_t>(d.first_counts.size());
-      report.outliers += d.outlier_keys.bytes() + d.outlier_values.bytes();
-      report.exact_tokens += d.exact_keys.bytes() + d.exact_values.bytes();
-      report.value_store += d.value_store.bytes();
-      (values_on_[slot] == value_place::device ? report.value_store_device : report.value_store_host) +=
-          d.value_store.bytes();
-      report.selection_cache += d.cache_keys.bytes() + d.cache_values.bytes();
-      report.fold_journal += d.journal_keys.bytes() + d.journal_values.bytes();
-      const auto tokens = static_cast<std::int64_t>(d.context_positions.size() + d.exact_positions.size());
-      report.full_attention_equivalent += tokens * token_bytes;
+  std::unordered_map<const cpu_prompt_state*, int> holders;  // prompt state -> the layers of `layers` holding it
+  for (const stored_layer& entry : layers) {
+    const cpu_layer_data& d = data(entry.slot, entry.layer);
+    if (!d.prefilled()) continue;
+    const bool on_device = values_on_[static_cast<std::size_t>(entry.slot)] == value_place::device;
+    const cpu_prompt_state& prompt = *d.prompt;
+    const int holding = ++holders[&prompt];
+    if (holding == 1) {
+      report.low_rank_factors += prompt.factor_bytes();
+      report.landmarks += prompt.landmark_bytes();
+      report.outliers += prompt.outlier_bytes();
+      report.value_store += prompt.value_store.bytes();
+      (on_device ? report.value_store_device : report.value_store_host) += prompt.value_store.bytes();
+    } else if (holding == 2) {
+      report.shared += prompt.bytes();
     }
+    report.low_rank_factors += d.coefficients.bytes();
+    report.landmarks += d.landmarks.bytes() + static_cast<std::int64_t>(d.centroid_codes.size()) +
+                        static_cast<std::int64_t>(d.centroid_scales.size() * sizeof(float)) +
+                        static_cast<std::int64_t>(d.first_counts.size());
+    report.exact_tokens += d.exact_keys.bytes() + d.exact_values.bytes();
+    report.value_store += d.value_store.bytes();
+    (on_device ? report.value_store_device : report.value_store_host) += d.value_store.bytes();
+    report.selection_cache += d.cache_keys.bytes() + d.cache_values.bytes();
+    report.fold_journal += d.journal_keys.bytes() + d.journal_values.bytes();
+    // Each sequence's tokens, shared or not: what the sequences would take as plain KV caches.
+    const auto tokens = static_cast<std::int64_t>(prompt.context_positions.size() + d.context_positions.size() +
+                                                  d.exact_positions.size());
+    report.full_attention_equivalent += tokens * token_bytes;
   }
   return report;
+}
+
+void cpu_backend::fork_sequence(int source, std::span<const int> children, std::span<const layer_state> /*layers*/) {
+  // Every child's layers first (copies of the own parts; the prompt states by reference), then the commit, which
+  // cannot throw: running out of memory opens no child.
+  const std::vector<cpu_layer_data>& from = layers_[static_cast<std::size_t>(source)];
+  std::vector<std::vector<cpu_layer_data>> made;
+  made.reserve(children.size());
+  for (std::size_t i = 0; i < children.size(); ++i) made.push_back(from);
+  for (std::size_t i = 0; i < children.size(); ++i) {
+    const auto child = static_cast<std::size_t>(children[i]);
+    layers_[child] = std::move(made[i]);
+    values_on_[child] = values_on_[static_cast<std::size_t>(source)];
+  }
+}
+
+std::int64_t cpu_backend::forked_value_bytes(std::span<const layer_state> layers) const {
+  // A child shares the prompt's value runs: it holds (at capacity) the runs of the chunks it can still fold.
+  std::int64_t shared = 0;
+  for (const layer_state& state : layers) {
+    shared += state.prompt_context_chunks * config_.num_kv_heads * config_.value_run_bytes();
+  }
+  return value_bytes_per_sequence() - shared;
 }
 
 }  // namespace shadowkv::detail

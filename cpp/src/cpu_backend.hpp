@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "host_array.hpp"
@@ -12,23 +13,55 @@
 
 namespace shadowkv::detail {
 
-/// Everything stored for one (sequence, layer).
-struct cpu_layer_data {
-  // Low-rank keys: B = V_rᵀ [r, Hkv*D] and A [context tokens, r] in the factor dtype (config::factor_dtype()), with
-  // the tokens' positions.
+/// The prompt's compressed state of one (sequence, layer): written by the prefill and never changed afterwards (folds
+/// append to the sequence's own arrays; truncate never reaches into the prompt), so the sequences a fork makes share it
+/// by reference (docs/semantics.md, "Fork, park and save"). Chunk ids [0, chunks) are the prompt's context chunks.
+struct cpu_prompt_state {
+  std::int64_t chunks = 0;  ///< n: the prompt's context chunks
+  // Low-rank keys: B = V_rᵀ [r, Hkv*D] and the prompt's rows of A [n*C, r] in the factor dtype
+  // (config::factor_dtype()), with the tokens' positions.
   host_array basis;
   host_array coefficients;
   std::vector<std::int64_t> context_positions;
-  host_array landmarks;    ///< [context chunks, Hkv, D] (chunk_score = landmark; empty otherwise)
+  host_array landmarks;  ///< [n, Hkv, D] (chunk_score = landmark; empty otherwise)
   // chunk_score = two_centroids (shadowkv/chunk_centroids.hpp), in place of the landmarks:
-  std::vector<std::uint8_t> centroid_codes;  ///< [context chunks, Hkv, 2, D] e4m3
-  std::vector<float> centroid_scales;        ///< [context chunks, Hkv, 2]
-  std::vector<std::uint8_t> first_counts;    ///< [context chunks, Hkv]: keys in each chunk's first cluster
-  value_store_array value_store;  ///< [context chunks, Hkv, C, D]: one (chunk, head) is one contiguous run
+  std::vector<std::uint8_t> centroid_codes;  ///< [n, Hkv, 2, D] e4m3
+  std::vector<float> centroid_scales;        ///< [n, Hkv, 2]
+  std::vector<std::uint8_t> first_counts;    ///< [n, Hkv]: keys in each chunk's first cluster
+  value_store_array value_store;             ///< [n, Hkv, C, D]: one (chunk, head) is one contiguous run
+  // Outliers are chosen among the prompt's chunks only (a folded chunk never is one).
   std::vector<std::vector<std::int64_t>> outliers;    ///< [Hkv] ascending chunk ids
-  std::vector<std::vector<std::uint8_t>> is_outlier;  ///< [Hkv][context chunks]
+  std::vector<std::vector<std::uint8_t>> is_outlier;  ///< [Hkv][n]
   host_array outlier_keys;    ///< [Hkv, outliers*C, D] post-RoPE
   host_array outlier_values;  ///< [Hkv, outliers*C, D]
+
+  /// Bytes of each kind of the memory report it holds.
+  [[nodiscard]] std::int64_t factor_bytes() const noexcept { return basis.bytes() + coefficients.bytes(); }
+  [[nodiscard]] std::int64_t landmark_bytes() const noexcept {
+    return landmarks.bytes() + static_cast<std::int64_t>(centroid_codes.size()) +
+           static_cast<std::int64_t>(centroid_scales.size() * sizeof(float)) +
+           static_cast<std::int64_t>(first_counts.size());
+  }
+  [[nodiscard]] std::int64_t outlier_bytes() const noexcept { return outlier_keys.bytes() + outlier_values.bytes(); }
+  [[nodiscard]] std::int64_t bytes() const noexcept {
+    return factor_bytes() + landmark_bytes() + outlier_bytes() + value_store.bytes();
+  }
+};
+
+/// Everything stored for one (sequence, layer): the prompt's compressed state, shared (`prompt`), and what was
+/// appended after the prefill, the sequence's own. Context chunk c < prompt->chunks is the prompt's chunk c; a later c
+/// is folded chunk c - prompt->chunks of the own arrays. Chunk-indexed reads go through the accessors below.
+struct cpu_layer_data {
+  std::shared_ptr<const cpu_prompt_state> prompt;  ///< null until the layer is prefilled
+  // The folded chunks (context chunks n, n+1, ...), laid out as the prompt's arrays: rows of A [folded tokens, r] and
+  // their positions, landmarks or centroids, value runs.
+  host_array coefficients;
+  std::vector<std::int64_t> context_positions;
+  host_array landmarks;
+  std::vector<std::uint8_t> centroid_codes;
+  std::vector<float> centroid_scales;
+  std::vector<std::uint8_t> first_counts;
+  value_store_array value_store;
   // Exact tokens: the prompt's local window, then the generated tokens not folded yet.
   host_array exact_keys;    ///< [tokens, Hkv, D] post-RoPE
   host_array exact_values;  ///< [tokens, Hkv, D]
@@ -50,6 +83,61 @@ struct cpu_layer_data {
   std::vector<std::int64_t> cache_last_used;  ///< [Hkv, K]: the selection step that last selected the slot's chunk
   std::vector<std::uint8_t> cache_selected;   ///< [Hkv, K]: the slot's chunk is in the last selection
   std::int64_t selection_steps = 0;           ///< selections of this (sequence, layer) so far (the LRU clock)
+
+  [[nodiscard]] bool prefilled() const noexcept { return prompt != nullptr; }
+  [[nodiscard]] std::int64_t prompt_chunks() const noexcept { return prompt->chunks; }
+  /// Whether context chunk c is one of head h's outliers (only prompt chunks can be).
+  [[nodiscard]] bool is_outlier(std::int64_t h, std::int64_t c) const noexcept {
+    return c < prompt->chunks && prompt->is_outlier[static_cast<std::size_t>(h)][static_cast<std::size_t>(c)] != 0;
+  }
+  /// Chunk c's landmark of head h as float (host_array::floats: `room` holds D floats).
+  [[nodiscard]] const float* landmark(std::int64_t c, std::int64_t h, std::int64_t heads, std::int64_t dim,
+                                      float* room) const noexcept {
+    const std::int64_t n = prompt->chunks;
+    return c < n ? prompt->landmarks.floats((c * heads + h) * dim, dim, room)
+                 : landmarks.floats(((c - n) * heads + h) * dim, dim, room);
+  }
+  /// Centroid m of (chunk c, head h): its e4m3 codes [D] and its scale.
+  [[nodiscard]] const std::uint8_t* centroid_codes_of(std::int64_t c, std::int64_t h, std::int64_t m,
+                                                      std::int64_t heads, std::int64_t dim) const noexcept {
+    const std::int64_t n = prompt->chunks;
+    return c < n ? prompt->centroid_codes.data() + ((c * heads + h) * 2 + m) * dim
+                 : centroid_codes.data() + (((c - n) * heads + h) * 2 + m) * dim;
+  }
+  [[nodiscard]] float centroid_scale_of(std::int64_t c, std::int64_t h, std::int64_t m,
+                                        std::int64_t heads) const noexcept {
+    const std::int64_t n = prompt->chunks;
+    return c < n ? prompt->centroid_scales[static_cast<std::size_t>((c * heads + h) * 2 + m)]
+                 : centroid_scales[static_cast<std::size_t>(((c - n) * heads + h) * 2 + m)];
+  }
+  [[nodiscard]] std::int64_t first_count_of(std::int64_t c, std::int64_t h, std::int64_t heads) const noexcept {
+    const std::int64_t n = prompt->chunks;
+    return c < n ? prompt->first_counts[static_cast<std::size_t>(c * heads + h)]
+                 : first_counts[static_cast<std::size_t>((c - n) * heads + h)];
+  }
+  /// Writes the values of (chunk c, head h) into `target` at element `offset` (value_store_array::read_run).
+  void read_value_run(std::int64_t c, std::int64_t h, std::int64_t heads, host_array& target,
+                      std::int64_t offset) const noexcept {
+    const std::int64_t n = prompt->chunks;
+    if (c < n) {
+      prompt->value_store.read_run(c * heads + h, target, offset);
+    } else {
+      value_store.read_run((c - n) * heads + h, target, offset);
+    }
+  }
+  /// Chunk c's rows of A [C, r] as float (host_array::floats: `room` holds C*r floats).
+  [[nodiscard]] const float* coefficient_rows(std::int64_t c, std::int64_t chunk, std::int64_t rank,
+                                              float* room) const noexcept {
+    const std::int64_t n = prompt->chunks;
+    return c < n ? prompt->coefficients.floats(c * chunk * rank, chunk * rank, room)
+                 : coefficients.floats((c - n) * chunk * rank, chunk * rank, room);
+  }
+  /// Position of token i of context chunk c.
+  [[nodiscard]] std::int64_t context_position(std::int64_t c, std::int64_t i, std::int64_t chunk) const noexcept {
+    const std::int64_t n = prompt->chunks;
+    return c < n ? prompt->context_positions[static_cast<std::size_t>(c * chunk + i)]
+                 : context_positions[static_cast<std::size_t>((c - n) * chunk + i)];
+  }
 
   /// Whether attention reads slot `index` ([Hkv, K] flat): it holds a chunk of the last selection.
   [[nodiscard]] bool slot_selected(std::size_t index) const noexcept {
@@ -119,6 +207,9 @@ class cpu_backend : public backend {
                           std::span<const layer_state> targets) override;
   void reserve_truncate(int layer, std::span<const batch_entry> entries,
                         std::span<const layer_state> targets) override;
+  /// The children's layers are copies of the source's: the prompt states by reference (shared_ptr), the rest by value.
+  void fork_sequence(int source, std::span<const int> children, std::span<const layer_state> layers) override;
+  [[nodiscard]] std::int64_t forked_value_bytes(std::span<const layer_state> layers) const override;
   // Park and save (cpu_keeping.cpp): a parked sequence's layers move out of the slot whole; a saved one is written
   // and read array by array (each its valid part, as the counters give it).
   [[nodiscard]] bool supports_keeping() const override { return true; }
@@ -134,7 +225,7 @@ class cpu_backend : public backend {
   [[nodiscard]] chunk_ids_per_head selected_chunks(int layer, int slot) const override;
   [[nodiscard]] chunk_ids_per_head outlier_chunks(int layer, int slot) const override;
   [[nodiscard]] std::int64_t last_position(int layer, int slot) const override;
-  [[nodiscard]] memory_report memory(std::span<const layer_state* const> states) const override;
+  [[nodiscard]] memory_report memory(std::span<const stored_layer> layers) const override;
   [[nodiscard]] store_stats selection_stats() const override { return stats_; }
   void reset_selection_stats() noexcept override { stats_ = {}; }
   [[nodiscard]] bool all_finite(const tensor_view& view) override;

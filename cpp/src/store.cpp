@@ -227,6 +227,8 @@ std::vector<int> kv_store::add_sequences(int count) {
     seq.values_on = places[i];
     seq.layers.assign(static_cast<std::size_t>(config_.num_layers), layer_state{});
     for (layer_state& state : seq.layers) state.values_on = places[i];
+    seq.family = 0;
+    seq.device_value_bytes = places[i] == value_place::device ? value_bytes : 0;
   }
   device_value_bytes_ = device_bytes;
   return free_slots;
@@ -238,11 +240,91 @@ void kv_store::release(std::span<const int> slots) {
   for (const int slot : slots) {
     backend_->close_sequence(slot);
     sequence& seq = sequences_[static_cast<std::size_t>(slot)];
-    if (seq.values_on == value_place::device) device_value_bytes_ -= backend_->value_bytes_per_sequence();
     seq.active = false;
     seq.parked = false;
+    drop_device_charge(seq);
     seq.layers.clear();
   }
+}
+
+void kv_store::drop_device_charge(sequence& seq) {
+  if (seq.device_value_bytes > 0 && seq.family != 0) {
+    // The prompt's shared value runs outlive this sequence while another of its family lives: the budget bytes it
+    // carries for them (beyond a child's own) pass to the lowest live member, which now carries them.
+    const std::int64_t carried = seq.device_value_bytes - backend_->forked_value_bytes(seq.layers);
+    for (sequence& other : sequences_) {
+      if (carried <= 0) break;
+      if (!other.active || other.family != seq.family) continue;
+      other.device_value_bytes += carried;
+      seq.device_value_bytes -= carried;
+      break;
+    }
+  }
+  device_value_bytes_ -= seq.device_value_bytes;
+  seq.device_value_bytes = 0;
+}
+
+std::vector<int> kv_store::fork(int slot, int count) {
+  const std::lock_guard lock(*mutex_);
+  check_slot(slot);
+  SHADOWKV_EXPECTS(count >= 1, "fork needs count >= 1, got ", count);
+  sequence& source = sequences_[static_cast<std::size_t>(slot)];
+  for (int layer = 0; layer < config_.num_layers; ++layer) {
+    SHADOWKV_EXPECTS(source.layers[static_cast<std::size_t>(layer)].prefilled, "fork: layer ", layer, " of slot ", slot,
+                     " has no prompt yet; every layer must be prefilled before a fork");
+  }
+  SHADOWKV_EXPECTS(backend_->supports_keeping(), "fork is not implemented on the ", to_string(backend_->where()),
+                   " backend yet");
+  std::vector<int> children;
+  int free_count = 0;
+  for (int candidate = 0; candidate < config_.max_batch; ++candidate) {
+    sequence& seq = sequences_[static_cast<std::size_t>(candidate)];
+    if (seq.active) continue;
+    ++free_count;
+    if (static_cast<int>(children.size()) == count) continue;
+    // Room for its layer records now (unobservable), so that the commit below allocates nothing.
+    seq.layers.reserve(static_cast<std::size_t>(config_.num_layers));
+    children.push_back(candidate);
+  }
+  SHADOWKV_EXPECTS_CAPACITY(static_cast<int>(children.size()) == count, "cannot fork slot ", slot, " into ", count,
+                            " sequences: only ", free_count, " of max_batch=", config_.max_batch, " slots are free");
+  // A child's value store is where the source's is. On the device it takes what the backend allocates for it (the
+  // prompt's runs are shared): within device_value_budget for value_store="auto", as add_sequences places sequences.
+  std::int64_t child_device_bytes = 0;
+  if (source.values_on == value_place::device) {
+    child_device_bytes = backend_->forked_value_bytes(source.layers);
+    const std::int64_t left = device_value_budget_ - device_value_bytes_;
+    if (config_.value_store == value_store_policy::auto_place && child_device_bytes > 0 &&
+        (count > left / child_device_bytes || !backend_->device_has_room(child_device_bytes * count))) {
+      throw out_of_memory(detail::format_message(
+          "fork of slot ", slot, ": its values are in device memory, and the value stores of ", count, " children (",
+          child_device_bytes, " bytes each, the prompt's runs shared) do not fit there (device_value_budget: ",
+          device_value_bytes_, " of ", device_value_budget_, " bytes in use)"));
+    }
+  }
+  backend_->use_stream(std::nullopt);  // no caller stream: the backend's own, and the call completes before it returns
+  try {
+    backend_->fork_sequence(slot, children, source.layers);
+  } catch (const out_of_memory&) {
+    throw;
+  } catch (const std::bad_alloc&) {
+    throw out_of_memory(
+        detail::format_message("fork of slot ", slot, " into ", count, " sequences ran out of host memory"));
+  }
+  // Commit (no allocation: the children's layer records have room).
+  if (source.family == 0) source.family = next_family_++;
+  for (const int child : children) {
+    sequence& seq = sequences_[static_cast<std::size_t>(child)];
+    seq.active = true;
+    seq.parked = false;
+    seq.values_on = source.values_on;
+    seq.family = source.family;
+    seq.layers = source.layers;
+    seq.device_value_bytes = child_device_bytes;
+  }
+  device_value_bytes_ += child_device_bytes * count;
+  backend_->finish_call();
+  return children;
 }
 
 std::vector<int> kv_store::active_slots() const {
@@ -746,16 +828,24 @@ sequence_info kv_store::info(int layer, int slot) const {
   result.local_len = state.local_len;
   result.generated_exact_len = state.generated_exact_len;
   result.last_position = state.prefilled ? backend_->last_position(layer, slot) : -1;
-  result.values_on = sequences_[static_cast<std::size_t>(slot)].values_on;
+  const sequence& seq = sequences_[static_cast<std::size_t>(slot)];
+  result.values_on = seq.values_on;
+  for (int other = 0; other < config_.max_batch && seq.family != 0; ++other) {
+    const sequence& candidate = sequences_[static_cast<std::size_t>(other)];
+    if (other != slot && candidate.active && candidate.family == seq.family) result.shares_prompt_with.push_back(other);
+  }
   return result;
 }
 
 memory_report kv_store::memory() const {
   const std::lock_guard lock(*mutex_);
-  std::vector<const layer_state*> prefilled;
-  for (const sequence& seq : sequences_) {
-    for (const layer_state& state : seq.layers) {
-      if (state.prefilled) prefilled.push_back(&state);
+  std::vector<stored_layer> prefilled;
+  for (int slot = 0; slot < config_.max_batch; ++slot) {
+    const sequence& seq = sequences_[static_cast<std::size_t>(slot)];
+    if (!seq.active) continue;
+    for (int layer = 0; layer < config_.num_layers; ++layer) {
+      const layer_state& state = seq.layers[static_cast<std::size_t>(layer)];
+      if (state.prefilled) prefilled.push_back({slot, layer, &state});
     }
   }
   return backend_->memory(prefilled);

@@ -489,9 +489,11 @@ std::vector<parked_sequence> kv_store::park(std::span<const int> slots) {
   for (const int slot : slots) {
     backend_->close_sequence(slot);
     sequence& seq = sequences_[static_cast<std::size_t>(slot)];
-    if (seq.values_on == value_place::device) device_value_bytes_ -= backend_->value_bytes_per_sequence();
     seq.active = false;
     seq.parked = true;
+    // As release: a parked sequence holds no device budget; the shared runs it carries for its family (which the
+    // parked state still shares) pass to the lowest live member (docs/semantics.md, "Value placement").
+    drop_device_charge(seq);
     seq.family = 0;
     seq.layers.clear();
   }
@@ -521,16 +523,36 @@ std::vector<int> kv_store::resume(std::span<parked_sequence> parked) {
   SHADOWKV_EXPECTS_CAPACITY(free_slots.size() == parked.size(), "cannot resume ", parked.size(),
                             " parked sequence(s): only ", free_slots.size(), " of max_batch=", config_.max_batch,
                             " slots are free");
-  // A value store that was in device memory goes back there: with value_store =
-  // "auto" the budget must have room.
+  // A value store that was in device memory goes back there, charged as release and park leave the family's charge
+  // (docs/semantics.md, "Value placement"): a member of a fork's family of which a sequence is live on the device (or
+  // resumes before it in this call) shares the prompt's runs that sequence carries, and takes what a child takes
+  // (backend::forked_value_bytes); otherwise it takes a whole value store and carries the runs for the family. With
+  // value_store = "auto" the budget must have room.
   const std::int64_t value_bytes = backend_->value_bytes_per_sequence();
-  const std::int64_t device_bytes = device_value_bytes_ + device_sequences * value_bytes;
+  std::vector<std::int64_t> charges(parked.size(), 0);
+  std::int64_t charged = 0;
+  for (std::size_t i = 0; i < parked.size(); ++i) {
+    const parked_sequence& p = parked[i];
+    if (p.values_on_ != value_place::device) continue;
+    bool shares = false;
+    if (p.family_ != 0) {
+      for (const sequence& seq : sequences_) {
+        shares = shares || (seq.active && seq.family == p.family_ && seq.values_on == value_place::device);
+      }
+      for (std::size_t j = 0; j < i; ++j) {
+        shares = shares || (parked[j].family_ == p.family_ && parked[j].values_on_ == value_place::device);
+      }
+    }
+    charges[i] = shares ? backend_->forked_value_bytes(p.layers_) : value_bytes;
+    charged += charges[i];
+  }
+  const std::int64_t device_bytes = device_value_bytes_ + charged;
   if (config_.value_store == value_store_policy::auto_place && device_sequences > 0 &&
       device_bytes > device_value_budget_) {
     throw out_of_memory(detail::format_message(
-        "resume: ", device_sequences, " parked sequence(s) had their value stores in device memory (", value_bytes,
-        " bytes each), and device_value_budget has no room for them: ", device_value_bytes_, " of ",
-        device_value_budget_, " bytes are in use"));
+        "resume: ", device_sequences, " parked sequence(s) had their value stores in device memory (", charged,
+        " bytes of device_value_budget in all), and device_value_budget has no room for them: ", device_value_bytes_,
+        " of ", device_value_budget_, " bytes are in use"));
   }
   std::size_t resumed = 0;
   try {
@@ -548,6 +570,7 @@ std::vector<int> kv_store::resume(std::span<parked_sequence> parked) {
     seq.parked = false;
     seq.values_on = p.values_on_;
     seq.family = p.family_;
+    seq.device_value_bytes = charges[i];
     seq.layers = std::move(p.layers_);
     p.layers_.clear();
     p.state_.reset();
@@ -672,9 +695,10 @@ int kv_store::load(const std::string& path) {
   seq.active = true;
   seq.parked = false;
   seq.values_on = place;
-  seq.family = 0;
+  seq.family = 0;  // unshared: the file holds the whole state, and read_state built a prompt state of its own
+  seq.device_value_bytes = place == value_place::device ? value_bytes : 0;
   seq.layers.assign(file.layers.begin(), file.layers.end());
-  if (place == value_place::device) device_value_bytes_ += value_bytes;
+  device_value_bytes_ += seq.device_value_bytes;
   return slot;
 }
 

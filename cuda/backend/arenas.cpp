@@ -92,8 +92,9 @@ void cuda_backend::reserve_memory() {
   arena_ = device_buffer(sizes.device_total() * layers, own_stream_, resources_->device_memory());
   value_layer_bytes_ = sizes.value_store;
   value_codes_bytes_ = sizes.value_codes;
-  device_values_.resize(static_cast<std::size_t>(cfg.max_batch));
-  host_values_.resize(static_cast<std::size_t>(cfg.max_batch));
+  values_.resize(static_cast<std::size_t>(cfg.max_batch));
+  prompt_values_.resize(static_cast<std::size_t>(cfg.max_batch));
+  arena_slot_bytes_ = sizes.device_total() * static_cast<std::size_t>(cfg.num_layers);
   values_on_.resize(static_cast<std::size_t>(cfg.max_batch), value_place::host);
   views_ = device_buffer(sizeof(layer_view) * layers, own_stream_, resources_->device_memory());
   host_views_.resize(layers);
@@ -222,62 +223,110 @@ std::int64_t cuda_backend::value_bytes_per_sequence() const {
   return static_cast<std::int64_t>(value_layer_bytes_) * config_.num_layers;
 }
 
+std::size_t cuda_backend::value_runs_bytes(int chunks) const {
+  const std::size_t runs = static_cast<std::size_t>(chunks) * config_.num_kv_heads;
+  const std::size_t run_elements = static_cast<std::size_t>(config_.chunk_size) * config_.head_dim;
+  if (dims_.value_fp8 == 0) return align_up(runs * run_elements * dtype_size(config_.kv_dtype));
+  return value_scales_offset(chunks) + align_up(runs * sizeof(float));
+}
+
+std::size_t cuda_backend::value_scales_offset(int chunks) const {
+  const std::size_t runs = static_cast<std::size_t>(chunks) * config_.num_kv_heads;
+  return align_up(runs * static_cast<std::size_t>(config_.chunk_size) * config_.head_dim);
+}
+
+std::int64_t cuda_backend::forked_value_bytes(std::span<const layer_state> layers) const {
+  // What allocate_values takes for a child (keeping.cpp): each layer's runs of the chunks it can still fold.
+  std::int64_t bytes = 0;
+  for (const layer_state& state : layers) {
+    bytes += static_cast<std::int64_t>(value_runs_bytes(dims_.max_chunks - static_cast<int>(state.prompt_context_chunks)));
+  }
+  return bytes;
+}
+
+std::shared_ptr<cuda_backend::value_allocation> cuda_backend::allocate_values(value_place where,
+                                                                              std::span<const int> own_chunks) const {
+  std::size_t bytes = 0;
+  if (own_chunks.empty()) {
+    bytes = value_layer_bytes_ * static_cast<std::size_t>(config_.num_layers);
+  } else {
+    for (const int chunks : own_chunks) bytes += value_runs_bytes(chunks);
+  }
+  bytes = std::max<std::size_t>(bytes, 1);
+  auto values = std::make_shared<value_allocation>();
+  if (where == value_place::device) {
+    values->device = device_buffer(bytes, own_stream_, resources_->device_memory());
+  } else {
+    values->host = host_buffer(bytes, resources_->host_memory());
+  }
+  return values;
+}
+
 void cuda_backend::open_sequence(int slot, value_place values_on) {
   // Arenas are reserved for every slot when the store is built (prefill initialises a layer's arrays); the value
   // store is allocated here, before anything of the slot changes.
   device_guard guard(device_);
-  const std::size_t bytes = value_layer_bytes_ * static_cast<std::size_t>(config_.num_layers);
-  device_buffer on_device;
-  host_buffer on_host;
-  std::uint8_t* base = nullptr;
-  if (values_on == value_place::device) {
-    on_device = device_buffer(bytes, own_stream_, resources_->device_memory());
-    base = static_cast<std::uint8_t*>(on_device.data());
-  } else {
-    on_host = host_buffer(bytes, resources_->host_memory());
-    base = static_cast<std::uint8_t*>(on_host.device_pointer());
-  }
+  std::shared_ptr<value_allocation> values = allocate_values(values_on);
   const std::size_t first = static_cast<std::size_t>(slot) * config_.num_layers;
   std::vector<layer_view> views(host_views_.begin() + static_cast<std::ptrdiff_t>(first),
                                 host_views_.begin() + static_cast<std::ptrdiff_t>(first + config_.num_layers));
   for (int layer = 0; layer < config_.num_layers; ++layer) {
-    std::uint8_t* layer_base = base + static_cast<std::size_t>(layer) * value_layer_bytes_;
-    views[static_cast<std::size_t>(layer)].value_store = layer_base;
-    views[static_cast<std::size_t>(layer)].value_scales =
-        dims_.value_fp8 != 0 ? reinterpret_cast<float*>(layer_base + value_codes_bytes_) : nullptr;
+    std::uint8_t* layer_base = values->base() + static_cast<std::size_t>(layer) * value_layer_bytes_;
+    layer_view& view = views[static_cast<std::size_t>(layer)];
+    view.value_store = layer_base;
+    view.value_scales = dims_.value_fp8 != 0 ? reinterpret_cast<float*>(layer_base + value_codes_bytes_) : nullptr;
+    view.shared_value_store = nullptr;
+    view.shared_value_scales = nullptr;
+    view.shared_value_chunks = 0;
   }
   // The slot's views (fresh counters, the new value store) go to the device before any kernel can read them.
   SHADOWKV_CUDA_TRY(cudaMemcpyAsync(device_view(slot, 0), views.data(), views.size() * sizeof(layer_view),
                                     cudaMemcpyHostToDevice, own_stream_));
   SHADOWKV_CUDA_TRY(cudaStreamSynchronize(own_stream_));
   std::copy(views.begin(), views.end(), host_views_.begin() + static_cast<std::ptrdiff_t>(first));
-  device_values_[static_cast<std::size_t>(slot)] = std::move(on_device);
-  host_values_[static_cast<std::size_t>(slot)] = std::move(on_host);
+  values_[static_cast<std::size_t>(slot)] = std::move(values);
+  prompt_values_[static_cast<std::size_t>(slot)].reset();
   values_on_[static_cast<std::size_t>(slot)] = values_on;
 }
 
 void cuda_backend::close_sequence(int slot) noexcept {
-  // Kernels of earlier calls may still read the value store: wait for both streams before freeing it.
+  // Kernels of earlier calls may still read the value store: wait for both streams before freeing it (or before
+  // dropping this sequence's hold on a value store it shares with a fork family).
   (void)cudaSetDevice(device_);
   (void)cudaStreamSynchronize(stream_);
   (void)cudaStreamSynchronize(copy_stream_);
-  device_values_[static_cast<std::size_t>(slot)].release(own_stream_);
+  values_[static_cast<std::size_t>(slot)].reset();
+  prompt_values_[static_cast<std::size_t>(slot)].reset();
   (void)cudaStreamSynchronize(own_stream_);
-  host_values_[static_cast<std::size_t>(slot)] = host_buffer();
   for (int layer = 0; layer < config_.num_layers; ++layer) {
-    host_view(slot, layer).value_store = nullptr;
-    host_view(slot, layer).value_scales = nullptr;
+    layer_view& view = host_view(slot, layer);
+    view.value_store = nullptr;
+    view.value_scales = nullptr;
+    view.shared_value_store = nullptr;
+    view.shared_value_scales = nullptr;
+    view.shared_value_chunks = 0;
   }
 }
 
-memory_report cuda_backend::memory(std::span<const layer_state* const> states) const {
-  // In use by the documented formulas (docs/semantics.md), plus what is reserved for the configured capacity.
+memory_report cuda_backend::memory(std::span<const stored_layer> layers) const {
+  // In use by the documented formulas (docs/semantics.md), plus what is reserved for the configured capacity. Of a
+  // fork family only the value store's prompt runs are shared (keeping.cpp): counted once per (family, layer), and
+  // in `shared` when more than one live sequence reads them.
   memory_report report;
+  struct family_layer {
+    const value_allocation* family;
+    int layer;
+    int readers;
+    std::int64_t bytes;
+    value_place place;
+  };
+  std::vector<family_layer> families;
   const std::int64_t e = static_cast<std::int64_t>(dtype_size(config_.kv_dtype));
   const std::int64_t width = config_.kv_width();
   const std::int64_t chunk = config_.chunk_size;
   const std::int64_t rank = config_.rank;
-  for (const layer_state* state : states) {
+  for (const stored_layer& entry : layers) {
+    const layer_state* state = entry.state;
     const std::int64_t context_tokens = state->context_chunks * chunk;
     report.low_rank_factors +=
         (context_tokens * rank + rank * width) * static_cast<std::int64_t>(dtype_size(config_.factor_dtype()));
@@ -286,16 +335,40 @@ memory_report cuda_backend::memory(std::span<const layer_state* const> states) c
                             : state->context_chunks * width * e;
     report.outliers += state->outlier_chunks * chunk * width * 2 * e;
     report.exact_tokens += (state->local_len + state->generated_exact_len) * width * 2 * e;
-    const std::int64_t values = state->context_chunks * config_.num_kv_heads * config_.value_run_bytes();
-    report.value_store += values;
-    (state->values_on == value_place::device ? report.value_store_device : report.value_store_host) += values;
+    const std::int64_t run_bytes = config_.num_kv_heads * config_.value_run_bytes();
+    const std::int64_t own = (state->context_chunks - state->prompt_context_chunks) * run_bytes;
+    report.value_store += own;
+    (state->values_on == value_place::device ? report.value_store_device : report.value_store_host) += own;
+    const auto slot = static_cast<std::size_t>(entry.slot);
+    const value_allocation* family = prompt_values_[slot] != nullptr ? prompt_values_[slot].get() : values_[slot].get();
+    auto known = std::find_if(families.begin(), families.end(), [&](const family_layer& f) {
+      return f.family == family && f.layer == entry.layer;
+    });
+    if (known == families.end()) {
+      families.push_back({family, entry.layer, 1, state->prompt_context_chunks * run_bytes, state->values_on});
+    } else {
+      ++known->readers;
+    }
     report.selection_cache += config_.cache_slots() * chunk * width * 2 * e;
     report.fold_journal += state->journal_chunks * chunk * width * 2 * e;
     report.full_attention_equivalent += state->total_len() * width * 2 * e;
   }
+  for (const family_layer& f : families) {
+    report.value_store += f.bytes;
+    (f.place == value_place::device ? report.value_store_device : report.value_store_host) += f.bytes;
+    if (f.readers > 1) report.shared += f.bytes;
+  }
   report.device_reserved = static_cast<std::int64_t>(arena_.size() + views_.size() + workspace_memory_.size());
-  for (const device_buffer& values : device_values_) report.device_reserved += static_cast<std::int64_t>(values.size());
-  for (const host_buffer& values : host_values_) report.host_reserved += static_cast<std::int64_t>(values.size());
+  // Each value store once, however many sequences of a fork family hold it.
+  std::vector<const value_allocation*> counted;
+  auto count = [&](const std::shared_ptr<value_allocation>& values) {
+    if (values == nullptr || std::find(counted.begin(), counted.end(), values.get()) != counted.end()) return;
+    counted.push_back(values.get());
+    report.device_reserved += static_cast<std::int64_t>(values->device.size());
+    report.host_reserved += static_cast<std::int64_t>(values->host.size());
+  };
+  for (const auto& values : values_) count(values);
+  for (const auto& values : prompt_values_) count(values);
   return report;
 }
 

@@ -85,9 +85,9 @@ cuda_backend::~cuda_backend() {
   batch_slots_.release(own_stream_);
   solver_infos_.release(own_stream_);
   key_stats_.release(own_stream_);
-  for (device_buffer& values : device_values_) values.release(own_stream_);
+  prompt_values_.clear();
+  values_.clear();
   (void)cudaStreamSynchronize(own_stream_);
-  host_values_.clear();
   // The handles destroy themselves (members declared before the buffers, so destroyed after them).
 }
 

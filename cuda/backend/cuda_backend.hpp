@@ -5,6 +5,7 @@
 //   decode_step.cpp    a decode step's orchestration over the compute and copy streams
 //   pipeline_plan.cpp  the step's plan: pipeline parts, fetch CTAs and priority, early attention, fused misses
 //   inspection.cpp     reads of device state (selections, outliers, positions, statistics) and the finiteness check
+//   keeping.cpp        fork, park and resume, and the saved state's sections
 //
 // Everything a sequence can need on the device is reserved when the store is built: per (slot, layer) device arenas
 // sized from max_seq_len and the decode workspace for max_batch sequences, so a decode step allocates nothing. A
@@ -32,6 +33,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <span>
 #include <vector>
@@ -74,7 +76,7 @@ class cuda_backend final : public backend {
   [[nodiscard]] chunk_ids_per_head selected_chunks(int layer, int slot) const override;
   [[nodiscard]] chunk_ids_per_head outlier_chunks(int layer, int slot) const override;
   [[nodiscard]] std::int64_t last_position(int layer, int slot) const override;
-  [[nodiscard]] memory_report memory(std::span<const layer_state* const> states) const override;
+  [[nodiscard]] memory_report memory(std::span<const stored_layer> layers) const override;
   [[nodiscard]] store_stats selection_stats() const override;
   void reset_selection_stats() noexcept override;
   [[nodiscard]] bool supports_replay() const override { return true; }
@@ -93,6 +95,19 @@ class cuda_backend final : public backend {
   /// (the store checks it first; an extend's rollback may ask for more).
   void truncate_generated(int layer, std::span<const batch_entry> entries,
                           std::span<const layer_state> targets) override;
+  // fork, park and save (keeping.cpp; docs/semantics.md, "Fork, park and save").
+  [[nodiscard]] bool supports_keeping() const override { return true; }
+  /// Copies the source's arenas into each child's (they are reserved per slot anyway) and shares the value store's
+  /// prompt runs by reference; each child gets a value store for its own chunks only.
+  void fork_sequence(int source, std::span<const int> children, std::span<const layer_state> layers) override;
+  [[nodiscard]] std::int64_t forked_value_bytes(std::span<const layer_state> layers) const override;
+  [[nodiscard]] std::unique_ptr<parked_state> park_sequence(int slot, std::span<const layer_state> layers) override;
+  void resume_sequence(int slot, parked_state& parked, std::span<const layer_state> layers) override;
+  [[nodiscard]] const char* state_layout() const override { return "cuda"; }
+  [[nodiscard]] std::vector<state_section> state_sections(std::span<const layer_state> layers) const override;
+  void write_state(int slot, std::span<const layer_state> layers, const state_sink& sink) const override;
+  void read_state(int slot, value_place values_on, std::span<const layer_state> layers,
+                  std::span<const std::span<const std::byte>> sections) override;
   [[nodiscard]] bool all_finite(const tensor_view& view) override;
   /// One kernel over all views, a copy of their flags to pinned memory and a wait on the call's stream.
   [[nodiscard]] std::optional<std::size_t> find_non_finite(std::span<const tensor_view> views) override;
@@ -100,6 +115,16 @@ class cuda_backend final : public backend {
 
  private:
   struct layer_sizes;  // bytes of each array of one (slot, layer)
+  /// One sequence's value store (all its layers), on the device or in pinned host memory; shared by reference
+  /// between the sequences of a fork family (values_, prompt_values_).
+  struct value_allocation {
+    device_buffer device;
+    host_buffer host;
+    /// Where a kernel reads it.
+    [[nodiscard]] std::uint8_t* base() const noexcept {
+      return static_cast<std::uint8_t*>(device.data() != nullptr ? device.data() : host.device_pointer());
+    }
+  };
   /// Reserves everything up front (arenas.cpp): the (slot, layer) arenas and views, the decode workspace for
   /// max_batch sequences, the RoPE table, the prefill's small buffers; then the default device value budget.
   void reserve_memory();
@@ -153,6 +178,18 @@ class cuda_backend final : public backend {
   [[nodiscard]] layer_view& host_view(int slot, int layer) { return host_views_[static_cast<std::size_t>(slot * config_.num_layers + layer)]; }
   [[nodiscard]] const layer_view& host_view(int slot, int layer) const { return host_views_[static_cast<std::size_t>(slot * config_.num_layers + layer)]; }
   [[nodiscard]] layer_view* device_view(int slot, int layer) const;
+  /// A value store for one sequence in `where`: every chunk of every layer (own_chunks empty), or per layer l only
+  /// own_chunks[l] chunks (a forked sequence's own). Throws out_of_memory.
+  [[nodiscard]] std::shared_ptr<value_allocation> allocate_values(value_place where,
+                                                                  std::span<const int> own_chunks = {}) const;
+  /// Bytes of `chunks` chunks' value runs of one layer (fp8: codes, aligned, then scales), and where the scales start.
+  [[nodiscard]] std::size_t value_runs_bytes(int chunks) const;
+  [[nodiscard]] std::size_t value_scales_offset(int chunks) const;
+  /// The device views of all layers of `slot` (counters as the device has them), waiting for the device.
+  [[nodiscard]] std::vector<layer_view> read_views(int slot) const;
+  /// Makes `slot` hold the sequence whose views (counters, value pointers) are `views`: its arena pointers, uploaded.
+  void install_views(int slot, std::span<const layer_view> views, std::shared_ptr<value_allocation> own,
+                     std::shared_ptr<value_allocation> prompt, value_place values_on);
   /// Consecutive entries of a decode batch, selected and fetched as one unit of the pipeline.
   struct batch_part {
     int first = 0;
@@ -248,10 +285,13 @@ class cuda_backend final : public backend {
   bool fold_requested_ = false;     ///< the store asked for a fold: append_token launches it first
   event_handle values_ready_event_;
   device_buffer arena_;          ///< all (slot, layer) arrays
-  // Value stores, one allocation per live sequence (all its layers), on the device or in pinned host memory.
-  std::vector<device_buffer> device_values_;  ///< [slot]
-  std::vector<host_buffer> host_values_;      ///< [slot]
+  // Value stores, one allocation per live sequence (all its layers), on the device or in pinned host memory. A forked
+  // sequence's holds its own chunks only, and it keeps the allocation holding its prompt's runs alive
+  // (layer_view::shared_value_store; keeping.cpp).
+  std::vector<std::shared_ptr<value_allocation>> values_;         ///< [slot]: the sequence's own
+  std::vector<std::shared_ptr<value_allocation>> prompt_values_;  ///< [slot]: its shared prompt's runs (fork), or null
   std::vector<value_place> values_on_;        ///< [slot]
+  std::size_t arena_slot_bytes_ = 0;          ///< one slot's arenas (all layers), contiguous from host_view(slot, 0).basis
   std::size_t value_layer_bytes_ = 0;         ///< one (slot, layer) value store, aligned
   std::size_t value_codes_bytes_ = 0;         ///< its values (fp8: codes) part; fp8 scales follow at this offset
   std::int64_t default_value_budget_ = 0;     ///< free device memory after the reservations, less a margin

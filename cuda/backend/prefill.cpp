@@ -302,7 +302,7 @@ void cuda_backend::prefill_one(int layer, std::span<const batch_entry> entries, 
   if (!values_on_device && value_bytes > 0) {
     SHADOWKV_CUDA_TRY(cudaEventRecord(values_ready_event_, stream_));
     SHADOWKV_CUDA_TRY(cudaStreamWaitEvent(copy_stream_, values_ready_event_, 0));
-    const host_buffer& store = host_values_[static_cast<std::size_t>(entry.slot)];
+    const host_buffer& store = values_[static_cast<std::size_t>(entry.slot)]->host;
     auto* host_target = static_cast<std::uint8_t*>(store.data()) +
                         (static_cast<std::uint8_t*>(view.value_store) -
                          static_cast<std::uint8_t*>(store.device_pointer()));

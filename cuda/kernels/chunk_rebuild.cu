@@ -715,8 +715,6 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
     if (has_next && threadIdx.x < kRebuildRows) {
       const int next_rows = min(group_chunks, misses - next) * d.chunk;
       const int row = static_cast<int>(threadIdx.x);
-      // kAttend: the value store's address, asked before the two dependent loads below so that it lands beside them.
-      [[maybe_unused]] const T* const value_store = kAttend ? static_cast<const T*>(view->value_store) : nullptr;
       long long token = -1;
       long long target = 0;
       [[maybe_unused]] const T* value_row = nullptr;
@@ -730,7 +728,8 @@ __global__ void __launch_bounds__(kRebuildThreads, rebuild_min_ctas_per_sm<D>())
           // The row's values (a (chunk, head) run is [C, D] in the value store), into L2 now: the group's attention
           // copies them to shared memory only after its own main loop and RoPE (attend_tile). A 128-byte line at a
           // time.
-          value_row = value_store + ((chunk_id * d.kv_heads + h) * d.chunk + j) * D;
+          const value_runs values = value_runs_of(*view, chunk_id);  // a forked sequence's prompt runs are shared
+          value_row = static_cast<const T*>(values.store) + ((values.chunk * d.kv_heads + h) * d.chunk + j) * D;
 #pragma unroll
           for (int line = 0; line < (D * static_cast<int>(sizeof(T)) + 127) / 128; ++line) {
             asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(value_row) + 128 * line));

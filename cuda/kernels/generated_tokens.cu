@@ -97,6 +97,8 @@ __device__ void fold_one(const dims& d, layer_view* view, const float* inv_freq,
   }
   T* landmarks = static_cast<T*>(view->landmarks);
   T* value_store = static_cast<T*>(view->value_store);
+  // The chunk's place in the sequence's own value store (a forked sequence's own chunks follow its shared prompt's).
+  const long long value_chunk = static_cast<long long>(chunk) - view->shared_value_chunks;
   float* head_scales = keys_pre;  // fp8: one scale per head (keys_pre is dead once the coefficients are written)
   if (d.value_fp8 != 0) {
     __syncthreads();
@@ -108,7 +110,7 @@ __device__ void fold_one(const dims& d, layer_view* view, const float* inv_freq,
         for (int dim = 0; dim < d.head_dim; ++dim) amax = fmaxf(amax, fabsf(to_float(row[dim])));
       }
       head_scales[h] = fp8::scale_for(amax);
-      view->value_scales[static_cast<long long>(chunk) * d.kv_heads + h] = head_scales[h];
+      view->value_scales[value_chunk * d.kv_heads + h] = head_scales[h];
     }
     __syncthreads();
   }
@@ -120,7 +122,7 @@ __device__ void fold_one(const dims& d, layer_view* view, const float* inv_freq,
     for (int i = 0; i < d.chunk; ++i) {
       const int ring_row = d.local_capacity + rules::ring_row(ring_head, i, d.window);
       sum += to_float(exact_keys[(h * head_rows + ring_row) * d.head_dim + dim]);
-      const long long target = ((static_cast<long long>(chunk) * d.kv_heads + h) * d.chunk + i) * d.head_dim + dim;
+      const long long target = ((value_chunk * d.kv_heads + h) * d.chunk + i) * d.head_dim + dim;
       const T value = exact_values[(h * head_rows + ring_row) * d.head_dim + dim];
       if (d.value_fp8 != 0) {
         value_codes[target] = fp8::encode_e4m3(to_float(value) / head_scales[h]);

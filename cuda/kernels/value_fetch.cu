@@ -64,13 +64,14 @@ __global__ void fetch_values_kernel(dims d, layer_view* views, const int* batch_
     if (m < misses) {
       const int slot = workspace.miss_slots[pair * d.budget + m];  // k entries per pair, slots in [0, K)
       const int chunk = view->cache_chunks[static_cast<long long>(h) * d.cache_slots + slot];
-      const long long source_run = static_cast<long long>(chunk) * d.kv_heads + h;
+      const value_runs source = value_runs_of(*view, chunk);  // a forked sequence reads its prompt's shared runs
+      const long long source_run = source.chunk * d.kv_heads + h;
       T* target = static_cast<T*>(view->cache_values) + (static_cast<long long>(h) * d.cache_slots + slot) * run;
       if (d.value_fp8 != 0) {
         // 16 codes (16 bytes) a lane at a time, dequantized and rounded to T (shadowkv/fp8.hpp), stored as 16-byte
         // vectors (16 * sizeof(T) bytes a lane).
-        const float scale = view->value_scales[source_run];
-        const auto* from = static_cast<const std::uint8_t*>(view->value_store) + source_run * run;
+        const float scale = source.scales[source_run];
+        const auto* from = static_cast<const std::uint8_t*>(source.store) + source_run * run;
         if (run % 16 == 0) {
           // Four 16-byte loads a lane in flight before any store (the source is host memory across PCIe): a 1 KiB
           // run (C = 8, D = 128) in one round trip of 16 lanes.
@@ -104,7 +105,7 @@ __global__ void fetch_values_kernel(dims d, layer_view* views, const int* batch_
       } else if (vectorised) {
         // Four 16-byte loads a lane in flight before any store: a 2 KiB run (C = 8, D = 128, bf16) in one round trip.
         const long long vectors = run * static_cast<long long>(sizeof(T)) / 16;
-        const int4* from = reinterpret_cast<const int4*>(static_cast<const T*>(view->value_store) + source_run * run);
+        const int4* from = reinterpret_cast<const int4*>(static_cast<const T*>(source.store) + source_run * run);
         int4* to = reinterpret_cast<int4*>(target);
         for (long long i0 = lane; i0 < vectors; i0 += 4 * kLanes) {
           int4 loaded[4];
@@ -118,8 +119,8 @@ __global__ void fetch_values_kernel(dims d, layer_view* views, const int* batch_
           }
         }
       } else {
-        const T* source = static_cast<const T*>(view->value_store) + source_run * run;
-        for (long long i = lane; i < run; i += kLanes) target[i] = source[i];
+        const T* from = static_cast<const T*>(source.store) + source_run * run;
+        for (long long i = lane; i < run; i += kLanes) target[i] = from[i];
       }
     }
     unit += warps;

@@ -685,12 +685,22 @@ class KVStore:
             counts = _integer_list("tokens", tokens, _INT64)
         self._store.truncate(slot_list, counts)
 
+    def fork(self, slot: int, count: int = 1) -> list:
+        """Takes `count` free slots (lowest ids first) and makes each a sequence equal to `slot` now, in every layer
+        (prompt, generated tokens, positions, fold journal, selection cache), and returns their ids. The prompt's
+        compressed state is shared by reference, not copied (memory_report()["shared"]); afterwards each sequence
+        evolves on its own, and releasing any of them (the source included) leaves the others valid
+        (docs/semantics.md, "Fork, park and save"). Every layer of `slot` must be prefilled (ValueError); too few free
+        slots is a ValueError (capacity) and running out of memory a MemoryError, each changing nothing."""
+        return self._store.fork(_integer("slot", slot), _integer("count", count))
+
     def park(self, slots: Union[int, Iterable[int]]) -> list:
         """Moves each sequence's whole state (every layer, which must all be prefilled) out of its slot into host
         memory and frees the slots for other sequences; returns one `ParkedSequence` per slot, in order. A decode on a
-        freed slot raises ValueError naming it parked (until a sequence takes it). ValueError for a slot not live,
-        given twice or not prefilled in every layer, or a backend that cannot park; MemoryError; either way nothing
-        changes (docs/semantics.md, "Fork, park and save")."""
+        freed slot raises ValueError naming it parked (until a sequence takes it). A member of a fork's family keeps
+        sharing its prompt state (and rejoins the family when resumed). ValueError for a slot not live, given twice or
+        not prefilled in every layer, or a backend that cannot park; MemoryError; either way nothing changes
+        (docs/semantics.md, "Fork, park and save")."""
         return [ParkedSequence(p) for p in self._store.park(_slot_list(slots))]
 
     def resume(self, parked: Union[ParkedSequence, Iterable[ParkedSequence]]) -> list:
@@ -721,11 +731,11 @@ class KVStore:
     def load(self, path: Any) -> int:
         """Reads a file written by `save` (of a store with the same backend kind and configuration; max_batch and
         max_seq_len may differ) into the lowest free slot and returns it; the sequence continues bit for bit as the
-        saved one would have. Its value store is placed as `add_sequences` places a new one. Everything is checked
-        before a slot is taken: OSError (FileNotFoundError, ...) when the file cannot be read; ValueError for a file
-        that is not a saved sequence, of another format version, backend or configuration (naming the field), or
-        truncated or corrupted (checksum), and (capacity) for a full store or more tokens than max_seq_len;
-        MemoryError. Either way nothing changes."""
+        saved one would have, unshared (the file holds a forked sequence's shared prompt state too). Its value store is
+        placed as `add_sequences` places a new one. Everything is checked before a slot is taken: OSError
+        (FileNotFoundError, ...) when the file cannot be read; ValueError for a file that is not a saved sequence, of
+        another format version, backend or configuration (naming the field), or truncated or corrupted (checksum), and
+        (capacity) for a full store or more tokens than max_seq_len; MemoryError. Either way nothing changes."""
         return self._store.load(_path(path))
 
     def account_replayed_steps(self, layer: int, slots: Union[int, Iterable[int]], steps: int) -> None:
@@ -751,14 +761,16 @@ class KVStore:
 
     def sequence_info(self, layer: int, slot: int) -> dict:
         """prompt_len, total_len, context_chunks, outlier_chunks, local_len, generated_exact_len, last_position,
-        values_on ("device" or "host": where the sequence's value store is)."""
+        values_on ("device" or "host": where the sequence's value store is), shares_prompt_with (the other live slots
+        that share this sequence's prompt state after a fork, ascending; empty when it shares nothing)."""
         return self._store.sequence_info(_integer("layer", layer), _integer("slot", slot))
 
     def memory_report(self) -> dict:
         """Bytes by kind (docs/semantics.md): low_rank_factors, landmarks, outliers, exact_tokens, value_store
         (= value_store_device + value_store_host), selection_cache, fold_journal (exact rows of folded generated chunks,
         kept for truncate), total (the seven kinds), full_attention_equivalent
-        (a plain KV cache of the same tokens), device_reserved and host_reserved (CUDA reservations; 0 on the CPU)."""
+        (a plain KV cache of the same tokens), device_reserved and host_reserved (CUDA reservations; 0 on the CPU),
+        shared (bytes several live sequences share by reference after a fork: counted once in their kinds, and here)."""
         return self._store.memory_report()
 
     def layer_memory_after_prefill(self, prompt_tokens: int) -> dict:

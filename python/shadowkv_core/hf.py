@@ -15,6 +15,10 @@ Two pieces, both in transformers' own terms:
   (pad tokens removed); later forwards go through `KVStore.decode` (one token) or `KVStore.extend` (several: a
   continued conversation's new turn, a draft to verify). Every other layer gets plain sdpa.
 * `ShadowKVCache.crop` (assisted generation's rejected draft tokens) is `KVStore.truncate`.
+* Copies of sequences go through `KVStore.fork`, which shares the prompt's compressed state instead of copying it:
+  `num_return_sequences > 1` and beam search prefill each prompt once and fork it; beam search's `reorder_cache` forks
+  the rows it keeps several times and releases those it drops; `copy.deepcopy(cache)` forks every row into new slots
+  of the same store (e.g. several questions about one prefilled document).
 
 `Cache.update` cannot return what the store holds (keys are a low-rank factorisation, values live in host memory), so
 a store layer's `update` only records the new tokens' keys and values; the attention function of the same layer,
@@ -24,6 +28,7 @@ called right after it, picks them up (a thread-local hand-over, checked by layer
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import math
 import threading
@@ -165,15 +170,15 @@ class ShadowKVLayer(CacheLayerMixin):
         self.prefilled = False
         self.is_initialized = False
 
-    # Operations that would need the store to copy or reorder sequences, which it does not offer (yet: `fork`).
+    # Rows are copied, reordered and dropped by the owner for every store layer at once (`ShadowKVCache.reorder_cache`,
+    # `batch_select_indices`, `batch_repeat_interleave`: the store forks and releases whole sequences).
     def _unsupported(self, what: str) -> None:
         if self.seq_len > 0:
-            raise NotImplementedError(f"ShadowKVCache does not support {what} (beam search, contrastive search): the "
-                                      "store cannot copy or reorder sequences; use greedy, sampling or assisted "
-                                      "generation")
+            raise NotImplementedError(f"ShadowKVCache: {what} the whole cache (cache.{what}(...)), not one of its "
+                                      "layers: the store copies and releases whole sequences, every layer at once")
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._unsupported("reordering the batch")
+        self._unsupported("reorder_cache")
 
     def crop(self, tokens_to_remove: int) -> None:
         # The store truncates all its layers at once: one layer alone cannot be cropped.
@@ -183,10 +188,10 @@ class ShadowKVLayer(CacheLayerMixin):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if repeats != 1:
-            self._unsupported("repeating the batch")
+            self._unsupported("batch_repeat_interleave")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._unsupported("selecting batch rows")
+        self._unsupported("batch_select_indices")
 
     def offload(self) -> None:  # the store manages its own memory
         pass
@@ -233,6 +238,11 @@ class ShadowKVCache(Cache):
         # forward with more columns (assisted generation verifies its first draft together with the prompt) prefills
         # these and extends by the rest, so that the draft can be cropped.
         self._prompt_columns: Optional[int] = None
+        # Rows per prompt of the generate call running on an empty cache (num_beams / num_return_sequences: transformers
+        # repeats each prompt that often before the first forward; set by `_check_generate`): the first forward
+        # prefills one row per prompt into `_sources` and forks it into the others once every store layer holds it.
+        self._expand = 1
+        self._sources: Optional[list] = None
         self._softmax_scale = float(store.config["softmax_scale"]) or store.config["head_dim"] ** -0.5
 
     @property
@@ -243,9 +253,11 @@ class ShadowKVCache(Cache):
     def release(self) -> None:
         """Frees this cache's store slots and forgets every layer's tokens (the cache can be used again)."""
         self._tokens = None
-        if self.slots is not None:
-            slots, self.slots = self.slots, None
-            self.store.release(slots)
+        for name in ("slots", "_sources"):
+            slots = getattr(self, name, None)
+            if slots is not None:
+                setattr(self, name, None)
+                self.store.release(slots)
 
     def reset(self) -> None:
         self.release()
@@ -293,6 +305,105 @@ class ShadowKVCache(Cache):
             if not isinstance(layer, ShadowKVLayer) and (remove > 0 or _LAYER_CROP_REMOVES):
                 layer.crop(-remove)  # negative: "remove that many" in every 5.x; crop(0) shrinks sliding layers
 
+    # --- copies of rows: beam search, several sequences per prompt, deepcopy (through KVStore.fork) ----------------
+    def _gather_rows(self, rows: list) -> None:
+        """Row i of the store's sequences becomes what row rows[i] is now: the first use of a row keeps its slot, each
+        further use is a fork of it (sharing its prompt state), and the rows no longer used are released first (so the
+        forks find their slots). Raises ValueError, changing nothing, when the store has too few free slots."""
+        if self.slots is None:
+            return  # nothing stored yet
+        old = self.slots
+        if any(not 0 <= r < len(old) for r in rows):
+            raise ValueError(f"ShadowKVCache: row indices {rows} out of range for {len(old)} sequences")
+        if rows == list(range(len(old))):
+            return
+        counts: dict = {}
+        for r in rows:
+            counts[r] = counts.get(r, 0) + 1
+        dropped = [old[j] for j in range(len(old)) if j not in counts]
+        forks = len(rows) - len(counts)
+        free = int(self.store.config["max_batch"]) - len(self.store.active_slots()) + len(dropped)
+        if forks > free:
+            raise ValueError(f"ShadowKVCache: copying rows {rows} needs {forks} more store slots but {free} are free "
+                             f"(max_batch={self.store.config['max_batch']}); build the cache with a larger max_batch")
+        if dropped:
+            self.store.release(dropped)
+        made: dict = {}
+        try:
+            for r, count in counts.items():
+                if count > 1:
+                    made[r] = self.store.fork(old[r], count - 1)
+        except BaseException:
+            # Out of memory: the cache cannot hold its rows; free everything it has (cache.reset() starts over).
+            self.store.release([old[r] for r in counts] + [slot for children in made.values() for slot in children])
+            self.slots = None
+            raise
+        slots, seen = [], set()
+        for r in rows:
+            if r in seen:
+                slots.append(made[r].pop(0))
+            else:
+                seen.add(r)
+                slots.append(old[r])
+        self.slots = slots
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row i continues row beam_idx[i] (forks for rows kept several times, releases for dropped ones);
+        other layers reorder as transformers' own."""
+        self._gather_rows([int(i) for i in beam_idx.tolist()])
+        for layer in self.layers:
+            if not isinstance(layer, ShadowKVLayer):
+                layer.reorder_cache(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keeps the rows `indices` (in that order; a repeated index is a fork)."""
+        self._gather_rows([int(i) for i in torch.as_tensor(indices).tolist()])
+        for layer in self.layers:
+            if not isinstance(layer, ShadowKVLayer):
+                layer.batch_select_indices(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Each row becomes `repeats` rows (forks of it), in place: rows i*repeats ... i*repeats + repeats - 1."""
+        if self.slots is not None:
+            self._gather_rows([i for i in range(len(self.slots)) for _ in range(repeats)])
+        for layer in self.layers:
+            if not isinstance(layer, ShadowKVLayer):
+                layer.batch_repeat_interleave(repeats)
+
+    def __deepcopy__(self, memo: dict) -> "ShadowKVCache":
+        """A cache of the same store whose rows are forks of this cache's (KVStore.fork: the prompt's compressed state
+        is shared, the rest copied; nothing in the store is duplicated that need not be). The copy and the original
+        then evolve independently; each releases its own slots. Layers outside the store are deep-copied."""
+        if self._sources is not None:
+            raise RuntimeError("ShadowKVCache: cannot copy a cache whose prompt is half stored (a forward failed); "
+                               "call cache.reset()")
+        twin = ShadowKVCache.__new__(ShadowKVCache)
+        memo[id(self)] = twin
+        for name, value in self.__dict__.items():
+            if name not in ("store", "slots", "layers"):
+                setattr(twin, name, copy.deepcopy(value, memo))
+        twin.store, twin.slots = self.store, None
+        layers = []
+        for layer in self.layers:
+            if isinstance(layer, ShadowKVLayer):
+                copied = copy.copy(layer)  # counters; keys and values stay None (the store holds them)
+                copied.owner = twin
+                layers.append(copied)
+            else:
+                layers.append(copy.deepcopy(layer, memo))
+        twin.layers = layers
+        if self.slots is not None:
+            children: list = []
+            try:
+                for slot in self.slots:
+                    children.extend(self.store.fork(slot))
+            except BaseException:
+                if children:
+                    self.store.release(children)
+                raise
+            twin.slots = children
+        return twin
+
     def _slots_for(self, batch: int) -> list:
         if self.slots is None:
             self.slots = self.store.add_sequences(batch)
@@ -312,8 +423,32 @@ class ShadowKVCache(Cache):
 
     def _prefill(self, layer: ShadowKVLayer, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                  attention_mask: Optional[torch.Tensor], position_ids: Optional[torch.Tensor]) -> None:
+        batch = keys.shape[0]
+        n = self._expand
+        if n == 1 or self.slots is not None or batch % n != 0:
+            self._prefill_rows(layer, self._slots_for(batch), query, keys, values, attention_mask, position_ids)
+            return
+        # generate repeated each prompt n times (rows b*n ... b*n + n-1, repeat_interleave): one row per prompt enters
+        # the store, and once every store layer holds it, it is forked into the other n - 1.
+        if self._sources is None:
+            self._sources = self.store.add_sequences(batch // n)
+
+        def rows(tensor, dim=0):
+            return tensor if tensor is None or tensor.shape[dim] != batch else tensor[::n]
+
+        position_rows = position_ids if position_ids is None or position_ids.dim() != 2 else rows(position_ids)
+        self._prefill_rows(layer, self._sources, query[::n], keys[::n], values[::n], rows(attention_mask),
+                           position_rows)
+        if layer is self.store_layers[-1]:
+            slots = []
+            for source in self._sources:
+                slots += [source] + self.store.fork(source, n - 1)
+            self.slots, self._sources = slots, None
+
+    def _prefill_rows(self, layer: ShadowKVLayer, slots: list, query: torch.Tensor, keys: torch.Tensor,
+                      values: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                      position_ids: Optional[torch.Tensor]) -> None:
         batch, kv_heads, length, head_dim = keys.shape
-        slots = self._slots_for(batch)
         positions = _positions(position_ids, batch, length, keys.device)
         valid = _visible_tokens(attention_mask, batch, length)
         keys_bshd, values_bshd = keys.transpose(1, 2), values.transpose(1, 2)  # [B, S, Hkv, D] views
@@ -358,8 +493,7 @@ class ShadowKVCache(Cache):
     # --- checks made by model.generate (of a model switched by `enable`) before the prompt goes in ------------------
     def _check_generate(self, model, args: tuple, kwargs: dict) -> None:
         """Rejects, before any forward (the prefill of a long prompt is the expensive part), what would fail or go
-        wrong later: beam search and contrastive search (NotImplementedError: they copy and reorder sequences, which
-        the store cannot yet), assisted decoding by early exit (it drafts with the model's own layers) and assisted
+        wrong later: contrastive search (NotImplementedError), assisted decoding by early exit (it drafts with the model's own layers) and assisted
         decoding on a cache that already holds a conversation (transformers feeds the cached tokens again);
         more sequences than the store's free slots or a batch other than the cache's (ValueError); a prompt plus `max_new_tokens` beyond the
         store's `max_seq_len` (ValueError); and a cache that holds tokens of another prompt, reused without `reset()`
@@ -377,27 +511,29 @@ class ShadowKVCache(Cache):
             value = kwargs[name] if name in kwargs else getattr(config, name, None)
             return default if value is None else value
 
-        unsupported = ("the store cannot copy or reorder sequences (no `fork` yet); use greedy decoding, sampling or "
-                       "assisted generation (assistant_model=, prompt_lookup_num_tokens=)")
-        if int(setting("num_beams", 1)) > 1:
-            raise NotImplementedError(f"ShadowKVCache: beam search (num_beams={setting('num_beams')}): {unsupported}")
         if setting("assistant_early_exit") is not None:
             raise NotImplementedError("ShadowKVCache: assisted decoding by early exit (assistant_early_exit) runs the "
                                       "model's own first layers as the draft model and is not supported; pass a "
                                       "separate assistant_model")
         if setting("penalty_alpha") is not None and float(setting("penalty_alpha")) > 0 and int(setting("top_k", 1)) > 1:
-            raise NotImplementedError(f"ShadowKVCache: contrastive search (penalty_alpha): {unsupported}")
+            raise NotImplementedError("ShadowKVCache: contrastive search (penalty_alpha) is not supported; use greedy "
+                                      "decoding, sampling, beam search or assisted generation")
+        self._expand = 1
         if not isinstance(shape_from, torch.Tensor) or shape_from.dim() < 2:
             return  # no prompt tensor to measure (e.g. only encoder inputs): the store checks at prefill
         batch, width = int(shape_from.shape[0]), int(shape_from.shape[1])
-        rows = batch * int(setting("num_return_sequences", 1))
+        # transformers repeats each prompt max(num_beams, num_return_sequences) times before the first forward.
+        per_prompt = max(int(setting("num_beams", 1)), int(setting("num_return_sequences", 1)))
+        rows = batch * per_prompt
         config_of_store = self.store.config
         if self.slots is None:
             free = int(config_of_store["max_batch"]) - len(self.store.active_slots())
             if rows > free:
                 raise ValueError(f"ShadowKVCache: generate needs {rows} sequences (batch {batch} x "
-                                 f"num_return_sequences {rows // batch}) but the store has {free} free slots "
-                                 f"(max_batch={config_of_store['max_batch']}); build the cache with a larger max_batch")
+                                 f"{per_prompt} per prompt: num_beams, num_return_sequences) but the store has {free} "
+                                 f"free slots (max_batch={config_of_store['max_batch']}); build the cache with a "
+                                 "larger max_batch")
+            self._expand = per_prompt
         elif rows != len(self.slots):
             raise ValueError(f"ShadowKVCache holds {len(self.slots)} sequences but generate has {rows}; call "
                              "cache.reset() before a new batch")
@@ -701,9 +837,9 @@ def enable(model, **kwargs) -> ShadowKVCache:
 
     Layers that are not in a ShadowKVCache (or a forward without one) run plain sdpa, so the switched model still
     works with transformers' own caches. `model.generate` gets checks made before the prompt goes in when it is
-    given a ShadowKVCache (beam search, contrastive search, batch and length beyond the store, a cache holding
-    another conversation: see `_check_generate`). `disable(model)` undoes both; `enabled(model, ...)` is
-    the context-manager form."""
+    given a ShadowKVCache (contrastive search, batch and length beyond the store, a cache holding another
+    conversation: see `_check_generate`), and with num_beams or num_return_sequences > 1 the store prefills each prompt
+    once and forks it. `disable(model)` undoes both; `enabled(model, ...)` is the context-manager form."""
     register()
     cache = make_cache(model, **kwargs)
     current = getattr(model.config, "_attn_implementation", None)
@@ -767,6 +903,7 @@ def _checked_generate(self, *args, **kwargs):
         out = type(self).generate(self, *args, **kwargs)
     finally:
         cache._prompt_columns = None
+        cache._expand = 1
     sequences = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
     if isinstance(sequences, torch.Tensor):
         cache._tokens = sequences.detach().to("cpu", copy=True)

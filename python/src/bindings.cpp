@@ -150,6 +150,9 @@ nb::dict info_dict(const shadowkv::sequence_info& info) {
   d["generated_exact_len"] = info.generated_exact_len;
   d["last_position"] = info.last_position;
   d["values_on"] = shadowkv::value_place_name(info.values_on);
+  nb::list shares;
+  for (const int slot : info.shares_prompt_with) shares.append(slot);
+  d["shares_prompt_with"] = shares;
   return d;
 }
 
@@ -168,6 +171,7 @@ nb::dict memory_dict(const shadowkv::memory_report& report) {
   d["full_attention_equivalent"] = report.full_attention_equivalent;
   d["device_reserved"] = report.device_reserved;
   d["host_reserved"] = report.host_reserved;
+  d["shared"] = report.shared;
   return d;
 }
 
@@ -328,6 +332,14 @@ NB_MODULE(_core, m) {
             without_gil([&] { s.truncate(slots, tokens); });
           },
           "slots"_a, "tokens"_a)
+      .def(
+          "fork",
+          [](shadowkv::kv_store& s, int slot, int count) {
+            std::vector<int> children;
+            without_gil([&] { children = s.fork(slot, count); });
+            return children;
+          },
+          "slot"_a, "count"_a)
       .def(
           "park",
           [](shadowkv::kv_store& s, const nb::sequence& slot_list) {

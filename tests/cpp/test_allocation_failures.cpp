@@ -2,14 +2,14 @@
 // "Capacity and errors") and reaches the caller as std::bad_alloc, never as std::terminate. This executable replaces
 // the global operator new with one that can be told to fail. For every call and path — decode (two sequences, a fold,
 // the first step of a layer, pre-RoPE k_new with positions), prefill (with and without the warm-up selection, ragged
-// lengths, positions, several query tokens), add_sequences, release, park, resume, save (which must leave no file)
-// and load — on the default configuration and on each variant that takes other code (fp8 value store, "auto"-placed
-// values (device and host), two-centroid chunk scores, a selection cache larger than the budget, float32 factors),
-// it counts the allocations of a clean call, then for every k makes the k-th one fail (alone, and together with every
-// later one) and checks that the call threw std::bad_alloc (or completed) and that the store still equals a twin that
-// never saw the call: memory report, stats, every sequence's counters and selections now, and the same decode outputs,
-// bit for bit, for more steps (folds included). A std::terminate anywhere ends the executable, which CTest reports as a
-// failure.
+// lengths, positions, several query tokens), add_sequences, release, fork (of a sequence with a fold journal and a
+// full selection cache), park, resume, save (which must leave no file) and load — on the default configuration and on
+// each variant that takes other code (fp8 value store, "auto"-placed values (device and host), two-centroid chunk
+// scores, a selection cache larger than the budget, float32 factors), it counts the allocations of a clean call, then
+// for every k makes the k-th one fail (alone, and together with every later one) and checks that the call threw
+// std::bad_alloc (or completed) and that the store still equals a twin that never saw the call: memory report, stats,
+// every sequence's counters and selections now, and the same decode outputs, bit for bit, for more steps (folds
+// included). A std::terminate anywhere ends the executable, which CTest reports as a failure.
 #include <gtest/gtest.h>
 #include <unistd.h>  // getpid
 
@@ -239,6 +239,15 @@ operation add_one_sequence() {
   return [](twins&) { return [](kv_store& s) { (void)s.add_sequences(1); }; };
 }
 
+// fork of `slot` into the one free slot (3): every layer of the source must be prefilled, so layer 1 of slot 1 is
+// prefilled first when it is the source.
+operation fork_of(int slot) {
+  return [slot](twins& t) {
+    if (slot == 1) t.prefill_both(1, {1}, 77);
+    return [slot](kv_store& s) { (void)s.fork(slot); };  // into slot 3 (checked by the state comparison)
+  };
+}
+
 operation release_slots(std::vector<int> slots) {
   return [slots](twins&) { return [slots](kv_store& s) { s.release(slots); }; };
 }
@@ -363,6 +372,9 @@ std::vector<operation_case> operations() {
       {"add_sequences", 3, base, 20, add_one_sequence()},
       {"release", 3, base, 20, release_slots({2, 1})},
       {"release of a decoded sequence", 3, base, 12, release_slots({0})},
+      // 24 steps: the source has folded a chunk (a fold journal) and holds a full selection cache.
+      {"fork of a decoded sequence", 24, base, 20, fork_of(0)},
+      {"fork", 3, base, 20, fork_of(1)},
       {"park", 3, base, 12, park_two()},
       {"resume", 3, base, 12, resume_two()},
       {"save", 3, base, 12, save_slot()},
@@ -374,6 +386,7 @@ std::vector<operation_case> operations() {
     result.push_back({v.name + ": ragged prefill with two query tokens", 3, v.cfg, 10, ragged_prefill(true)});
     result.push_back({v.name + ": add_sequences", 3, v.cfg, 10, add_one_sequence()});
     result.push_back({v.name + ": release", 3, v.cfg, 10, release_slots({0, 2})});
+    result.push_back({v.name + ": fork", 24, v.cfg, 10, fork_of(1)});
     result.push_back({v.name + ": load", 16, v.cfg, 10, load_saved(1)});
   }
   return result;

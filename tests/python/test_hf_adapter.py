@@ -490,12 +490,165 @@ def test_enabled_context_restores_the_model():
     assert model.config._attn_implementation == "eager"
 
 
-def test_generate_rejects_beam_search_before_prefill():
+def test_generate_rejects_contrastive_search_and_too_many_beams_before_prefill():
     model = build("llama")
     cache = small_budget_cache(model, max_batch=2)
-    with pytest.raises(NotImplementedError, match="beam search"), torch.no_grad():
-        model.generate(prompt(40, seed=12)[None], max_new_tokens=4, num_beams=2, **{CACHE_KW: cache})
+    with pytest.raises(NotImplementedError, match="contrastive search"), torch.no_grad():
+        model.generate(prompt(40, seed=12)[None], max_new_tokens=4, penalty_alpha=0.6, top_k=4, **{CACHE_KW: cache})
+    with pytest.raises(ValueError, match="needs 3 sequences"), torch.no_grad():
+        model.generate(prompt(40, seed=12)[None], max_new_tokens=4, num_beams=3, **{CACHE_KW: cache})
     assert cache.slots is None and cache.store.active_slots() == [], "nothing may reach the store"
+
+
+def _count_prefills(store) -> list:
+    """Wraps store.prefill to record the number of slots of each call."""
+    calls, original = [], store.prefill
+
+    def wrapped(layer, slots, *args, **kwargs):
+        calls.append(len(slots))
+        return original(layer, slots, *args, **kwargs)
+
+    store.prefill = wrapped
+    return calls
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_beam_search_equals_model(family):
+    """Beam search (3 beams, 2 returned sequences) over a left-padded batch of two prompts equals transformers' own
+    DynamicCache at full budget and rank: each prompt is prefilled once and forked into its beams, and each step's
+    reorder_cache forks the beams kept several times and releases the dropped ones."""
+    model = build(family)
+    ids, mask = left_pad([prompt(90, seed=41), prompt(63, seed=42)])
+    kwargs = dict(attention_mask=mask, max_new_tokens=20, min_new_tokens=20, num_beams=3, num_return_sequences=2,
+                  do_sample=False, output_scores=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        ref = model.generate(ids, **kwargs)
+    cache = full_budget_cache(model, max_batch=6)
+    prefills = _count_prefills(cache.store)
+    forks, fork = [], cache.store.fork
+    cache.store.fork = lambda slot, count=1: forks.append(count) or fork(slot, count)
+    with torch.no_grad():
+        out = model.generate(ids, **kwargs, **{CACHE_KW: cache})
+    assert torch.equal(out.sequences, ref.sequences), f"{family}: beam search tokens differ"
+    assert torch.allclose(out.sequences_scores, ref.sequences_scores, atol=ATOL, rtol=0), \
+        describe(out.sequences_scores, ref.sequences_scores)
+    assert prefills == [2] * full_layer_count(model), "each prompt is prefilled once, then forked"
+    assert forks[:2] == [2, 2] and len(forks) > 2, f"forks {forks}: the prompts' and then reorder_cache's"
+    assert len(cache.slots) == 6 and sorted(cache.store.active_slots()) == sorted(cache.slots)
+    for b in range(2):  # every beam holds its prompt without padding and its 19 fed-back tokens
+        for slot in cache.slots[3 * b:3 * b + 3]:
+            info = cache.store.sequence_info(0, slot)
+            assert info["prompt_len"] == (90, 63)[b] and info["total_len"] == (90, 63)[b] + 19, info
+
+
+def test_num_return_sequences_equals_model():
+    """Sampling with num_return_sequences=3: one prefill and two forks per prompt; the same tokens and logits as
+    transformers' own cache (same seed) at full budget and rank."""
+    model = build("qwen3")
+    ids = prompt(120, seed=43)[None]
+    kwargs = dict(max_new_tokens=16, min_new_tokens=16, do_sample=True, top_k=0, num_return_sequences=3,
+                  output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        torch.manual_seed(44)
+        ref = model.generate(ids, **kwargs)
+    cache = full_budget_cache(model, max_batch=3)
+    prefills = _count_prefills(cache.store)
+    with torch.no_grad():
+        torch.manual_seed(44)
+        out = model.generate(ids, **kwargs, **{CACHE_KW: cache})
+    logits, ref_logits = torch.stack(out.logits), torch.stack(ref.logits)
+    assert torch.allclose(logits, ref_logits, atol=ATOL, rtol=0), describe(logits, ref_logits)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert len({tuple(row.tolist()) for row in out.sequences}) > 1, "the three samples should differ"
+    assert prefills == [1] * full_layer_count(model)
+    info = [cache.store.sequence_info(0, slot)["shares_prompt_with"] for slot in cache.slots]
+    assert info[0] == sorted(cache.slots[1:]), info
+
+
+def test_reorder_and_select_rows_fork_and_release():
+    """Cache-level row operations: row i becomes row rows[i] (sequence_info follows), dropped rows free their slots,
+    and a copy beyond the store's free slots is a ValueError that changes nothing."""
+    model = build("llama")
+    cache = small_budget_cache(model, max_batch=4)
+    ids = torch.stack([prompt(60, seed=45), prompt(60, seed=46), prompt(60, seed=47)])
+    generate(model, ids, cache=cache, new_tokens=5)
+    old = list(cache.slots)
+    infos = [cache.store.sequence_info(0, slot) for slot in old]
+    last = [cache.store.sequence_info(0, slot)["last_position"] for slot in old]
+    cache.reorder_cache(torch.tensor([2, 2, 0]))
+    # Row 1 was dropped first: its slot, the lowest free one, holds the fork of row 2.
+    assert cache.slots == [old[2], old[1], old[0]] and cache.store.active_slots() == sorted(old)
+    for slot, want in zip(cache.slots, (infos[2], infos[2], infos[0])):
+        got = dict(cache.store.sequence_info(0, slot))
+        assert {k: v for k, v in got.items() if k != "shares_prompt_with"} == \
+               {k: v for k, v in want.items() if k != "shares_prompt_with"}
+    assert cache.store.sequence_info(0, cache.slots[0])["shares_prompt_with"] == [cache.slots[1]]
+    before = (list(cache.slots), cache.store.active_slots())
+    with pytest.raises(ValueError, match="more store slots"):
+        cache.batch_select_indices(torch.tensor([0, 0, 0, 0, 1]))
+    assert (list(cache.slots), cache.store.active_slots()) == before
+    cache.batch_select_indices(torch.tensor([1]))
+    assert len(cache.slots) == 1 and cache.store.active_slots() == cache.slots
+    cache.batch_repeat_interleave(2)
+    assert len(cache.slots) == 2 and last[2] == cache.store.sequence_info(0, cache.slots[1])["last_position"]
+    with pytest.raises(NotImplementedError, match="whole cache"):
+        cache.store_layers[0].reorder_cache(torch.tensor([0, 0]))
+
+
+def test_deepcopy_shares_the_document():
+    """Eight questions about one prefilled document, each on copy.deepcopy of the document's cache (KVStore.fork: the
+    document's compressed state is shared, not copied), equal transformers' own DynamicCache deep-copied the same way
+    (tokens and logits, full budget and rank); memory_report counts the document once."""
+    import copy
+
+    model = build("llama")
+    document = prompt(200, seed=48)[None]
+    questions = [prompt(7 + i, seed=50 + i)[None] for i in range(8)]
+    kwargs = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    runs = []
+    for make in (lambda: transformers.DynamicCache(config=model.config), lambda: full_budget_cache(model, max_batch=9)):
+        base = make()
+        with torch.no_grad():
+            model(input_ids=document, **{CACHE_KW: base})
+        copies = [copy.deepcopy(base) for _ in questions]
+        if isinstance(base, skv.ShadowKVCache):
+            store = base.store
+            report = store.memory_report()
+            # Before any question: nine sequences, one document state.
+            assert len(store.active_slots()) == 9
+            doc_slot = base.slots[0]
+            shares = store.sequence_info(0, doc_slot)["shares_prompt_with"]
+            assert shares == sorted(c.slots[0] for c in copies)
+            per_layer = store.layer_memory_after_prefill(200)
+            layers = full_layer_count(model)
+            prompt_bytes = layers * sum(per_layer[k] for k in ("low_rank_factors", "landmarks", "outliers",
+                                                                "value_store"))
+            assert report["shared"] == prompt_bytes
+            for kind in ("low_rank_factors", "landmarks", "outliers", "value_store"):
+                assert report[kind] == layers * per_layer[kind], kind  # once, not nine times
+            for kind in ("exact_tokens", "selection_cache", "full_attention_equivalent"):
+                assert report[kind] == 9 * layers * per_layer[kind], kind
+            own = layers * (per_layer["exact_tokens"] + per_layer["selection_cache"])  # each sequence's own bytes
+            assert report["total"] == prompt_bytes + 9 * own
+            one_report = report
+        outputs = []
+        with torch.no_grad():
+            for question, cache in zip(questions, copies):
+                out = model.generate(torch.cat([document, question], dim=1), **kwargs, **{CACHE_KW: cache})
+                outputs.append((out.sequences, torch.stack(out.logits)))
+        if isinstance(base, skv.ShadowKVCache):
+            assert store.memory_report()["shared"] == one_report["shared"]
+            assert store.sequence_info(0, base.slots[0])["total_len"] == 200, "the document's cache is unchanged"
+            for cache, question in zip(copies, questions):
+                assert store.sequence_info(0, cache.slots[0])["total_len"] == 200 + question.shape[1] + 5
+            for cache in copies:
+                cache.release()
+            assert store.active_slots() == base.slots
+            assert store.memory_report()["shared"] == 0
+        runs.append(outputs)
+    for i, ((ref_ids, ref_logits), (ids, logits)) in enumerate(zip(*runs)):
+        assert torch.equal(ids, ref_ids), f"question {i}: tokens differ"
+        assert torch.allclose(logits, ref_logits, atol=ATOL, rtol=0), f"question {i}: {describe(logits, ref_logits)}"
 
 
 def test_generate_rejects_lengths_and_batches_beyond_the_store():

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "shadowkv/config.hpp"
 
@@ -22,6 +23,9 @@ struct memory_report {
   std::int64_t device_reserved = 0;  ///< device memory reserved: arenas for the configured capacity, and the value
                                      ///< stores of live sequences placed on the device (CUDA)
   std::int64_t host_reserved = 0;    ///< pinned host memory reserved for the value stores of live sequences (CUDA)
+  /// Bytes that several live sequences share by reference (the prompt state of a fork's family): counted once in their
+  /// kinds above (and in total()) and reported here too. 0 when no sequence shares anything.
+  std::int64_t shared = 0;
 
   [[nodiscard]] std::int64_t total() const noexcept {
     return low_rank_factors + landmarks + outliers + exact_tokens + value_store + selection_cache + fold_journal;
@@ -55,6 +59,7 @@ struct sequence_info {
   std::int64_t generated_exact_len = 0;  ///< exact generated tokens not yet folded
   std::int64_t last_position = -1;
   value_place values_on = value_place::host;  ///< where the sequence's value store is
+  std::vector<int> shares_prompt_with;  ///< the other live slots sharing this sequence's prompt state (fork), ascending
 };
 
 }  // namespace shadowkv
