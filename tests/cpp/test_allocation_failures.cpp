@@ -3,13 +3,14 @@
 // the global operator new with one that can be told to fail. For every call and path — decode (two sequences, a fold,
 // the first step of a layer, pre-RoPE k_new with positions), prefill (with and without the warm-up selection, ragged
 // lengths, positions, several query tokens), add_sequences, release, fork (of a sequence with a fold journal and a
-// full selection cache), park, resume, save (which must leave no file) and load — on the default configuration and on
-// each variant that takes other code (fp8 value store, "auto"-placed values (device and host), two-centroid chunk
-// scores, a selection cache larger than the budget, float32 factors), it counts the allocations of a clean call, then
-// for every k makes the k-th one fail (alone, and together with every later one) and checks that the call threw
-// std::bad_alloc (or completed) and that the store still equals a twin that never saw the call: memory report, stats,
-// every sequence's counters and selections now, and the same decode outputs, bit for bit, for more steps (folds
-// included). A std::terminate anywhere ends the executable, which CTest reports as a failure.
+// full selection cache), park, resume, save (which must leave no file) and load (park, resume and save of a fork's
+// family too) — on the default configuration and on each variant that takes other code (fp8 value store,
+// "auto"-placed values (device and host), two-centroid chunk scores, a selection cache larger than the budget,
+// float32 factors), it counts the allocations of a clean call, then for every k makes the k-th one fail (alone, and
+// together with every later one) and checks that the call threw std::bad_alloc (or completed) and that the store still
+// equals a twin that never saw the call: memory report, stats, every sequence's counters and selections now, and the
+// same decode outputs, bit for bit, for more steps (folds included). A std::terminate anywhere ends the executable,
+// which CTest reports as a failure.
 #include <gtest/gtest.h>
 #include <unistd.h>  // getpid
 
@@ -279,6 +280,31 @@ operation resume_two() {
   };
 }
 
+// park of a fork's child and its source (slot 0 forked into slot 3 first): the parked states keep sharing the prompt
+// state, and a failure must leave both sequences in their slots, still sharing it.
+operation park_of_a_family() {
+  return [](twins& t) {
+    t.both([](kv_store& s) { EXPECT_EQ(s.fork(0), std::vector<int>{3}); });
+    return [](kv_store& s) { (void)s.park(std::vector<int>{3, 0}); };
+  };
+}
+
+// resume of a fork's child (slot 0 forked into slot 3, the child then parked on both stores) while its source lives:
+// back into slot 3, sharing the source's prompt state again.
+operation resume_into_a_family() {
+  return [](twins& t) {
+    auto parked = std::make_shared<std::vector<std::vector<shadowkv::parked_sequence>>>();
+    t.both([&](kv_store& s) {
+      EXPECT_EQ(s.fork(0), std::vector<int>{3});
+      parked->push_back(s.park(std::vector<int>{3}));
+    });
+    return [&t, parked](kv_store& s) {
+      std::vector<shadowkv::parked_sequence>& mine = (*parked)[&s == &t.subject ? 0 : 1];
+      EXPECT_EQ(s.resume(mine), std::vector<int>{3});
+    };
+  };
+}
+
 // Scratch files of save and load: one directory per process (CTest runs the tests of this executable in parallel
 // processes, and other builds may run them at the same time), removed when the process ends.
 std::filesystem::path scratch_directory() {
@@ -311,6 +337,23 @@ operation save_slot() {
       } catch (...) {
         EXPECT_FALSE(std::ifstream(path).good()) << "a failed save left " << path;
         EXPECT_FALSE(std::ifstream(path + ".tmp").good()) << "a failed save left " << path << ".tmp";
+        throw;
+      }
+    };
+  };
+}
+
+// save of a fork's child (slot 0 forked into slot 3 first): the file holds the shared prompt state too.
+operation save_of_a_child() {
+  return [](twins& t) {
+    t.both([](kv_store& s) { EXPECT_EQ(s.fork(0), std::vector<int>{3}); });
+    const std::string path = scratch_file("save_child.skv");
+    std::remove(path.c_str());
+    return [path](kv_store& s) {
+      try {
+        s.save(3, path);
+      } catch (...) {
+        EXPECT_FALSE(std::ifstream(path).good()) << "a failed save left " << path;
         throw;
       }
     };
@@ -379,6 +422,10 @@ std::vector<operation_case> operations() {
       {"resume", 3, base, 12, resume_two()},
       {"save", 3, base, 12, save_slot()},
       {"load", 3, base, 12, load_saved(0)},
+      // A fork's family: the prompt state shared by the slots, and by parked states.
+      {"park of a fork's child and its source", 24, base, 12, park_of_a_family()},
+      {"resume of a fork's child beside its source", 24, base, 12, resume_into_a_family()},
+      {"save of a fork's child", 24, base, 12, save_of_a_child()},
   };
   // Every variant's own code: its prefill (with the warm-up selection, ragged), its decode with a fold, release.
   for (const variant& v : variants()) {

@@ -705,15 +705,12 @@ TEST_F(load_errors, files_that_cannot_be_read_or_written) {
   EXPECT_EQ(file_bytes(path_), bytes_);  // the earlier file is intact
 }
 
-TEST_F(load_errors, a_consistent_but_crafted_file_is_refused) {
-  // A cached chunk id out of range with a matching checksum: read_state's
-  // content check refuses it. Find layer0.cache_chunks in the section table and
-  // set its first entry to 10^6, then fix the checksum.
-  std::vector<char> crafted = bytes_;
+/// Where section `name` of `bytes` lies: (offset, size); (0, 0) when there is none.
+std::pair<std::size_t, std::size_t> section_of(const std::vector<char>& bytes, const std::string& name) {
   std::size_t at = 12;
   const auto u32 = [&](std::size_t offset) {
     std::uint32_t v = 0;
-    std::memcpy(&v, crafted.data() + offset, 4);
+    std::memcpy(&v, bytes.data() + offset, 4);
     return v;
   };
   at += 4 + u32(at);
@@ -721,27 +718,56 @@ TEST_F(load_errors, a_consistent_but_crafted_file_is_refused) {
   at += 4 + static_cast<std::size_t>(u32(at)) * 64 + 1;
   const std::uint32_t sections = u32(at);
   at += 4;
-  std::size_t payload = header_size();
-  std::size_t target = 0;
+  std::size_t payload = at;
+  for (std::uint32_t i = 0; i < sections; ++i) payload += 4 + u32(payload) + 8;  // the table's end
+  std::pair<std::size_t, std::size_t> found{0, 0};
   for (std::uint32_t i = 0; i < sections; ++i) {
-    const std::string name(crafted.data() + at + 4, u32(at));
-    at += 4 + name.size();
-    std::int64_t bytes = 0;
-    std::memcpy(&bytes, crafted.data() + at, 8);
+    const std::string section(bytes.data() + at + 4, u32(at));
+    at += 4 + section.size();
+    std::int64_t size = 0;
+    std::memcpy(&size, bytes.data() + at, 8);
     at += 8;
-    if (name == "layer0.cache_chunks") target = payload;
-    payload += static_cast<std::size_t>(bytes);
+    if (section == name) found = {payload, static_cast<std::size_t>(size)};
+    payload += static_cast<std::size_t>(size);
   }
+  return found;
+}
+
+/// Rewrites the checksum of `bytes` (FNV-1a 64 of everything before it).
+void fix_checksum(std::vector<char>& bytes) {
+  std::uint64_t hash = 0xcbf29ce484222325ULL;
+  for (std::size_t i = 0; i + 8 < bytes.size(); ++i) {
+    hash ^= static_cast<std::uint8_t>(bytes[i]);
+    hash *= 0x100000001b3ULL;
+  }
+  std::memcpy(bytes.data() + bytes.size() - 8, &hash, 8);
+}
+
+TEST_F(load_errors, a_consistent_but_crafted_file_is_refused) {
+  // A cached chunk id out of range with a matching checksum: read_state's
+  // content check refuses it. Find layer0.cache_chunks in the section table and
+  // set its first entry to 10^6, then fix the checksum.
+  std::vector<char> crafted = bytes_;
+  const std::size_t target = section_of(crafted, "layer0.cache_chunks").first;
   ASSERT_GT(target, 0U);
   const std::int64_t huge = 1000000;
   std::memcpy(crafted.data() + target, &huge, 8);
-  std::uint64_t hash = 0xcbf29ce484222325ULL;
-  for (std::size_t i = 0; i + 8 < crafted.size(); ++i) {
-    hash ^= static_cast<std::uint8_t>(crafted[i]);
-    hash *= 0x100000001b3ULL;
-  }
-  std::memcpy(crafted.data() + crafted.size() - 8, &hash, 8);
+  fix_checksum(crafted);
   expect_refused<shadowkv::invalid_argument>(crafted, "selection cache holds chunk id 1000000", "crafted");
+}
+
+TEST_F(load_errors, a_folded_chunk_flagged_as_an_outlier_is_refused) {
+  // The outlier flags are a row of every context chunk per KV head in the file, and the prompt part holds the prompt
+  // chunks' only: a folded chunk (the last of the row) flagged 1, with a matching checksum, is refused.
+  const shadowkv::sequence_info info = a_->info(0, 0);
+  ASSERT_GT(info.context_chunks, info.prompt_len / a_->get_config().chunk_size - a_->get_config().local_chunks)
+      << "the saved sequence has no folded chunk";
+  std::vector<char> crafted = bytes_;
+  const auto [offset, size] = section_of(crafted, "layer0.is_outlier");
+  ASSERT_GT(size, 0U);
+  crafted[offset + size - 1] = 1;
+  fix_checksum(crafted);
+  expect_refused<shadowkv::invalid_argument>(crafted, "do not match its outlier ids", "a folded outlier");
 }
 
 }  // namespace
