@@ -37,9 +37,12 @@ void backend::fork_sequence(int /*source*/, std::span<const int> /*children*/, s
 std::unique_ptr<parked_state> backend::park_sequence(int /*slot*/, std::span<const layer_state> /*layers*/) {
   no_keeping(*this);
 }
+// park_sequence never returns an object here: there is nothing to undo.
+void backend::unpark_sequence(int /*slot*/, parked_state& /*parked*/) noexcept {}
 void backend::resume_sequence(int /*slot*/, parked_state& /*parked*/, std::span<const layer_state> /*layers*/) {
   no_keeping(*this);
 }
+void backend::unresume_sequence(int /*slot*/, parked_state& /*parked*/) noexcept {}
 std::vector<state_section> backend::state_sections(std::span<const layer_state> /*layers*/) const { no_keeping(*this); }
 void backend::write_state(int /*slot*/, std::span<const layer_state> /*layers*/, const state_sink& /*sink*/) const {
   no_keeping(*this);

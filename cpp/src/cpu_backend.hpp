@@ -207,10 +207,21 @@ class cpu_backend : public backend {
                           std::span<const layer_state> targets) override;
   void reserve_truncate(int layer, std::span<const batch_entry> entries,
                         std::span<const layer_state> targets) override;
-  [[nodiscard]] bool supports_keeping() const override { return true; }
   /// The children's layers are copies of the source's: the prompt states by reference (shared_ptr), the rest by value.
   void fork_sequence(int source, std::span<const int> children, std::span<const layer_state> layers) override;
   [[nodiscard]] std::int64_t forked_value_bytes(std::span<const layer_state> layers) const override;
+  // Park and save (cpu_keeping.cpp): a parked sequence's layers move out of the slot whole; a saved one is written
+  // and read array by array (each its valid part, as the counters give it).
+  [[nodiscard]] bool supports_keeping() const override { return true; }
+  [[nodiscard]] std::unique_ptr<parked_state> park_sequence(int slot, std::span<const layer_state> layers) override;
+  void unpark_sequence(int slot, parked_state& parked) noexcept override;
+  void resume_sequence(int slot, parked_state& parked, std::span<const layer_state> layers) override;
+  void unresume_sequence(int slot, parked_state& parked) noexcept override;
+  [[nodiscard]] const char* state_layout() const override { return "cpu"; }
+  [[nodiscard]] std::vector<state_section> state_sections(std::span<const layer_state> layers) const override;
+  void write_state(int slot, std::span<const layer_state> layers, const state_sink& sink) const override;
+  void read_state(int slot, value_place values_on, std::span<const layer_state> layers,
+                  std::span<const std::span<const std::byte>> sections) override;
   [[nodiscard]] chunk_ids_per_head selected_chunks(int layer, int slot) const override;
   [[nodiscard]] chunk_ids_per_head outlier_chunks(int layer, int slot) const override;
   [[nodiscard]] std::int64_t last_position(int layer, int slot) const override;

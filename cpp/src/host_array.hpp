@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <span>
 #include <vector>
 
 #include "shadowkv/dtype.hpp"
@@ -76,6 +77,13 @@ class host_array {
     const auto from = source.bytes_.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(source_offset) * element);
     bytes_.insert(bytes_.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(offset) * element), from,
                   from + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(count) * element));
+  }
+  /// The elements' bytes as held (a saved sequence's sections).
+  [[nodiscard]] std::span<const std::byte> raw_bytes() const noexcept { return std::as_bytes(std::span(bytes_)); }
+  /// Makes the array hold the elements whose bytes are `raw` (as raw_bytes gave them; whole elements of the dtype).
+  void assign_raw_bytes(std::span<const std::byte> raw) {
+    const auto* first = reinterpret_cast<const std::uint8_t*>(raw.data());
+    bytes_.assign(first, first + raw.size());
   }
   /// Removes `count` elements starting at `offset`.
   void erase(std::int64_t offset, std::int64_t count) noexcept {

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstddef>
 #include <initializer_list>
 #include <optional>
@@ -100,6 +101,9 @@ bool elements_may_overlap(const tensor_view& view) {
   return false;
 }
 
+// Store ids: a parked_sequence resumes only into the store whose id it carries. 0 is no store's.
+std::atomic<std::uint64_t> last_store_id{0};
+
 }  // namespace
 
 using detail::any_extent;
@@ -108,6 +112,7 @@ kv_store::kv_store(config cfg, device where)
     : kv_store(std::move(cfg), [where](const config& effective) { return make_backend(effective, where); }) {}
 
 kv_store::kv_store(config cfg, const backend_maker& make) : config_(checked_config(std::move(cfg))) {
+  id_ = last_store_id.fetch_add(1) + 1;
   try {
     backend_ = make(config_);
     device_value_budget_ = config_.device_value_budget >= 0 ? config_.device_value_budget
@@ -137,8 +142,11 @@ void kv_store::check_layer(int layer) const {
 void kv_store::check_slot(int slot) const {
   SHADOWKV_EXPECTS(slot >= 0 && slot < config_.max_batch, "slot ", slot, " is out of range [0, ",
                    config_.max_batch, ")");
-  SHADOWKV_EXPECTS(sequences_[static_cast<std::size_t>(slot)].active, "slot ", slot,
-                   " holds no sequence (never added, or released)");
+  const sequence& seq = sequences_[static_cast<std::size_t>(slot)];
+  SHADOWKV_EXPECTS(seq.active || !seq.parked, "slot ", slot,
+                   " holds no sequence: its sequence was parked (and no sequence has taken the slot since); resume "
+                   "the parked sequence to continue it (resume may give it another slot)");
+  SHADOWKV_EXPECTS(seq.active, "slot ", slot, " holds no sequence (never added, or released)");
 }
 
 bool kv_store::layer_prefilled(int layer, int slot) const {
@@ -215,6 +223,7 @@ std::vector<int> kv_store::add_sequences(int count) {
   for (std::size_t i = 0; i < free_slots.size(); ++i) {
     sequence& seq = sequences_[static_cast<std::size_t>(free_slots[i])];
     seq.active = true;
+    seq.parked = false;
     seq.values_on = places[i];
     seq.layers.assign(static_cast<std::size_t>(config_.num_layers), layer_state{});
     for (layer_state& state : seq.layers) state.values_on = places[i];
@@ -232,22 +241,27 @@ void kv_store::release(std::span<const int> slots) {
     backend_->close_sequence(slot);
     sequence& seq = sequences_[static_cast<std::size_t>(slot)];
     seq.active = false;
-    if (seq.device_value_bytes > 0 && seq.family != 0) {
-      // The prompt's shared value runs outlive this sequence while another of its family lives: the budget bytes it
-      // carries for them (beyond a child's own) pass to the lowest live member, which now carries them.
-      const std::int64_t carried = seq.device_value_bytes - backend_->forked_value_bytes(seq.layers);
-      for (sequence& other : sequences_) {
-        if (carried <= 0) break;
-        if (!other.active || other.family != seq.family) continue;
-        other.device_value_bytes += carried;
-        seq.device_value_bytes -= carried;
-        break;
-      }
-    }
-    device_value_bytes_ -= seq.device_value_bytes;
-    seq.device_value_bytes = 0;
+    seq.parked = false;
+    drop_device_charge(seq);
     seq.layers.clear();
   }
+}
+
+void kv_store::drop_device_charge(sequence& seq) {
+  if (seq.device_value_bytes > 0 && seq.family != 0) {
+    // The prompt's shared value runs outlive this sequence while another of its family lives: the budget bytes it
+    // carries for them (beyond a child's own) pass to the lowest live member, which now carries them.
+    const std::int64_t carried = seq.device_value_bytes - backend_->forked_value_bytes(seq.layers);
+    for (sequence& other : sequences_) {
+      if (carried <= 0) break;
+      if (!other.active || other.family != seq.family) continue;
+      other.device_value_bytes += carried;
+      seq.device_value_bytes -= carried;
+      break;
+    }
+  }
+  device_value_bytes_ -= seq.device_value_bytes;
+  seq.device_value_bytes = 0;
 }
 
 std::vector<int> kv_store::fork(int slot, int count) {
@@ -302,6 +316,7 @@ std::vector<int> kv_store::fork(int slot, int count) {
   for (const int child : children) {
     sequence& seq = sequences_[static_cast<std::size_t>(child)];
     seq.active = true;
+    seq.parked = false;
     seq.values_on = source.values_on;
     seq.family = source.family;
     seq.layers = source.layers;

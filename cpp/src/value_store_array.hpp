@@ -9,6 +9,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <span>
 #include <vector>
 
 #include "host_array.hpp"
@@ -81,6 +83,20 @@ class value_store_array {
     } else {
       same_.erase(keep * run_, count * run_);
     }
+  }
+
+  // The bytes held, for a saved sequence: format `same` holds values only; fp8 holds codes and scales.
+  [[nodiscard]] std::span<const std::byte> raw_values() const noexcept { return same_.raw_bytes(); }
+  [[nodiscard]] std::span<const std::byte> raw_codes() const noexcept { return std::as_bytes(std::span(codes_)); }
+  [[nodiscard]] std::span<const std::byte> raw_scales() const noexcept { return std::as_bytes(std::span(scales_)); }
+  void assign_raw_values(std::span<const std::byte> raw) { same_.assign_raw_bytes(raw); }
+  void assign_raw_codes(std::span<const std::byte> raw) {
+    const auto* first = reinterpret_cast<const std::uint8_t*>(raw.data());
+    codes_.assign(first, first + raw.size());
+  }
+  void assign_raw_scales(std::span<const std::byte> raw) {
+    scales_.resize(raw.size() / sizeof(float));
+    if (!raw.empty()) std::memcpy(scales_.data(), raw.data(), scales_.size() * sizeof(float));
   }
 
   /// Writes run `index` into `target` (the store's dtype) at element `offset`: a copy, or the dequantized codes.

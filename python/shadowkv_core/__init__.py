@@ -18,7 +18,7 @@ import importlib.util as _importlib_util
 if _importlib_util.find_spec("torch") is not None:
     import torch as _torch  # noqa: F401
 
-from ._store import KVStore, MemoryFootprintWarning, build_info
+from ._store import KVStore, MemoryFootprintWarning, ParkedSequence, build_info
 
-__all__ = ["KVStore", "MemoryFootprintWarning", "build_info"]
+__all__ = ["KVStore", "MemoryFootprintWarning", "ParkedSequence", "build_info"]
 __version__ = "0.1.0"

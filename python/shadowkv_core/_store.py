@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import atexit
 import operator
+import os
 import sys
 import warnings
 import weakref
@@ -93,6 +94,15 @@ def _inv_freq(values: Any) -> list:
     if not items:
         raise ValueError("inv_freq is empty: pass rotary_dim/2 inverse frequencies, or None to use rope_theta")
     return [_real(f"inv_freq[{i}]", v) for i, v in enumerate(items)]
+
+
+def _path(value: Any) -> bytes:
+    """A file path (str, bytes or os.PathLike) as the filesystem's bytes; anything else is a TypeError."""
+    try:
+        path = os.fspath(value)
+    except TypeError:
+        raise TypeError(f"path must be a str or os.PathLike, got {type(value).__name__} {value!r}") from None
+    return os.fsencode(path)
 
 
 def build_info() -> dict:
@@ -238,6 +248,41 @@ def _output_for(q: Any, out: Optional[Any], shape_text: str, zeros: bool = False
     return _new_like(q, shape, zeros=zeros)
 
 
+class ParkedSequence:
+    """A sequence parked out of a KVStore by `KVStore.park`: its whole state (every layer) in host memory, its slot
+    free for other sequences. `KVStore.resume` puts it back, bit for bit, into the store that parked it (once; the
+    object is empty afterwards); dropping it frees its memory (docs/semantics.md, "Fork, park and save").
+
+    tokens: the sequence's tokens (prompt + generated, as in layer 0; 0 once resumed). host_bytes: the host memory it
+    holds (0 once resumed). parked_from: the slot it had when it was parked."""
+
+    __slots__ = ("_parked", "__weakref__")
+
+    def __init__(self, native: Any) -> None:
+        if not isinstance(native, _core.ParkedSequence):
+            raise TypeError("ParkedSequence objects are made by KVStore.park")
+        self._parked = native
+        _live_parked.add(self)
+
+    @property
+    def tokens(self) -> int:
+        return self._parked.tokens
+
+    @property
+    def host_bytes(self) -> int:
+        return self._parked.host_bytes
+
+    @property
+    def parked_from(self) -> int:
+        return self._parked.parked_from
+
+    def __repr__(self) -> str:
+        if self._parked.empty:
+            return f"ParkedSequence(resumed, parked_from={self.parked_from})"
+        return (f"ParkedSequence(tokens={self.tokens}, host_bytes={self.host_bytes}, "
+                f"parked_from={self.parked_from})")
+
+
 class MemoryFootprintWarning(ResourceWarning):
     """Warned once when a KVStore is built whose configuration holds more bytes per token than full attention (a plain
     KV cache of the same tokens in the same dtype) would. The rule: the bytes one (sequence, layer) holds right after
@@ -269,8 +314,9 @@ def _footprint_message(store: "KVStore", report: dict) -> str:
         f"cache_tokens: the store saves memory on long contexts (MemoryFootprintWarning, docs/api.md)")
 
 
-# Live stores, so that their native objects are freed at interpreter exit (see _close_at_exit).
+# Live stores and parked sequences, so that their native objects are freed at interpreter exit (see _close_at_exit).
 _live_stores: "weakref.WeakSet" = weakref.WeakSet()
+_live_parked: "weakref.WeakSet" = weakref.WeakSet()
 
 
 class _Closed:
@@ -288,6 +334,8 @@ def _close_at_exit() -> None:
     freeing them here also runs the store's destructor while the CUDA runtime is still loaded."""
     for store in list(_live_stores):
         store._store = store._config = _Closed()
+    for parked in list(_live_parked):  # likewise the parked sequences' native objects (ParkedSequence)
+        parked._parked = _Closed()
 
 
 class KVStore:
@@ -645,6 +693,50 @@ class KVStore:
         (docs/semantics.md, "Fork, park and save"). Every layer of `slot` must be prefilled (ValueError); too few free
         slots is a ValueError (capacity) and running out of memory a MemoryError, each changing nothing."""
         return self._store.fork(_integer("slot", slot), _integer("count", count))
+
+    def park(self, slots: Union[int, Iterable[int]]) -> list:
+        """Moves each sequence's whole state (every layer, which must all be prefilled) out of its slot into host
+        memory and frees the slots for other sequences; returns one `ParkedSequence` per slot, in order. A decode on a
+        freed slot raises ValueError naming it parked (until a sequence takes it). A member of a fork's family keeps
+        sharing its prompt state (and rejoins the family when resumed). ValueError for a slot not live, given twice or
+        not prefilled in every layer, or a backend that cannot park; MemoryError; either way nothing changes
+        (docs/semantics.md, "Fork, park and save")."""
+        return [ParkedSequence(p) for p in self._store.park(_slot_list(slots))]
+
+    def resume(self, parked: Union[ParkedSequence, Iterable[ParkedSequence]]) -> list:
+        """Puts parked sequences (one, or a sequence of them) back into free slots, lowest first, and returns their
+        slots in order; each then continues bit for bit as if it had never been parked, and its object is empty.
+        TypeError for anything but ParkedSequence objects; ValueError for none, one given twice, one resumed already
+        or parked by another store, and (capacity) too few free slots; MemoryError where a value store that was in
+        device memory has no room there; either way nothing changes."""
+        if isinstance(parked, ParkedSequence):
+            items = [parked]
+        else:
+            if isinstance(parked, (str, bytes)) or not hasattr(parked, "__iter__"):
+                raise TypeError(f"parked must be a ParkedSequence or a sequence of them, got {type(parked).__name__}")
+            items = list(parked)
+        for i, item in enumerate(items):
+            if not isinstance(item, ParkedSequence):
+                raise TypeError(f"parked[{i}] must be a ParkedSequence (from KVStore.park), got {type(item).__name__}")
+        return self._store.resume([item._parked for item in items])
+
+    def save(self, slot: int, path: Any) -> None:
+        """Writes the whole state of the live `slot` (every layer, which must all be prefilled) to the file `path`
+        (str or os.PathLike): written to `path + ".tmp"` and renamed, so that a failed save leaves no partial file
+        under `path`. Changes nothing in the store. OSError (FileNotFoundError, PermissionError, ...) when the file
+        cannot be written; ValueError for a slot not live or not prefilled, or a backend that cannot save. The format:
+        docs/api.md, "Saved sequences"."""
+        self._store.save(_integer("slot", slot), _path(path))
+
+    def load(self, path: Any) -> int:
+        """Reads a file written by `save` (of a store with the same backend kind and configuration; max_batch and
+        max_seq_len may differ) into the lowest free slot and returns it; the sequence continues bit for bit as the
+        saved one would have, unshared (the file holds a forked sequence's shared prompt state too). Its value store is
+        placed as `add_sequences` places a new one. Everything is checked before a slot is taken: OSError
+        (FileNotFoundError, ...) when the file cannot be read; ValueError for a file that is not a saved sequence, of
+        another format version, backend or configuration (naming the field), or truncated or corrupted (checksum), and
+        (capacity) for a full store or more tokens than max_seq_len; MemoryError. Either way nothing changes."""
+        return self._store.load(_path(path))
 
     def account_replayed_steps(self, layer: int, slots: Union[int, Iterable[int]], steps: int) -> None:
         """Tells the store that a CUDA graph captured around `decode(layer, slots, ...)` was replayed `steps` times

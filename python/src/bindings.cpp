@@ -5,9 +5,12 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <cerrno>
+#include <cstring>
 #include <exception>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "shadowkv/build_info.hpp"
@@ -91,6 +94,31 @@ std::vector<T> to_vector(const nb::sequence& items) {
 
 std::string to_string(const nb::str& text) { return std::string(text.c_str()); }
 
+// A file path as the filesystem's bytes (the Python side passes os.fsencode(path)).
+std::string to_path(const nb::bytes& path) { return std::string(path.c_str(), path.size()); }
+
+// io_error -> OSError(errno, message, filename): Python picks the subclass from the errno (FileNotFoundError,
+// PermissionError, IsADirectoryError, ...). An error without an errno (a short read) is EIO.
+void translate_io_error(const std::exception_ptr& error, void* /*payload*/) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const shadowkv::io_error& e) {
+    const char* what = e.what();
+    PyObject* message = PyUnicode_DecodeUTF8(what, static_cast<Py_ssize_t>(std::strlen(what)), "replace");
+    PyObject* filename =
+        PyUnicode_DecodeFSDefaultAndSize(e.path().data(), static_cast<Py_ssize_t>(e.path().size()));
+    if (message == nullptr || filename == nullptr) {
+      Py_XDECREF(message);
+      Py_XDECREF(filename);
+      return;  // a Python error is set
+    }
+    PyObject* args = Py_BuildValue("(iNN)", e.code() != 0 ? e.code() : EIO, message, filename);
+    if (args == nullptr) return;
+    PyErr_SetObject(PyExc_OSError, args);
+    Py_DECREF(args);
+  }
+}
+
 // A decode or extend call's tensors as views: the inputs first, so that their errors name them rather than `out`.
 struct call_views {
   shadowkv::tensor_view q, k, v;
@@ -164,6 +192,14 @@ nb::dict stats_dict(const shadowkv::store_stats& stats) {
 
 NB_MODULE(_core, m) {
   m.doc() = "shadowkv_core native module (use the shadowkv_core package, not this module)";
+  nb::register_exception_translator(translate_io_error);
+
+  // Made by Store.park only (no constructor from Python); shadowkv_core.ParkedSequence wraps it.
+  nb::class_<shadowkv::parked_sequence>(m, "ParkedSequence")
+      .def_prop_ro("tokens", &shadowkv::parked_sequence::tokens)
+      .def_prop_ro("host_bytes", &shadowkv::parked_sequence::host_bytes)
+      .def_prop_ro("parked_from", &shadowkv::parked_sequence::parked_from)
+      .def_prop_ro("empty", &shadowkv::parked_sequence::empty);
 
   nb::class_<shadowkv::config>(m, "Config")
       .def(nb::init<>())
@@ -304,6 +340,75 @@ NB_MODULE(_core, m) {
             return children;
           },
           "slot"_a, "count"_a)
+      .def(
+          "park",
+          [](shadowkv::kv_store& s, const nb::sequence& slot_list) {
+            const std::vector<int> slots = to_vector<int>(slot_list);
+            // The Python objects first, so that nothing can fail once the sequences are out of their slots.
+            nb::list result;
+            std::vector<shadowkv::parked_sequence*> targets;
+            targets.reserve(slots.size());
+            for (std::size_t i = 0; i < slots.size(); ++i) {
+              nb::object item = nb::cast(shadowkv::parked_sequence{});
+              targets.push_back(&nb::cast<shadowkv::parked_sequence&>(item));
+              result.append(item);
+            }
+            std::vector<shadowkv::parked_sequence> parked;
+            without_gil([&] { parked = s.park(slots); });
+            for (std::size_t i = 0; i < parked.size(); ++i) *targets[i] = std::move(parked[i]);
+            return result;
+          },
+          "slots"_a)
+      .def(
+          "resume",
+          [](shadowkv::kv_store& s, const nb::sequence& items) {
+            const std::size_t count = nb::len(items);
+            std::vector<shadowkv::parked_sequence*> sources;
+            sources.reserve(count);
+            for (std::size_t i = 0; i < count; ++i) {
+              shadowkv::parked_sequence* p = &nb::cast<shadowkv::parked_sequence&>(items[i]);
+              for (std::size_t j = 0; j < sources.size(); ++j) {
+                SHADOWKV_EXPECTS(sources[j] != p, "resume: parked[", i, "] is the same parked sequence as parked[", j,
+                                 "]");
+              }
+              sources.push_back(p);
+            }
+            // kv_store::resume takes the objects by span: they move in for the call and back out after it (moves
+            // cannot fail; the room is reserved first), emptied where they resumed.
+            std::vector<shadowkv::parked_sequence> batch;
+            batch.reserve(count);
+            for (shadowkv::parked_sequence* p : sources) batch.push_back(std::move(*p));
+            std::vector<int> slots;
+            std::exception_ptr error;
+            {
+              nb::gil_scoped_release release;
+              try {
+                slots = s.resume(batch);
+              } catch (...) {
+                error = std::current_exception();
+              }
+            }
+            for (std::size_t i = 0; i < count; ++i) *sources[i] = std::move(batch[i]);
+            if (error) std::rethrow_exception(error);
+            return slots;
+          },
+          "parked"_a)
+      .def(
+          "save",
+          [](const shadowkv::kv_store& s, int slot, const nb::bytes& path) {
+            const std::string file = to_path(path);
+            without_gil([&] { s.save(slot, file); });
+          },
+          "slot"_a, "path"_a)
+      .def(
+          "load",
+          [](shadowkv::kv_store& s, const nb::bytes& path) {
+            const std::string file = to_path(path);
+            int slot = -1;
+            without_gil([&] { slot = s.load(file); });
+            return slot;
+          },
+          "path"_a)
       .def(
           "account_replayed_steps",
           [](shadowkv::kv_store& s, int layer, const nb::sequence& slots, std::int64_t steps) {

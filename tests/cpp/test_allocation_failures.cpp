@@ -2,24 +2,31 @@
 // "Capacity and errors") and reaches the caller as std::bad_alloc, never as std::terminate. This executable replaces
 // the global operator new with one that can be told to fail. For every call and path — decode (two sequences, a fold,
 // the first step of a layer, pre-RoPE k_new with positions), prefill (with and without the warm-up selection, ragged
-// lengths, positions, several query tokens), add_sequences, release and fork (of a sequence with a fold journal and
-// a full selection cache) — on the default configuration and on each variant that takes other code (fp8 value store,
-// "auto"-placed values (device and host), two-centroid chunk scores, a selection cache larger than the budget, float32
-// factors), it counts the allocations of a clean call, then
-// for every k makes the k-th one fail (alone, and together with every later one) and checks that the call threw
-// std::bad_alloc (or completed) and that the store still equals a twin that never saw the call: memory report, stats,
-// every sequence's counters and selections now, and the same decode outputs, bit for bit, for more steps (folds
-// included). A std::terminate anywhere ends the executable, which CTest reports as a failure.
+// lengths, positions, several query tokens), add_sequences, release, fork (of a sequence with a fold journal and a
+// full selection cache), park, resume, save (which must leave no file) and load (park, resume and save of a fork's
+// family too) — on the default configuration and on each variant that takes other code (fp8 value store,
+// "auto"-placed values (device and host), two-centroid chunk scores, a selection cache larger than the budget,
+// float32 factors), it counts the allocations of a clean call, then for every k makes the k-th one fail (alone, and
+// together with every later one) and checks that the call threw std::bad_alloc (or completed) and that the store still
+// equals a twin that never saw the call: memory report, stats, every sequence's counters and selections now, and the
+// same decode outputs, bit for bit, for more steps (folds included). A std::terminate anywhere ends the executable,
+// which CTest reports as a failure.
 #include <gtest/gtest.h>
+#include <unistd.h>  // getpid
 
 #include <atomic>
 #include <cctype>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <functional>
 #include <limits>
+#include <memory>
 #include <new>
 #include <string>
+#include <system_error>
 #include <vector>
 
 #include "shadowkv/store.hpp"
@@ -246,6 +253,124 @@ operation release_slots(std::vector<int> slots) {
   return [slots](twins&) { return [slots](kv_store& s) { s.release(slots); }; };
 }
 
+// park of slots 0 and 1 (slot 1's layer 1 prefilled first: park takes sequences prefilled in every layer). The parked
+// objects are dropped: the future is the remaining sequences'.
+operation park_two() {
+  return [](twins& t) {
+    t.prefill_both(1, {1}, 77);
+    return [](kv_store& s) { (void)s.park(std::vector<int>{0, 1}); };
+  };
+}
+
+// resume of slots 1 and 0, parked (in that order) on both stores before the call; slot 2 is released first, so that
+// the sequences come back into slots 1 and 2 (the future then decodes them against the twin's).
+operation resume_two() {
+  return [](twins& t) {
+    t.prefill_both(1, {1}, 77);
+    auto parked = std::make_shared<std::vector<std::vector<shadowkv::parked_sequence>>>();
+    t.both([&](kv_store& s) {
+      s.release(std::vector<int>{2});
+      parked->push_back(s.park(std::vector<int>{1, 0}));
+      (void)s.add_sequences(1);  // slot 0 taken by a sequence never prefilled
+    });
+    return [&t, parked](kv_store& s) {
+      std::vector<shadowkv::parked_sequence>& mine = (*parked)[&s == &t.subject ? 0 : 1];
+      EXPECT_EQ(s.resume(mine), (std::vector<int>{1, 2}));
+    };
+  };
+}
+
+// park of a fork's child and its source (slot 0 forked into slot 3 first): the parked states keep sharing the prompt
+// state, and a failure must leave both sequences in their slots, still sharing it.
+operation park_of_a_family() {
+  return [](twins& t) {
+    t.both([](kv_store& s) { EXPECT_EQ(s.fork(0), std::vector<int>{3}); });
+    return [](kv_store& s) { (void)s.park(std::vector<int>{3, 0}); };
+  };
+}
+
+// resume of a fork's child (slot 0 forked into slot 3, the child then parked on both stores) while its source lives:
+// back into slot 3, sharing the source's prompt state again.
+operation resume_into_a_family() {
+  return [](twins& t) {
+    auto parked = std::make_shared<std::vector<std::vector<shadowkv::parked_sequence>>>();
+    t.both([&](kv_store& s) {
+      EXPECT_EQ(s.fork(0), std::vector<int>{3});
+      parked->push_back(s.park(std::vector<int>{3}));
+    });
+    return [&t, parked](kv_store& s) {
+      std::vector<shadowkv::parked_sequence>& mine = (*parked)[&s == &t.subject ? 0 : 1];
+      EXPECT_EQ(s.resume(mine), std::vector<int>{3});
+    };
+  };
+}
+
+// Scratch files of save and load: one directory per process (CTest runs the tests of this executable in parallel
+// processes, and other builds may run them at the same time), removed when the process ends.
+std::filesystem::path scratch_directory() {
+  return std::filesystem::path(::testing::TempDir()) / ("shadowkv_allocation_failures_" + std::to_string(::getpid()));
+}
+
+class scratch_cleanup : public ::testing::Environment {
+ public:
+  void TearDown() override {
+    std::error_code ignored;
+    std::filesystem::remove_all(scratch_directory(), ignored);
+  }
+};
+const ::testing::Environment* const scratch_cleanup_registered =
+    ::testing::AddGlobalTestEnvironment(new scratch_cleanup);
+
+std::string scratch_file(const std::string& name) {
+  std::filesystem::create_directories(scratch_directory());
+  return (scratch_directory() / name).string();
+}
+
+// save of slot 0; a failed save leaves no file (nor its temporary).
+operation save_slot() {
+  return [](twins&) {
+    const std::string path = scratch_file("save.skv");
+    std::remove(path.c_str());
+    return [path](kv_store& s) {
+      try {
+        s.save(0, path);
+      } catch (...) {
+        EXPECT_FALSE(std::ifstream(path).good()) << "a failed save left " << path;
+        EXPECT_FALSE(std::ifstream(path + ".tmp").good()) << "a failed save left " << path << ".tmp";
+        throw;
+      }
+    };
+  };
+}
+
+// save of a fork's child (slot 0 forked into slot 3 first): the file holds the shared prompt state too.
+operation save_of_a_child() {
+  return [](twins& t) {
+    t.both([](kv_store& s) { EXPECT_EQ(s.fork(0), std::vector<int>{3}); });
+    const std::string path = scratch_file("save_child.skv");
+    std::remove(path.c_str());
+    return [path](kv_store& s) {
+      try {
+        s.save(3, path);
+      } catch (...) {
+        EXPECT_FALSE(std::ifstream(path).good()) << "a failed save left " << path;
+        throw;
+      }
+    };
+  };
+}
+
+// load of slot 0's saved state (written before the call, with slot 1's layer 1 prefilled: both are loaded in turn
+// by the variants) into the free slot 3.
+operation load_saved(int slot) {
+  return [slot](twins& t) {
+    t.prefill_both(1, {1}, 77);
+    const std::string path = scratch_file("load.skv");
+    t.twin.save(slot, path);
+    return [path](kv_store& s) { EXPECT_EQ(s.load(path), 3); };
+  };
+}
+
 // --- the configurations ---------------------------------------------------------------------------------------------
 
 struct variant {
@@ -293,6 +418,14 @@ std::vector<operation_case> operations() {
       // 24 steps: the source has folded a chunk (a fold journal) and holds a full selection cache.
       {"fork of a decoded sequence", 24, base, 20, fork_of(0)},
       {"fork", 3, base, 20, fork_of(1)},
+      {"park", 3, base, 12, park_two()},
+      {"resume", 3, base, 12, resume_two()},
+      {"save", 3, base, 12, save_slot()},
+      {"load", 3, base, 12, load_saved(0)},
+      // A fork's family: the prompt state shared by the slots, and by parked states.
+      {"park of a fork's child and its source", 24, base, 12, park_of_a_family()},
+      {"resume of a fork's child beside its source", 24, base, 12, resume_into_a_family()},
+      {"save of a fork's child", 24, base, 12, save_of_a_child()},
   };
   // Every variant's own code: its prefill (with the warm-up selection, ragged), its decode with a fold, release.
   for (const variant& v : variants()) {
@@ -301,6 +434,7 @@ std::vector<operation_case> operations() {
     result.push_back({v.name + ": add_sequences", 3, v.cfg, 10, add_one_sequence()});
     result.push_back({v.name + ": release", 3, v.cfg, 10, release_slots({0, 2})});
     result.push_back({v.name + ": fork", 24, v.cfg, 10, fork_of(1)});
+    result.push_back({v.name + ": load", 16, v.cfg, 10, load_saved(1)});
   }
   return result;
 }

@@ -2,12 +2,20 @@
 // bit as an unshared copy of its source would (a second store whose slots were all fed the source's prompt and
 // tokens); source and children evolve independently; releasing the source leaves the children as they were; the
 // memory report counts the shared prompt once (checked against the formulas of "Memory report"); bad input changes
-// nothing; stats() does not move; the device value budget charges a child only what it does not share.
+// nothing; stats() does not move; the device value budget charges a child only what it does not share. With park /
+// resume and save / load: a parked member of a family (child or source) keeps sharing and resumes as its unshared copy
+// would; a saved child's file is its unshared copy's, byte for byte, and loads unshared; the memory report and the
+// budget while a member is parked.
 #include <gtest/gtest.h>
+#include <unistd.h>  // getpid
 
 #include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <memory>
 #include <string>
+#include <system_error>
 #include <vector>
 
 #include "shadowkv/errors.hpp"
@@ -325,6 +333,180 @@ TEST_P(fork_test, a_fork_of_a_child_joins_its_family) {
   EXPECT_EQ(shares(*a_, 0), std::vector<int>{2});
 }
 
+// --- fork with park / resume and save / load ------------------------------------------------------------------------
+
+// Files of the tests: one directory per process (ctest runs tests in parallel processes), removed when it ends.
+std::filesystem::path scratch_directory() {
+  return std::filesystem::path(::testing::TempDir()) / ("shadowkv_test_fork_" + std::to_string(::getpid()));
+}
+
+class scratch_cleanup : public ::testing::Environment {
+ public:
+  void TearDown() override {
+    std::error_code ignored;
+    std::filesystem::remove_all(scratch_directory(), ignored);
+  }
+};
+const ::testing::Environment* const scratch_cleanup_registered =
+    ::testing::AddGlobalTestEnvironment(new scratch_cleanup);
+
+std::string scratch_file(const std::string& name) {
+  std::filesystem::create_directories(scratch_directory());
+  std::string stem = std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()) + "." + name;
+  for (char& c : stem) {
+    if (c == '/') c = '_';
+  }
+  return (scratch_directory() / stem).string();
+}
+
+std::vector<char> file_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+/// Bytes of one sequence's prompt state as a parked object's host_bytes counts them (the sections of a saved file,
+/// docs/api.md, "Saved sequences"): the memory report's prompt kinds plus the context positions, the outlier ids and
+/// the outlier flags.
+std::int64_t prompt_section_bytes(const kv_store& s) {
+  const config& c = s.get_config();
+  const std::int64_t n = std::max<std::int64_t>(0, prompt_len / c.chunk_size - c.local_chunks);
+  const std::int64_t outliers = std::min<std::int64_t>(c.outlier_chunks, n);
+  return prompt_formula(s).total() +
+         c.num_layers * (n * c.chunk_size * 8 + c.num_kv_heads * outliers * 8 + c.num_kv_heads * n);
+}
+
+/// Decodes, extends and truncates `slots` of a_ and b_ alike (each sequence its own tokens), expecting the same
+/// outputs and selections bit for bit.
+void run_alike(kv_store& a, kv_store& b, const config& cfg, const std::vector<int>& slots, std::uint64_t seed) {
+  random_source rng(seed);
+  const auto batch = static_cast<std::int64_t>(slots.size());
+  for (int layer = 0; layer < cfg.num_layers; ++layer) {
+    for (int step = 0; step < 10; ++step) {
+      SCOPED_TRACE("layer " + std::to_string(layer) + " step " + std::to_string(step));
+      const token_data d = make_tokens(rng, cfg, batch, 1);
+      const std::vector<float> x = decode(a, cfg, layer, slots, d);
+      ASSERT_TRUE(shadowkv_test::all_finite(x));
+      ASSERT_EQ(x, decode(b, cfg, layer, slots, d));
+      for (const int slot : slots) ASSERT_EQ(a.selected_chunks(layer, slot), b.selected_chunks(layer, slot));
+    }
+    const token_data d = make_tokens(rng, cfg, batch, 17);
+    std::vector<std::int64_t> lengths;
+    for (std::int64_t i = 0; i < batch; ++i) lengths.push_back(17 - 5 * (i % 3));
+    ASSERT_EQ(extend(a, cfg, layer, slots, d, lengths), extend(b, cfg, layer, slots, d, lengths));
+  }
+  std::vector<std::int64_t> removed;
+  for (std::size_t i = 0; i < slots.size(); ++i) removed.push_back(static_cast<std::int64_t>(2 + 3 * (i % 3)));
+  a.truncate(slots, removed);
+  b.truncate(slots, removed);
+}
+
+TEST_P(fork_test, parked_child_and_source_keep_sharing_and_resume_as_unshared_copies) {
+  make_stores(fork_config(GetParam()));
+  ASSERT_EQ(a_->fork(0, 2), (std::vector<int>{1, 2}));
+  const std::vector<int> all{0, 1, 2};
+  run_alike(*a_, *b_, cfg_, all, 51);  // the three sequences differ now
+  ASSERT_FALSE(HasFatalFailure());
+  const std::vector<std::int64_t> stats_before = stats_numbers(a_->stats());
+
+  // A child parked: the two live members share the prompt, and the parked one keeps it (no copy): its host_bytes
+  // leave the prompt out while others hold it, and b_'s unshared one counts it.
+  std::vector<shadowkv::parked_sequence> child = a_->park(std::vector<int>{1});
+  std::vector<shadowkv::parked_sequence> child_copy = b_->park(std::vector<int>{1});
+  EXPECT_EQ(shares(*a_, 0), std::vector<int>{2});
+  EXPECT_EQ(shares(*a_, 2), std::vector<int>{0});
+  expect_memory_shared_once(2);
+  const std::int64_t prompt_sections = prompt_section_bytes(*a_);
+  EXPECT_EQ(child[0].host_bytes() + prompt_sections, child_copy[0].host_bytes());
+  EXPECT_EQ(stats_numbers(a_->stats()), stats_before) << "park changed stats()";
+  run_alike(*a_, *b_, cfg_, {0, 2}, 52);  // the live ones go on meanwhile
+  ASSERT_FALSE(HasFatalFailure());
+  const std::vector<std::int64_t> stats_parked = stats_numbers(a_->stats());
+
+  // The source parked too: the one live child holds the prompt alone (shared with parked states only: not in
+  // memory_report's shared), and nothing lists a parked slot.
+  std::vector<shadowkv::parked_sequence> source = a_->park(std::vector<int>{0});
+  std::vector<shadowkv::parked_sequence> source_copy = b_->park(std::vector<int>{0});
+  EXPECT_TRUE(shares(*a_, 2).empty());
+  expect_memory_shared_once(1);
+  EXPECT_EQ(a_->active_slots(), std::vector<int>{2});
+  EXPECT_EQ(source[0].host_bytes() + prompt_sections, source_copy[0].host_bytes());
+
+  // Both back, in the other order (the child into slot 0, the source into slot 1): the family is whole again.
+  std::vector<shadowkv::parked_sequence> both;
+  both.push_back(std::move(child[0]));
+  both.push_back(std::move(source[0]));
+  std::vector<shadowkv::parked_sequence> both_copies;
+  both_copies.push_back(std::move(child_copy[0]));
+  both_copies.push_back(std::move(source_copy[0]));
+  ASSERT_EQ(a_->resume(both), (std::vector<int>{0, 1}));
+  ASSERT_EQ(b_->resume(both_copies), (std::vector<int>{0, 1}));
+  EXPECT_EQ(stats_numbers(a_->stats()), stats_parked) << "park or resume changed stats()";
+  for (int layer = 0; layer < cfg_.num_layers; ++layer) {
+    EXPECT_EQ(shares(*a_, 0, layer), (std::vector<int>{1, 2}));
+    EXPECT_EQ(shares(*a_, 1, layer), (std::vector<int>{0, 2}));
+  }
+  expect_same_sequences(all);
+  expect_memory_shared_once(3);
+  run_alike(*a_, *b_, cfg_, all, 53);
+  ASSERT_FALSE(HasFatalFailure());
+  expect_same_sequences(all);
+  expect_memory_shared_once(3);
+
+  // The parked states kept the family's prompt alive: with every other member released, a parked one holds it alone
+  // (its host_bytes now count it), and resumes as its unshared copy.
+  std::vector<shadowkv::parked_sequence> last = a_->park(std::vector<int>{2});
+  std::vector<shadowkv::parked_sequence> last_copy = b_->park(std::vector<int>{2});
+  EXPECT_EQ(last[0].host_bytes() + prompt_sections, last_copy[0].host_bytes());
+  a_->release(std::vector<int>{0, 1});
+  b_->release(std::vector<int>{0, 1});
+  EXPECT_EQ(last[0].host_bytes(), last_copy[0].host_bytes());
+  EXPECT_EQ(a_->resume(last), std::vector<int>{0});
+  EXPECT_EQ(b_->resume(last_copy), std::vector<int>{0});
+  EXPECT_TRUE(shares(*a_, 0).empty());
+  run_alike(*a_, *b_, cfg_, {0}, 54);
+  ASSERT_FALSE(HasFatalFailure());
+  expect_same_sequences({0});
+  expect_memory_shared_once(1);
+}
+
+TEST_P(fork_test, a_saved_child_is_its_unshared_copys_file_and_loads_unshared) {
+  make_stores(fork_config(GetParam()));
+  ASSERT_EQ(a_->fork(0, 2), (std::vector<int>{1, 2}));
+  const std::vector<int> all{0, 1, 2};
+  run_alike(*a_, *b_, cfg_, all, 61);
+  ASSERT_FALSE(HasFatalFailure());
+  // The file stands alone: the shared prompt state is written in full, so a child's file and a source's are their
+  // unshared copies', byte for byte.
+  for (const int slot : {1, 0}) {
+    const std::string shared_file = scratch_file("shared" + std::to_string(slot) + ".skv");
+    const std::string unshared_file = scratch_file("unshared" + std::to_string(slot) + ".skv");
+    a_->save(slot, shared_file);
+    b_->save(slot, unshared_file);
+    const std::vector<char> bytes = file_bytes(shared_file);
+    ASSERT_FALSE(bytes.empty());
+    EXPECT_EQ(bytes, file_bytes(unshared_file)) << "slot " << slot;
+  }
+  // The child loads unshared (a prompt state of its own, family 0) into its released slot; the family keeps sharing.
+  const std::string child_file = scratch_file("shared1.skv");
+  a_->release(std::vector<int>{1});
+  b_->release(std::vector<int>{1});
+  ASSERT_EQ(a_->load(child_file), 1);
+  ASSERT_EQ(b_->load(child_file), 1);
+  EXPECT_TRUE(shares(*a_, 1).empty());
+  EXPECT_EQ(shares(*a_, 0), std::vector<int>{2});
+  expect_same_sequences(all);
+  expect_memory_shared_once(2);  // the family's prompt once, the loaded child's own once more
+  run_alike(*a_, *b_, cfg_, all, 62);
+  ASSERT_FALSE(HasFatalFailure());
+  expect_same_sequences(all);
+  // A fork of the loaded sequence makes a family of its own, apart from the first.
+  a_->release(std::vector<int>{2});
+  b_->release(std::vector<int>{2});
+  ASSERT_EQ(a_->fork(1), std::vector<int>{2});
+  EXPECT_EQ(shares(*a_, 1), std::vector<int>{2});
+  EXPECT_TRUE(shares(*a_, 0).empty());
+}
+
 INSTANTIATE_TEST_SUITE_P(variants, fork_test,
                          shadowkv_test::every_variant(), shadowkv_test::store_variant_name);
 
@@ -462,6 +644,84 @@ TEST(fork_placement, device_budget_charges_what_a_child_does_not_share) {
   prefill_all(s, cfg, {1}, make_prompt(rng, cfg));
   ASSERT_EQ(s.fork(1), std::vector<int>{3});
   EXPECT_EQ(s.info(0, 3).values_on, shadowkv::value_place::host);
+}
+
+// value_store="auto" with park and resume: a parked sequence holds no device budget, and the charge of the prompt's
+// shared runs moves as release moves it: parking the member that carries them passes it to the lowest live member;
+// a resumed member is charged what a child is while a member of its family is live on the device, else a whole value
+// store (and it carries the runs). The memory report counts the shared runs once among the live sequences.
+TEST(fork_placement, park_and_resume_move_the_shared_runs_charge_as_release_does) {
+  config cfg = fork_config(variant::plain);
+  cfg.value_store = shadowkv::value_store_policy::auto_place;
+  const kv_store plain(fork_config(variant::plain));
+  const std::int64_t per_sequence = plain.value_bytes_per_sequence();
+  const std::int64_t prompt_runs = prompt_formula(plain).values;
+  ASSERT_GT(prompt_runs, 0);
+  ASSERT_LT(2 * prompt_runs, per_sequence);
+  // Room for a sequence and a child (2 * per_sequence - prompt_runs), with prompt_runs / 2 to spare.
+  cfg.device_value_budget = 2 * per_sequence - prompt_runs / 2;
+  kv_store s(cfg);
+  random_source rng(17);
+  ASSERT_EQ(s.add_sequences(1), std::vector<int>{0});
+  prefill_all(s, cfg, {0}, make_prompt(rng, cfg));
+  ASSERT_EQ(s.fork(0), std::vector<int>{1});
+  const std::int64_t own_runs = s.memory().value_store_device - prompt_runs;  // both sequences' folded runs (none)
+  const auto on_device = [&](int slot) { return s.info(0, slot).values_on == shadowkv::value_place::device; };
+
+  // The source parked: its charge leaves, but the shared runs' passes to the child (which still reads them), so a new
+  // sequence does not fit the device (it would, had the park given back the source's whole value store).
+  std::vector<shadowkv::parked_sequence> source = s.park(std::vector<int>{0});
+  EXPECT_EQ(s.memory().value_store_device, prompt_runs + own_runs);
+  EXPECT_EQ(s.memory().shared, 0);
+  ASSERT_EQ(s.add_sequences(1), std::vector<int>{0});
+  EXPECT_FALSE(on_device(0));
+  s.release(std::vector<int>{0});
+  // Resumed beside the child, the source is charged as a child (per_sequence - prompt_runs): it fits.
+  ASSERT_EQ(s.resume(source), std::vector<int>{0});
+  EXPECT_TRUE(on_device(0));
+  EXPECT_EQ(shares(s, 0), std::vector<int>{1});
+  EXPECT_EQ(s.memory().value_store_device, prompt_runs + own_runs);
+  EXPECT_GT(s.memory().shared, 0);
+
+  // Both parked, then both resumed in one call: the first is charged a whole value store, the second a child's.
+  std::vector<shadowkv::parked_sequence> family = s.park(std::vector<int>{1, 0});
+  EXPECT_TRUE(s.active_slots().empty());
+  // Nothing charged now: two whole sequences would not fit (2 * per_sequence), but one and a child's share do.
+  ASSERT_EQ(s.resume(family), (std::vector<int>{0, 1}));
+  EXPECT_TRUE(on_device(0) && on_device(1));
+  EXPECT_EQ(shares(s, 0), std::vector<int>{1});
+  // Room left: prompt_runs / 2, so a new sequence goes to the host.
+  ASSERT_EQ(s.add_sequences(1), std::vector<int>{2});
+  EXPECT_FALSE(on_device(2));
+  s.release(std::vector<int>{2});
+
+  // Both parked, and a whole sequence on the device meanwhile: per_sequence - prompt_runs / 2 left, too little for
+  // either parked member alone (no member of the family is live: a whole value store), and MemoryError changes
+  // nothing (the objects keep their states).
+  family = s.park(std::vector<int>{0, 1});
+  ASSERT_EQ(s.add_sequences(1), std::vector<int>{0});
+  ASSERT_TRUE(on_device(0));
+  EXPECT_THROW((void)s.resume(family), shadowkv::out_of_memory);
+  std::vector<shadowkv::parked_sequence> one;
+  one.push_back(std::move(family[1]));
+  EXPECT_THROW((void)s.resume(one), shadowkv::out_of_memory);
+  EXPECT_FALSE(one[0].empty());
+  EXPECT_FALSE(family[0].empty());
+  EXPECT_EQ(s.active_slots(), std::vector<int>{0});
+  // Without it, the two fit in two calls: the first a whole value store, the second (beside it) a child's.
+  s.release(std::vector<int>{0});
+  ASSERT_EQ(s.resume(one), std::vector<int>{0});
+  std::vector<shadowkv::parked_sequence> other;
+  other.push_back(std::move(family[0]));
+  ASSERT_EQ(s.resume(other), std::vector<int>{1});
+  EXPECT_TRUE(on_device(0) && on_device(1));
+  EXPECT_EQ(shares(s, 1), std::vector<int>{0});
+
+  // Releasing both gives everything back: one whole sequence fits the device again, not two.
+  s.release(std::vector<int>{0, 1});
+  ASSERT_EQ(s.add_sequences(2), (std::vector<int>{0, 1}));
+  EXPECT_TRUE(on_device(0));
+  EXPECT_FALSE(on_device(1));
 }
 
 }  // namespace

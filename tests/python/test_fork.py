@@ -257,3 +257,101 @@ def test_fork_into_the_device_budget(device):
     assert (store.memory_report(), store.active_slots()) == before
     assert store.add_sequences(1) == [2]
     assert store.sequence_info(0, 2)["values_on"] == "host"
+
+
+def _run_alike(a, b, kw, slots, seed):
+    """Decode, a ragged extend and a truncate of `slots` in both stores, each sequence its own tokens: equal outputs."""
+    device = kw["device"]
+    g = generator(seed)
+    n = len(slots)
+    for layer in range(kw["num_layers"]):
+        for step in range(8):
+            q, k, v = _tokens(g, n, 1, device)
+            x = a.decode(layer, slots, q[:, 0], k[:, 0], v[:, 0])
+            y = b.decode(layer, slots, q[:, 0], k[:, 0], v[:, 0])
+            _assert_same_output(x, y, device, f"layer {layer} step {step}")
+        q, k, v = _tokens(g, n, 17, device)
+        lengths = [17 - 5 * (i % 3) for i in range(n)]
+        _assert_same_output(a.extend(layer, slots, q, k, v, lengths=lengths),
+                            b.extend(layer, slots, q, k, v, lengths=lengths), device, f"layer {layer} extend")
+    removed = [2 + 3 * (i % 3) for i in range(n)]
+    a.truncate(slots, removed)
+    b.truncate(slots, removed)
+    _expect_same_sequences(a, b, kw, slots)
+
+
+def test_parked_family_members_keep_sharing_and_resume_as_unshared_copies(device):
+    """A parked child, then its parked source: the live members share the prompt (memory_report()["shared"] counts
+    live sharers only), the parked ones keep it by reference; resumed (in the other order) they are a family again,
+    each equal to its unshared copy in b."""
+    a, b, kw = _source_and_copies(device)
+    assert a.fork(0, 2) == [1, 2]
+    _run_alike(a, b, kw, [0, 1, 2], seed=21)
+    child, child_copy = a.park(1)[0], b.park(1)[0]
+    assert a.sequence_info(0, 0)["shares_prompt_with"] == [2]
+    _expect_shared_once(a, b, kw, 2)
+    _run_alike(a, b, kw, [0, 2], seed=22)
+    source, source_copy = a.park(0)[0], b.park(0)[0]
+    assert a.sequence_info(0, 2)["shares_prompt_with"] == []
+    _expect_shared_once(a, b, kw, 1)
+    if device == "cpu":  # the shared prompt is not the parked objects' own while others hold it
+        assert child.host_bytes < child_copy.host_bytes and source.host_bytes < source_copy.host_bytes
+    assert a.resume([child, source]) == [0, 1]
+    assert b.resume([child_copy, source_copy]) == [0, 1]
+    for layer in range(kw["num_layers"]):
+        assert a.sequence_info(layer, 0)["shares_prompt_with"] == [1, 2]
+    _expect_same_sequences(a, b, kw, [0, 1, 2])
+    _expect_shared_once(a, b, kw, 3)
+    _run_alike(a, b, kw, [0, 1, 2], seed=23)
+    _expect_shared_once(a, b, kw, 3)
+
+
+def test_a_saved_child_loads_unshared(device, tmp_path):
+    """save writes a child's whole state (the shared prompt too): on the CPU its file is its unshared copy's, byte for
+    byte; load gives an unshared sequence (family of its own) that continues as the copy."""
+    a, b, kw = _source_and_copies(device)
+    assert a.fork(0, 2) == [1, 2]
+    _run_alike(a, b, kw, [0, 1, 2], seed=31)
+    a.save(1, tmp_path / "child.skv")
+    b.save(1, tmp_path / "copy.skv")
+    if device == "cpu":
+        assert (tmp_path / "child.skv").read_bytes() == (tmp_path / "copy.skv").read_bytes()
+    a.release(1)
+    b.release(1)
+    assert a.load(tmp_path / "child.skv") == 1
+    assert b.load(tmp_path / "copy.skv") == 1
+    assert a.sequence_info(0, 1)["shares_prompt_with"] == []
+    assert a.sequence_info(0, 0)["shares_prompt_with"] == [2]
+    _expect_same_sequences(a, b, kw, [0, 1, 2])
+    _expect_shared_once(a, b, kw, 2)  # the family's prompt once, the loaded child's own once more
+    _run_alike(a, b, kw, [0, 1, 2], seed=32)
+
+
+def test_parked_members_and_the_device_budget(device):
+    """value_store="auto": a parked sequence holds no device budget; parking the member that carries the shared runs
+    passes their charge to a live member (as release does), and a member resumed beside a live one is charged as a
+    child."""
+    kw = _config(device, value_store="auto")
+    per_sequence = make_store(kw).value_bytes_per_sequence
+    prompt_runs = _prompt_bytes(make_store(kw), kw)["value_store"]
+    store = make_store(dict(kw, device_value_budget=2 * per_sequence - prompt_runs // 2))
+    store.add_sequences(1)
+    _prefill(store, kw, [0], seed=9)
+    assert store.fork(0) == [1]
+    source = store.park(0)
+    assert store.memory_report()["value_store_device"] == prompt_runs
+    assert store.add_sequences(1) == [0]  # no room on the device: the child carries the shared runs now
+    assert store.sequence_info(0, 0)["values_on"] == "host"
+    store.release(0)
+    assert store.resume(source) == [0]  # beside the child: a child's charge, which fits
+    assert store.sequence_info(0, 0)["values_on"] == "device"
+    assert store.sequence_info(0, 0)["shares_prompt_with"] == [1]
+    family = store.park([0, 1])
+    assert store.add_sequences(1) == [0]
+    assert store.sequence_info(0, 0)["values_on"] == "device"
+    with pytest.raises(MemoryError, match="device_value_budget"):
+        store.resume(family)
+    assert all(p.tokens > 0 for p in family)  # nothing changed
+    store.release(0)
+    assert store.resume(family) == [0, 1]
+    assert store.sequence_info(0, 1)["shares_prompt_with"] == [0]

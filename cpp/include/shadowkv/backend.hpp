@@ -92,7 +92,8 @@ class parked_state {
   parked_state(parked_state&&) = delete;
   parked_state& operator=(parked_state&&) = delete;
   virtual ~parked_state() = default;
-  /// Host bytes this object holds of its own (not counting state it shares with live sequences).
+  /// Host bytes this object holds of its own: what destroying it frees. State it shares by reference with other
+  /// sequences (a fork's family, live or parked) counts only while no other holds it.
   [[nodiscard]] virtual std::int64_t host_bytes() const noexcept = 0;
 };
 
@@ -225,25 +226,43 @@ class backend {
     return value_bytes_per_sequence();
   }
 
-  /// Moves the whole state of `slot` (counters `layers`) out of the slot into host memory held by the returned object;
-  /// the store then calls close_sequence(slot). May throw out_of_memory, changing nothing.
+  /// Moves (or copies) the whole state of the open, prefilled `slot` (counters `layers`) out of the slot into host
+  /// memory held by the returned object; state the slot shares by reference (fork_sequence) stays shared: the object
+  /// holds a reference, which keeps it alive for the family's other sequences and theirs for it. The store charges a
+  /// parked sequence no device_value_budget (what it carried for its family passes to a live member, as at close), so
+  /// device memory that no open slot reads should not stay held. May throw out_of_memory, changing nothing. The store
+  /// then either commits the park with close_sequence(slot), or (when a later slot of the same park call failed)
+  /// undoes it with unpark_sequence(slot, parked) before anything else touches the slot.
   [[nodiscard]] virtual std::unique_ptr<parked_state> park_sequence(int slot, std::span<const layer_state> layers);
-  /// Opens `slot` (not open) with the state `parked` holds (made by this backend's park_sequence with these counters)
-  /// and empties `parked`. May throw out_of_memory (e.g. no device room for a value store that was in device memory),
-  /// changing nothing (`parked` keeps its state).
+  /// Undoes park_sequence(slot, ...) of a slot not closed since: the slot holds the state it held before, and
+  /// `parked` is to be destroyed. Cannot fail: a backend that moved the state out moves it back (the CPU backend); one
+  /// that copied it leaves the slot's own data in place until close_sequence and has nothing to do.
+  virtual void unpark_sequence(int slot, parked_state& parked) noexcept;
+  /// Opens `slot` (not open) with the state `parked` holds (made by this backend's park_sequence with these counters),
+  /// sharing by reference again what it shared when parked. The store charges its value store, when on the device, as
+  /// a fork's child (forked_value_bytes) while a slot of its family is open on the device, else a whole one. May throw
+  /// out_of_memory (e.g. no device room for a value store that was in device memory), changing nothing (`parked`
+  /// keeps its state). On success the store destroys `parked` once every object of the same resume call is in (its
+  /// memory is then freed), or (when a later one failed) calls unresume_sequence(slot, parked).
   virtual void resume_sequence(int slot, parked_state& parked, std::span<const layer_state> layers);
+  /// Undoes resume_sequence(slot, parked, ...): `parked` holds the state again, as before that call, and `slot` is
+  /// not open. Cannot fail (the CPU backend moves the state back; a backend that copied it into the slot keeps the
+  /// copy's source in `parked` until it is destroyed, so it only closes the slot).
+  virtual void unresume_sequence(int slot, parked_state& parked) noexcept;
 
   /// The layout name written into saved files ("cpu", "cuda"): a file loads only into a backend of the same layout.
   [[nodiscard]] virtual const char* state_layout() const { return "none"; }
   /// The sections of one sequence's saved state, in file order, with their sizes: from the configuration and the
-  /// counters `layers` alone (load checks a file's table against it before reading any section).
+  /// counters `layers` alone (load checks a file's table against it before reading any section). Names are unique.
   [[nodiscard]] virtual std::vector<state_section> state_sections(std::span<const layer_state> layers) const;
-  /// Writes the state of the open `slot` as state_sections(layers) says: sink(section index, bytes) once or more per
-  /// section, in order, the pieces of a section concatenated. Changes nothing.
+  /// Writes the whole state of the open `slot` (shared state included: a file stands alone) as state_sections(layers)
+  /// says: sink(section index, bytes) once or more per non-empty section, in order, the pieces of a section
+  /// concatenated (the store checks every section's total). Changes nothing.
   virtual void write_state(int slot, std::span<const layer_state> layers, const state_sink& sink) const;
-  /// Opens `slot` (not open) with its value store in `values_on` and the state `sections` hold (sizes as
-  /// state_sections(layers) says, already checked). All or nothing: may throw out_of_memory, and then the slot is not
-  /// open.
+  /// Opens `slot` (not open), unshared, with its value store in `values_on` and the state `sections` hold (one span
+  /// per section of state_sections(layers), sizes already checked, checksum already verified). All or nothing: may
+  /// throw out_of_memory, or invalid_argument when the content contradicts itself or the counters (a chunk id out of
+  /// range, say: a crafted file), and then the slot is not open.
   virtual void read_state(int slot, value_place values_on, std::span<const layer_state> layers,
                           std::span<const std::span<const std::byte>> sections);
 

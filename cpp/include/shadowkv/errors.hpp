@@ -6,6 +6,7 @@
 //   out_of_memory    -> std::bad_alloc        (Python MemoryError)
 //   logic_error      -> std::logic_error      (Python RuntimeError; a bug in shadowkv_core)
 //   cuda_error       -> std::runtime_error    (Python RuntimeError)
+//   io_error         -> std::runtime_error    (Python OSError with its errno: FileNotFoundError, PermissionError, ...)
 #pragma once
 
 #include <charconv>
@@ -15,6 +16,7 @@
 #include <string>
 #include <string_view>
 #include <type_traits>
+#include <utility>
 
 namespace shadowkv {
 
@@ -40,6 +42,20 @@ class logic_error : public std::logic_error {
 class cuda_error : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
+};
+
+/// A file could not be read or written (kv_store::save / load): `code()` is the errno of the failed call (0 when
+/// there was none, e.g. a short read) and `path()` the file it concerns.
+class io_error : public std::runtime_error {
+ public:
+  io_error(int code, std::string path, const std::string& message)
+      : std::runtime_error(message), code_(code), path_(std::move(path)) {}
+  [[nodiscard]] int code() const noexcept { return code_; }
+  [[nodiscard]] const std::string& path() const noexcept { return path_; }
+
+ private:
+  int code_;
+  std::string path_;
 };
 
 /// An allocation failed; the message names the requested and the available bytes.

@@ -74,7 +74,8 @@ class parked_sequence {
 
   /// True once resumed (or moved from, or default-constructed): nothing to resume.
   [[nodiscard]] bool empty() const noexcept { return state_ == nullptr; }
-  /// Host bytes held of its own (state shared with live sequences not counted).
+  /// Host bytes held of its own, what destroying it frees: state shared with other sequences (a fork's family, live
+  /// or parked) is counted only once no other holds it.
   [[nodiscard]] std::int64_t host_bytes() const noexcept;
   /// Tokens of the sequence (prompt + generated, as in layer 0).
   [[nodiscard]] std::int64_t tokens() const noexcept;
@@ -153,20 +154,28 @@ class kv_store {
   /// (too few free slots) or out_of_memory, changing nothing.
   std::vector<int> fork(int slot, int count = 1);
 
-  /// Moves each sequence's whole state out of its slot into host memory and frees the slots (for other sequences).
-  /// Throws invalid_argument (a slot not live or repeated) or out_of_memory, changing nothing.
+  /// Moves each sequence's whole state out of its slot into host memory and frees the slots (for other sequences);
+  /// a decode on a freed slot then names it parked until a sequence takes it. Every layer must be prefilled. A fork's
+  /// family member keeps sharing its prompt state and its family; it holds no device_value_budget (the shared runs'
+  /// charge passes to a live member, as at release). Throws
+  /// invalid_argument (a slot not live, repeated or not prefilled in every layer; a backend that cannot park) or
+  /// out_of_memory, changing nothing.
   std::vector<parked_sequence> park(std::span<const int> slots);
   /// Restores each parked sequence into a free slot (lowest ids first) and empties it; returns the slots, in order.
-  /// Throws invalid_argument (empty, parked by another store, or repeated), capacity_error (too few free slots) or
-  /// out_of_memory, changing nothing.
+  /// A sequence whose values were in device memory gets them there again (with value_store = "auto", within
+  /// device_value_budget: a family member beside a live one on the device is charged as a fork's child). Throws invalid_argument (none given, an empty object, parked by another store),
+  /// capacity_error (too few free slots) or out_of_memory (no device room), changing nothing.
   std::vector<int> resume(std::span<parked_sequence> parked);
 
-  /// Writes the whole state of the live `slot` to the file `path` (docs/api.md, "Saved sequences"). Changes nothing
-  /// in the store; throws invalid_argument (slot not live, a layer not prefilled) or io_error (errors.hpp; OSError in Python: the file cannot be written).
+  /// Writes the whole state of the live `slot` to the file `path` (docs/api.md, "Saved sequences"): to `path` +
+  /// ".tmp" first, renamed to `path` once complete, so that a failed save leaves no partial file under `path`.
+  /// Changes nothing in the store; throws invalid_argument (slot not live, a layer not prefilled, a backend that
+  /// cannot save) or io_error (errors.hpp; OSError in Python: the file cannot be written).
   void save(int slot, const std::string& path) const;
-  /// Reads a file written by save into a free slot (the lowest) and returns it. Checks everything first: throws
-  /// invalid_argument (not a saved sequence, another version, backend layout or configuration, truncated or corrupted),
-  /// capacity_error (no free slot) or out_of_memory, changing nothing.
+  /// Reads a file written by save into a free slot (the lowest) and returns it, unshared (family 0, whatever the
+  /// saved sequence shared); its value store is placed as add_sequences places a new sequence's. Checks everything first: throws io_error (the file cannot be read),
+  /// invalid_argument (not a saved sequence, another version, backend layout or configuration, truncated or
+  /// corrupted), capacity_error (no free slot, or more tokens than max_seq_len) or out_of_memory, changing nothing.
   int load(const std::string& path);
 
   /// Accounts for `steps` decode steps of (layer, slots) that ran without the store seeing them: replays of a CUDA
@@ -210,9 +219,12 @@ class kv_store {
     bool active = false;
     value_place values_on = value_place::host;
     std::uint64_t family = 0;  ///< sequences with the same non-zero family share their prompt (fork)
+    /// Inactive because its sequence was parked (and no sequence has taken the slot since): check_slot says so.
+    bool parked = false;
     /// Bytes of device_value_budget this sequence holds (its value store in device memory): value_bytes_per_sequence()
-    /// for a sequence added on the device; backend::forked_value_bytes() for a fork's child, plus the prompt's shared
-    /// runs for the one live member of a family that carries them (the source, until it is released).
+    /// for a sequence added (or loaded) on the device; backend::forked_value_bytes() for a fork's child, plus the
+    /// prompt's shared runs for the one live member of a family that carries them (the source, until it is released
+    /// or parked; a resumed member when none of its family was live). 0 while inactive (released or parked).
     std::int64_t device_value_bytes = 0;
     std::vector<layer_state> layers;
   };
@@ -221,6 +233,9 @@ class kv_store {
   void check_slot(int slot) const;
   [[nodiscard]] bool layer_prefilled(int layer, int slot) const;  ///< after check_layer and check_slot
   void check_batch_slots(std::span<const int> slots) const;
+  /// Takes `seq` (made inactive just now: released or parked) out of the device value budget; the shared runs it
+  /// carries for its family pass to the lowest live member, if any (docs/semantics.md, "Value placement").
+  void drop_device_charge(sequence& seq);
   /// decode() after its lock and argument checks; extend() of one token per sequence runs it too.
   void decode_checked(int layer, std::span<const int> slots, const tensor_view& q, const tensor_view& k_new,
                       const tensor_view& v_new, const mutable_tensor_view& out, const tensor_view& positions,
