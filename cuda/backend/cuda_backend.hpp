@@ -102,7 +102,9 @@ class cuda_backend final : public backend {
   void fork_sequence(int source, std::span<const int> children, std::span<const layer_state> layers) override;
   [[nodiscard]] std::int64_t forked_value_bytes(std::span<const layer_state> layers) const override;
   [[nodiscard]] std::unique_ptr<parked_state> park_sequence(int slot, std::span<const layer_state> layers) override;
+  void unpark_sequence(int slot, parked_state& parked) noexcept override;
   void resume_sequence(int slot, parked_state& parked, std::span<const layer_state> layers) override;
+  void unresume_sequence(int slot, parked_state& parked) noexcept override;
   [[nodiscard]] const char* state_layout() const override { return "cuda"; }
   [[nodiscard]] std::vector<state_section> state_sections(std::span<const layer_state> layers) const override;
   void write_state(int slot, std::span<const layer_state> layers, const state_sink& sink) const override;

@@ -57,8 +57,15 @@ class cuda_parked_state final : public parked_state {
   const std::uint8_t* own_base = nullptr;  ///< where the own value store was when the views were read
   value_place values_on = value_place::host;
 
+  std::size_t own_host_bytes = 0;     ///< pinned bytes of `own` (a host value store), 0 for a device one
+  std::size_t prompt_host_bytes = 0;  ///< pinned bytes of `prompt`, likewise
+
+  /// What destroying it frees: its copies, and the value stores only it still holds.
   [[nodiscard]] std::int64_t host_bytes() const noexcept override {
-    return static_cast<std::int64_t>(arena.size() + own_copy.size());
+    std::size_t bytes = arena.size() + own_copy.size();
+    if (own != nullptr && own.use_count() == 1) bytes += own_host_bytes;
+    if (prompt != nullptr && prompt.use_count() == 1) bytes += prompt_host_bytes;
+    return static_cast<std::int64_t>(bytes);
   }
 };
 
@@ -174,8 +181,10 @@ std::unique_ptr<parked_state> cuda_backend::park_sequence(int slot, std::span<co
                                       cudaMemcpyDeviceToHost, own_stream_));
   } else {
     parked->own = own;
+    parked->own_host_bytes = own->host.size();
   }
   parked->prompt = prompt_values_[static_cast<std::size_t>(slot)];
+  if (parked->prompt != nullptr) parked->prompt_host_bytes = prompt_values_[static_cast<std::size_t>(slot)]->host.size();
   SHADOWKV_CUDA_TRY(cudaStreamSynchronize(own_stream_));
   return parked;
 }
@@ -204,11 +213,17 @@ void cuda_backend::resume_sequence(int slot, parked_state& state, std::span<cons
                                     cudaMemcpyHostToDevice, own_stream_));
   install_views(slot, views, std::move(own), std::static_pointer_cast<value_allocation>(parked.prompt),
                 parked.values_on);
-  parked.own.reset();
-  parked.prompt.reset();
-  parked.own_copy = host_buffer();
-  parked.arena = host_buffer();
-  parked.views.clear();
+  // `parked` keeps its copies until the store destroys it (after the whole resume call succeeded) or undoes this
+  // resume (unresume_sequence).
+}
+
+void cuda_backend::unpark_sequence(int /*slot*/, parked_state& /*parked*/) noexcept {
+  // park_sequence copied the state out and left the slot as it was: nothing to put back.
+}
+
+void cuda_backend::unresume_sequence(int slot, parked_state& /*parked*/) noexcept {
+  // resume_sequence copied into the slot and left `parked` whole: closing the slot undoes it.
+  close_sequence(slot);
 }
 
 // The saved state: the arena block, then per layer its view's counters and the value runs of its context chunks (the

@@ -7,8 +7,9 @@ outputs, selections, counters, a truncate that reads the fold journal, and the g
 refusal raises a clear error and leaves the store as it was; none of the calls moves stats().
 
 Parametrised over SHADOWKV_TEST_DEVICES like the other suites. A backend that cannot park or save raises ValueError
-("cannot fork, park or save sequences") at the test's first such call, and the test is skipped there (the CUDA backend
-does not implement them yet).
+("cannot fork, park or save sequences") at the test's first such call, and the test is skipped there (the CPU and
+CUDA backends implement them; CUDA's implementation, cuda/backend/keeping.cpp, had not run on a GPU when this was
+written).
 """
 
 from __future__ import annotations
