@@ -237,14 +237,17 @@ std::vector<int> kv_store::add_sequences(int count) {
 void kv_store::release(std::span<const int> slots) {
   const std::lock_guard lock(*mutex_);
   check_batch_slots(slots);
-  for (const int slot : slots) {
-    backend_->close_sequence(slot);
-    sequence& seq = sequences_[static_cast<std::size_t>(slot)];
-    seq.active = false;
-    seq.parked = false;
-    drop_device_charge(seq);
-    seq.layers.clear();
-  }
+  for (const int slot : slots) vacate(slot, /*parked=*/false);
+}
+
+void kv_store::vacate(int slot, bool parked) {
+  backend_->close_sequence(slot);
+  sequence& seq = sequences_[static_cast<std::size_t>(slot)];
+  seq.active = false;
+  seq.parked = parked;
+  drop_device_charge(seq);
+  seq.family = 0;
+  seq.layers.clear();
 }
 
 void kv_store::drop_device_charge(sequence& seq) {

@@ -486,17 +486,9 @@ std::vector<parked_sequence> kv_store::park(std::span<const int> slots) {
     for (std::size_t i = parked; i-- > 0;) backend_->unpark_sequence(slots[i], *result[i].state_);
     throw;
   }
-  for (const int slot : slots) {
-    backend_->close_sequence(slot);
-    sequence& seq = sequences_[static_cast<std::size_t>(slot)];
-    seq.active = false;
-    seq.parked = true;
-    // As release: a parked sequence holds no device budget; the shared runs it carries for its family (which the
-    // parked state still shares) pass to the lowest live member (docs/semantics.md, "Value placement").
-    drop_device_charge(seq);
-    seq.family = 0;
-    seq.layers.clear();
-  }
+  // As release: a parked sequence holds no device budget; the shared runs it carries for its family (which the
+  // parked state still shares) pass to the lowest live member (docs/semantics.md, "Value placement").
+  for (const int slot : slots) vacate(slot, /*parked=*/true);
   return result;
 }
 

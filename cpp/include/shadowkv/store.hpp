@@ -235,6 +235,9 @@ class kv_store {
   void check_batch_slots(std::span<const int> slots) const;
   /// Takes `seq` (made inactive just now: released or parked) out of the device value budget; the shared runs it
   /// carries for its family pass to the lowest live member, if any (docs/semantics.md, "Value placement").
+  /// Closes `slot` in the backend and marks it free (remembering whether it was parked), its device value charge
+  /// dropped (drop_device_charge) and its family and layers forgotten: release and park.
+  void vacate(int slot, bool parked);
   void drop_device_charge(sequence& seq);
   /// decode() after its lock and argument checks; extend() of one token per sequence runs it too.
   void decode_checked(int layer, std::span<const int> slots, const tensor_view& q, const tensor_view& k_new,
