@@ -149,7 +149,7 @@ def main() -> None:
 
         def from_disk():
             raw = torch.from_file(full_path, shared=False, size=host.numel(), dtype=model.dtype)
-            on_device.copy_(raw)
+            on_device.copy_(raw.view(shape))
         rows["full_from_disk_s"] = _seconds(from_disk)
         os.remove(full_path)
 
